@@ -1,0 +1,1 @@
+"""tierlm: fine-tune and serve language models larger than memory."""
