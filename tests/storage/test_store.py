@@ -1,0 +1,101 @@
+import os
+import threading
+
+import pytest
+import torch
+
+from tierlm.storage import BudgetError, CorruptionError, HostBufferPool, StorageError, TensorStore
+from tierlm.storage.aligned import ALIGN
+
+
+@pytest.fixture(params=[True, False], ids=["direct", "buffered"])
+def store(request, tmp_path):
+    s = TensorStore(tmp_path / "nvme", HostBufferPool(64 << 20), io_threads=2, direct_io=request.param)
+    if request.param and not s.direct:
+        pytest.skip("file system refuses O_DIRECT")
+    yield s
+    s.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8])
+@pytest.mark.parametrize("shape", [(0,), (1,), (3, 5), (1000, 37), (ALIGN,)])
+def test_round_trip_is_byte_exact(store, dtype, shape):
+    g = torch.Generator().manual_seed(0)
+    t = (torch.randn(shape, generator=g) * 100).to(dtype)
+    store.write("a/b/t", t).result()
+    got = store.read("a/b/t").result()
+    assert got.tensor.dtype == dtype and tuple(got.tensor.shape) == shape
+    assert torch.equal(got.tensor.view(torch.uint8) if t.numel() else got.tensor, t.view(torch.uint8) if t.numel() else t)
+    got.release()
+
+
+def test_read_into_slices_of_one_buffer(store):
+    # Unaligned sizes next to each other: a direct read must not spill its padding into the neighbour.
+    parts = [torch.randn(n) for n in (1000, 1024, 777, 5000)]
+    for i, p in enumerate(parts):
+        store.write(f"p{i}", p).result()
+    out = torch.empty(sum(p.numel() for p in parts))
+    futs, off = [], 0
+    for i, p in enumerate(parts):
+        futs.append(store.read_into(f"p{i}", out[off:off + p.numel()]))
+        off += p.numel()
+    for f in futs:
+        f.result()
+    assert torch.equal(out, torch.cat(parts))
+
+
+def test_flipped_byte_is_detected_naming_the_file(store):
+    t = torch.randn(4096)
+    store.write("state/m", t).result()
+    path = store.path("state/m")
+    with open(path, "r+b") as f:
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 0x01]))
+    with pytest.raises(CorruptionError, match="state/m.*checksum"):
+        store.read("state/m").result()
+    assert store.pool.used_bytes == 0  # the failed read gave its buffer back
+
+
+def test_truncated_and_missing_files_are_detected(store):
+    store.write("w", torch.randn(10000)).result()
+    os.truncate(store.path("w"), 100)
+    with pytest.raises(CorruptionError, match="truncated"):
+        store.read("w").result()
+    os.unlink(store.path("w"))
+    with pytest.raises(CorruptionError, match="missing"):
+        store.read("w").result()
+    with pytest.raises(StorageError, match="never written"):
+        store.read("nope")
+
+
+def test_manifest_round_trip(store, tmp_path):
+    store.write("x", torch.arange(10.0)).result()
+    store.save_manifest(tmp_path / "manifest.json")
+    other = TensorStore(store.root, HostBufferPool(1 << 20), direct_io=False)
+    import json
+    other.load_manifest(json.loads((tmp_path / "manifest.json").read_text()))
+    assert torch.equal(other.read("x").result().tensor, torch.arange(10.0))
+    other.close()
+
+
+def test_pool_is_bounded_and_reuses_buffers():
+    pool = HostBufferPool(3 * ALIGN)
+    a = pool.acquire(ALIGN)
+    b = pool.acquire(2 * ALIGN)
+    with pytest.raises(BudgetError, match="larger than the whole pool"):
+        pool.acquire(4 * ALIGN)
+    got = []
+    t = threading.Thread(target=lambda: got.append(pool.acquire(ALIGN)))
+    t.start()
+    t.join(0.2)
+    assert not got  # blocked: the pool is full
+    ptr = a.tensor.data_ptr()
+    a.release()
+    t.join(5)
+    assert got and got[0].tensor.data_ptr() == ptr  # same size: the freed buffer is reused
+    assert pool.used_bytes == 3 * ALIGN and pool.peak_used == 3 * ALIGN
+    b.release()
+    got[0].release()
+    assert pool.used_bytes == 0

@@ -1,0 +1,273 @@
+"""An asynchronous tensor store over files in the NVMe directory.
+
+One file per key. Reads and writes run on a thread pool (os.pread/os.pwrite release the GIL, so they
+overlap compute); with direct I/O when the file system allows it, buffered otherwise. Every tensor
+carries a CRC32C checksum that is verified on every read: a flipped or truncated file raises
+CorruptionError naming it, it never turns into wrong weights.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import crc32c
+import torch
+
+from .aligned import ALIGN, as_bytes, is_aligned, round_up, supports_direct_io
+from .pool import Buffer, HostBufferPool
+
+
+class StorageError(RuntimeError):
+    """Reading or writing a state file failed; the message names the file."""
+
+
+class CorruptionError(StorageError):
+    """A state file's bytes do not match its recorded checksum or length."""
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise StorageError(f"unknown dtype {name!r} in store manifest")
+    return dt
+
+
+@dataclass(frozen=True)
+class Record:
+    dtype: str
+    shape: tuple
+    nbytes: int
+    crc: int
+
+    def to_json(self) -> list:
+        return [self.dtype, list(self.shape), self.nbytes, self.crc]
+
+    @staticmethod
+    def from_json(v) -> "Record":
+        return Record(v[0], tuple(v[1]), int(v[2]), int(v[3]))
+
+
+class Loaded:
+    """A tensor read into a pool buffer; `release()` returns the buffer."""
+
+    __slots__ = ("tensor", "buffer")
+
+    def __init__(self, tensor: torch.Tensor, buffer: Buffer | None):
+        self.tensor = tensor
+        self.buffer = buffer
+
+    def release(self) -> None:
+        if self.buffer is not None:
+            self.buffer.release()
+            self.buffer = None
+        self.tensor = None
+
+
+class IOStats:
+    """Byte and busy-time counters, read by the progress line and the benchmarks."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.bytes_read = 0
+        self.bytes_written = 0
+        self.reads = 0
+        self.writes = 0
+
+    def add(self, read: int = 0, written: int = 0) -> None:
+        with self._lock:
+            self.bytes_read += read
+            self.bytes_written += written
+            self.reads += bool(read)
+            self.writes += bool(written)
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {"bytes_read": self.bytes_read, "bytes_written": self.bytes_written,
+                    "reads": self.reads, "writes": self.writes}
+
+
+class TensorStore:
+    def __init__(self, root: str | os.PathLike, pool: HostBufferPool, io_threads: int = 4,
+                 direct_io: bool | None = None, on_event=None):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.pool = pool
+        self.direct = supports_direct_io(self.root) if direct_io is None else bool(direct_io)
+        self.records: dict[str, Record] = {}
+        self._rec_lock = threading.Lock()
+        self.stats = IOStats()
+        self.on_event = on_event  # callable(kind, key, t0, t1, nbytes) for the timeline
+        self._exec = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="tierlm-io")
+
+    # ---- paths and records -------------------------------------------------------------
+    def path(self, key: str) -> Path:
+        return self.root / key
+
+    def record(self, key: str) -> Record:
+        with self._rec_lock:
+            rec = self.records.get(key)
+        if rec is None:
+            raise StorageError(f"{self.path(key)}: no such tensor in the store (it was never written)")
+        return rec
+
+    def __contains__(self, key: str) -> bool:
+        with self._rec_lock:
+            return key in self.records
+
+    # ---- writes ------------------------------------------------------------------------
+    def write(self, key: str, tensor: torch.Tensor, durable: bool = False) -> "Future[Record]":
+        """Write a contiguous CPU tensor under `key`; the caller keeps `tensor` unchanged until done."""
+        if tensor.device.type != "cpu":
+            raise StorageError(f"{key}: the store writes host tensors; copy to CPU first")
+        tensor = tensor.contiguous()
+        return self._exec.submit(self._write, key, tensor, durable)
+
+    def _write(self, key: str, tensor: torch.Tensor, durable: bool) -> Record:
+        t0 = time.perf_counter()
+        path = self.path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        nbytes = tensor.numel() * tensor.element_size()
+        padded = round_up(nbytes)
+        direct = self.direct and nbytes > 0 and is_aligned(tensor, padded)
+        raw = tensor.reshape(-1).view(torch.uint8)
+        if direct:
+            # The pool's buffers are padded to ALIGN, so the bytes past the tensor are ours to write.
+            mv = memoryview(torch.as_strided(raw, (padded,), (1,)).numpy())
+        else:
+            mv = as_bytes(raw)
+        crc = crc32c.crc32c(as_bytes(raw)) if nbytes else 0
+        flags = os.O_WRONLY | os.O_CREAT | (os.O_DIRECT if direct else 0)
+        try:
+            fd = os.open(path, flags, 0o644)
+        except OSError as e:
+            raise StorageError(f"{path}: cannot open for writing: {e.strerror}") from e
+        try:
+            length = len(mv)
+            done = 0
+            while done < length:
+                n = os.pwrite(fd, mv[done:], done)
+                if n <= 0:
+                    raise OSError(0, "short write")
+                done += n
+            if os.fstat(fd).st_size != length:
+                os.ftruncate(fd, length)
+            if durable:
+                os.fsync(fd)
+        except OSError as e:
+            raise StorageError(f"{path}: write failed: {e.strerror or e}") from e
+        finally:
+            os.close(fd)
+        rec = Record(_dtype_name(tensor.dtype), tuple(tensor.shape), nbytes, crc)
+        with self._rec_lock:
+            self.records[key] = rec
+        self.stats.add(written=nbytes)
+        if self.on_event:
+            self.on_event("ssd_write", key, t0, time.perf_counter(), nbytes)
+        return rec
+
+    # ---- reads -------------------------------------------------------------------------
+    def read(self, key: str) -> "Future[Loaded]":
+        """Read `key` into a new pool buffer (blocks the caller while the pool is full)."""
+        rec = self.record(key)
+        buf = self.pool.acquire(rec.nbytes)
+        try:
+            out = buf.view(_dtype(rec.dtype), rec.shape)
+        except Exception:
+            buf.release()
+            raise
+        fut: Future = Future()
+        inner = self._exec.submit(self._read, key, rec, out, True)
+
+        def done(f):
+            exc = f.exception()
+            if exc is not None:
+                buf.release()
+                fut.set_exception(exc)
+            else:
+                fut.set_result(Loaded(out, buf))
+        inner.add_done_callback(done)
+        return fut
+
+    def read_into(self, key: str, out: torch.Tensor) -> "Future[torch.Tensor]":
+        """Read `key` into `out` (same dtype and element count), e.g. a slice of a larger buffer."""
+        rec = self.record(key)
+        if _dtype_name(out.dtype) != rec.dtype or out.numel() * out.element_size() != rec.nbytes:
+            raise StorageError(f"{self.path(key)}: holds {rec.dtype}{list(rec.shape)}, "
+                               f"cannot read into {_dtype_name(out.dtype)}{list(out.shape)}")
+        return self._exec.submit(self._read, key, rec, out, False)
+
+    def _read(self, key: str, rec: Record, out: torch.Tensor, owns_padding: bool = True) -> torch.Tensor:
+        t0 = time.perf_counter()
+        path = self.path(key)
+        padded = round_up(rec.nbytes)
+        raw = out.reshape(-1).view(torch.uint8) if rec.nbytes else out.view(-1)
+        # A direct read fills whole blocks: past the tensor's end only if that memory is ours
+        # (a slice of a larger buffer would have its neighbour overwritten).
+        direct = (self.direct and rec.nbytes > 0 and is_aligned(out, padded)
+                  and (owns_padding or rec.nbytes == padded))
+        try:
+            fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+        except FileNotFoundError as e:
+            raise CorruptionError(f"{path}: state file is missing") from e
+        except OSError as e:
+            raise StorageError(f"{path}: cannot open for reading: {e.strerror}") from e
+        try:
+            if direct:
+                mv = memoryview(torch.as_strided(raw, (padded,), (1,)).numpy())
+            else:
+                mv = as_bytes(raw)
+            want = len(mv)
+            got = 0
+            while got < want:
+                n = os.preadv(fd, [mv[got:]], got)
+                if n <= 0:
+                    break
+                got += n
+        except OSError as e:
+            raise StorageError(f"{path}: read failed: {e.strerror or e}") from e
+        finally:
+            os.close(fd)
+        if got < rec.nbytes:
+            raise CorruptionError(f"{path}: truncated: {got} of {rec.nbytes} bytes present")
+        if rec.nbytes and crc32c.crc32c(as_bytes(raw)) != rec.crc:
+            raise CorruptionError(f"{path}: checksum mismatch: the file was changed or damaged on disk")
+        self.stats.add(read=rec.nbytes)
+        if self.on_event:
+            self.on_event("ssd_read", key, t0, time.perf_counter(), rec.nbytes)
+        return out
+
+    # ---- manifest ----------------------------------------------------------------------
+    def manifest(self) -> dict:
+        with self._rec_lock:
+            return {k: r.to_json() for k, r in self.records.items()}
+
+    def load_manifest(self, entries: dict) -> None:
+        with self._rec_lock:
+            self.records = {k: Record.from_json(v) for k, v in entries.items()}
+
+    def save_manifest(self, path: str | os.PathLike) -> None:
+        """Atomically: temp file, fsync, rename, fsync the directory."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(self.manifest(), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    def close(self) -> None:
+        self._exec.shutdown(wait=True)
