@@ -98,6 +98,31 @@ class HostBufferPool:
                 raise
         return Buffer(t, self)
 
+    def try_acquire(self, nbytes: int) -> Buffer | None:
+        """Like acquire, but None instead of waiting when the pool is full (for look-ahead)."""
+        size = round_up(max(int(nbytes), 1))
+        with self._cv:
+            free = self._free.get(size)
+            if free:
+                t = free.pop()
+                self._free_bytes -= size
+            elif self._used + size <= self.capacity:
+                self._evict_until(self.capacity - self._used - size)
+                t = None
+            else:
+                return None
+            self._used += size
+            self.peak_used = max(self.peak_used, self._used)
+        if t is None:
+            try:
+                t = aligned_empty(size, pin=self.pin)
+            except Exception:
+                with self._cv:
+                    self._used -= size
+                    self._cv.notify_all()
+                raise
+        return Buffer(t, self)
+
     def _evict_until(self, room: int) -> None:
         """Drop cached free buffers (largest first) until they fit in `room` bytes."""
         for sz in sorted(self._free, reverse=True):

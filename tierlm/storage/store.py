@@ -197,13 +197,17 @@ class TensorStore:
         inner.add_done_callback(done)
         return fut
 
-    def read_into(self, key: str, out: torch.Tensor) -> "Future[torch.Tensor]":
-        """Read `key` into `out` (same dtype and element count), e.g. a slice of a larger buffer."""
+    def read_into(self, key: str, out: torch.Tensor, owns_padding: bool = False) -> "Future[torch.Tensor]":
+        """Read `key` into `out` (same dtype and element count), e.g. a slice of a larger buffer.
+
+        owns_padding: the memory after `out` up to the next 4 KiB is the caller's to overwrite
+        (true for a pool buffer's start), which lets an unaligned length use direct I/O.
+        """
         rec = self.record(key)
         if _dtype_name(out.dtype) != rec.dtype or out.numel() * out.element_size() != rec.nbytes:
             raise StorageError(f"{self.path(key)}: holds {rec.dtype}{list(rec.shape)}, "
                                f"cannot read into {_dtype_name(out.dtype)}{list(out.shape)}")
-        return self._exec.submit(self._read, key, rec, out, False)
+        return self._exec.submit(self._read, key, rec, out, owns_padding)
 
     def _read(self, key: str, rec: Record, out: torch.Tensor, owns_padding: bool = True) -> torch.Tensor:
         t0 = time.perf_counter()

@@ -1,0 +1,132 @@
+"""Autograd boundaries around each decoder layer, and saved tensors that do not pin weights.
+
+Each decoder layer runs inside a custom autograd Function whose backward is the moment that layer's
+backward starts: the engine fetches its weights there (prefetched), and the layer's own graph
+(kept from forward, or recomputed from its input) is run backward inside it. Parameters saved by
+autograd (a linear layer saves its weight) are packed as references to the parameter and re-resolved
+at unpack time, so a saved graph never keeps a streamed weight in memory.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class ParamRef:
+    __slots__ = ("param", "size", "stride", "rel_offset")
+
+    def __init__(self, param: nn.Parameter, t: torch.Tensor):
+        self.param = param
+        self.size = t.size()
+        self.stride = t.stride()
+        self.rel_offset = t.storage_offset() - param.data.storage_offset()
+
+
+class ParamRefHooks(torch.autograd.graph.saved_tensors_hooks):
+    """Saved-tensor hooks that replace views of streamed parameters by references.
+
+    `activations` (optional) is called with every other saved tensor and returns what to keep
+    (the tensor itself, or a handle it knows how to unpack); it is where activation policies plug in.
+    """
+
+    def __init__(self):
+        self.by_storage: dict[int, nn.Parameter] = {}
+        self.saved_bytes = 0  # activation bytes packed since the last reset (measured, per block)
+        super().__init__(self._pack, self._unpack)
+
+    def track(self, param: nn.Parameter) -> None:
+        self.by_storage[param.data.untyped_storage().data_ptr()] = param
+
+    def untrack(self, param: nn.Parameter) -> None:
+        self.by_storage.pop(param.data.untyped_storage().data_ptr(), None)
+
+    def _pack(self, t: torch.Tensor):
+        if t.layout == torch.strided and t.device.type != "meta":
+            p = self.by_storage.get(t.untyped_storage().data_ptr())
+            if p is not None:
+                return ParamRef(p, t)
+            self.saved_bytes += t.numel() * t.element_size()
+        return t
+
+    @staticmethod
+    def _unpack(x):
+        if isinstance(x, ParamRef):
+            d = x.param.data
+            if d.numel() > 1 and 0 in d.stride():
+                raise RuntimeError("a streamed weight was needed in backward but is not loaded")
+            return d.as_strided(x.size, x.stride, d.storage_offset() + x.rel_offset)
+        return x
+
+
+class BlockCall:
+    """What one call of a decoder layer needs: its engine, block, original forward and arguments."""
+
+    __slots__ = ("engine", "block", "fn", "args", "kwargs", "policy")
+
+    def __init__(self, engine, block, fn, args, kwargs, policy):
+        self.engine, self.block, self.fn, self.args, self.kwargs, self.policy = engine, block, fn, args, kwargs, policy
+
+
+class BlockFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, call: BlockCall, hidden: torch.Tensor):
+        eng = call.engine
+        ctx.call = call
+        eng.block_forward_begin(call.block)
+        try:
+            if call.policy == "recompute":
+                ctx.rng = torch.get_rng_state()
+                ctx.saved_input = hidden.detach()
+                with eng.hooks:
+                    out = call.fn(hidden, *call.args, **call.kwargs)
+                ctx.out = None
+                return out
+            h = hidden.detach().requires_grad_(True)
+            with torch.enable_grad(), eng.hooks:
+                out = call.fn(h, *call.args, **call.kwargs)
+            ctx.h, ctx.out = h, out
+            return out.detach()
+        finally:
+            eng.block_forward_end(call.block)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        call = ctx.call
+        eng = call.engine
+        eng.block_backward_begin(call.block)
+        try:
+            if call.policy == "recompute":
+                h = ctx.saved_input.requires_grad_(True)
+                with torch.random.fork_rng(devices=[]), torch.enable_grad(), eng.hooks:
+                    torch.set_rng_state(ctx.rng)
+                    out = call.fn(h, *call.args, **call.kwargs)
+            else:
+                h, out = ctx.h, ctx.out
+                ctx.h = ctx.out = None
+            torch.autograd.backward(out, grad_out)
+            return None, h.grad
+        finally:
+            ctx.call = None
+            eng.block_backward_end(call.block)
+
+
+def wrap_layer(engine, block, layer: nn.Module) -> None:
+    """Route `layer`'s forward through BlockFunction (an instance attribute: names stay HF's)."""
+    original = layer.forward
+
+    def forward(*args, **kwargs):
+        if args:
+            hidden, rest = args[0], args[1:]
+        else:
+            hidden, rest = kwargs.pop("hidden_states"), ()
+        if not (torch.is_grad_enabled() and engine.training):
+            engine.block_forward_begin(block)
+            try:
+                with engine.hooks:
+                    return original(hidden, *rest, **kwargs)
+            finally:
+                engine.block_forward_end(block)
+        call = BlockCall(engine, block, original, rest, kwargs, engine.policy_for(block))
+        return BlockFunction.apply(call, hidden)
+
+    layer.forward = forward

@@ -1,0 +1,102 @@
+"""Splitting the `cpu` budget between the parts of the working set, before anything runs.
+
+The budget covers everything the process holds beyond the torch import: Python and transformers'
+own objects (measured), the weight window, the optimizer's buffers, gradients waiting for the
+optimizer, activations and the logits. If the smallest workable split does not fit, the run stops
+with what is needed and the flag that changes it.
+"""
+from __future__ import annotations
+
+import ctypes
+import resource
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from ..storage import BudgetError
+from ..units import fmt_bytes
+
+
+def current_rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def release_freed_memory_eagerly() -> None:
+    """Make glibc hand large freed blocks back to the OS at once.
+
+    By default glibc raises its mmap threshold after large frees (up to 32 MiB), after which
+    such blocks live on the heap and RSS stops shrinking: a budget that is a promise cannot allow it.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    libc.mallopt(M_MMAP_THRESHOLD, 256 * 1024)
+    libc.mallopt(M_TRIM_THRESHOLD, 1 << 20)
+
+
+@dataclass
+class Split:
+    budget: int
+    baseline: int        # process RSS beyond the torch import when the engine starts
+    window: int          # weight window pool
+    optimizer: int       # optimizer pool
+    grads: int           # gradients in flight between backward and the optimizer
+    activations: int     # allowance for saved activations
+    compute: int         # one block's transient compute plus logits
+
+    def describe(self) -> str:
+        parts = ["baseline", "window", "optimizer", "grads", "activations", "compute"]
+        return ", ".join(f"{p} {fmt_bytes(getattr(self, p))}" for p in parts)
+
+
+def layer_activation_bytes(config, tokens: int, dtype: torch.dtype) -> int:
+    """Saved-for-backward bytes of one decoder layer (an upper estimate; the run measures it)."""
+    h = config.hidden_size
+    inter = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * h
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    kv_dim = h // heads * kv
+    per_token = 10 * h + 4 * inter + 4 * kv_dim
+    return tokens * per_token * torch.empty((), dtype=dtype).element_size()
+
+
+def logits_bytes(config, tokens: int, dtype: torch.dtype) -> int:
+    """Logits in the compute dtype, their fp32 upcast, log-softmax and its gradient."""
+    return tokens * config.vocab_size * (torch.empty((), dtype=dtype).element_size() + 12)
+
+
+def plan_split(budget: int, baseline: int, max_block_weight: int, max_block_grad: int,
+               optimizer_item: int, layer_act: int, layer_input: int, n_layers: int,
+               logits: int, prefetch: int) -> Split:
+    window = (prefetch + 2) * max_block_weight
+    optimizer = 4 * optimizer_item
+    grads = 2 * max_block_grad
+    compute = 2 * layer_act + logits
+    floor = baseline + 2 * max_block_weight + optimizer_item + max_block_grad + n_layers * layer_input + compute
+    if floor > budget:
+        raise BudgetError(
+            f"--cpu-mem {fmt_bytes(budget)} cannot hold the working set: at least {fmt_bytes(floor)} "
+            f"is needed (process baseline {fmt_bytes(baseline)}, 2 blocks of weights "
+            f"{fmt_bytes(2 * max_block_weight)}, one optimizer shard {fmt_bytes(optimizer_item)}, "
+            f"one block of gradients {fmt_bytes(max_block_grad)}, layer inputs "
+            f"{fmt_bytes(n_layers * layer_input)}, compute and logits {fmt_bytes(compute)}). "
+            f"Raise --cpu-mem to {fmt_bytes(floor * 1.1)} or more, or lower --batch-size / --seq-len.")
+    spare = budget - baseline - compute - n_layers * layer_input
+    # Shrink the generous defaults toward the floor until they fit, keeping proportions.
+    want = window + optimizer + grads
+    have = spare
+    if want > have:
+        mins = 2 * max_block_weight + optimizer_item + max_block_grad
+        f = (have - mins) / max(want - mins, 1)
+        window = 2 * max_block_weight + int(f * (window - 2 * max_block_weight))
+        optimizer = optimizer_item + int(f * (optimizer - optimizer_item))
+        grads = max_block_grad + int(f * (grads - max_block_grad))
+    acts = budget - baseline - window - optimizer - grads - compute
+    return Split(budget, baseline, window, optimizer, grads, max(acts, 0), compute)

@@ -1,0 +1,407 @@
+"""The out-of-core training engine: a Hugging Face causal LM whose state lives on NVMe.
+
+    engine = Engine.from_pretrained("my-model", EngineConfig(nvme_dir="run/nvme", cpu_mem="4GiB"))
+    for input_ids, labels in batches:
+        loss = engine.forward(input_ids, labels=labels).loss   # weights stream layer by layer
+        engine.backward(loss)                                  # the optimizer runs beside it
+        engine.step()                                          # commit: exact AdamW semantics
+    engine.save_pretrained("out")
+
+Working weights stream through a bounded window; each layer's gradients go to the out-of-core
+AdamW the moment backward produces them; nothing of the model is resident beyond the window.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..storage import HostBufferPool, TensorStore
+from ..units import fmt_bytes, parse_bytes
+from . import budget as B
+from .block_fn import ParamRefHooks, wrap_layer
+from .layout import DEFAULT_SHARD_ELEMS, key, make_param_info, nbytes
+from .model import discover_blocks, empty_model, module_param_slots
+from .optimizer import AdamWConfig, OutOfCoreAdamW, StepResult
+from .weights import WeightWindow
+
+STATE_FILE = "engine_state.json"
+_MANAGED = ("w0", "w1", "master0", "master1", "m0", "m1", "v0", "v1", "grad", "gacc")
+
+
+@dataclass
+class EngineConfig:
+    nvme_dir: str
+    cpu_mem: int | str = "4GiB"
+    precision: str = "bf16"          # bf16: bf16 compute, fp32 master; fp32: everything fp32
+    grad_accum: int = 1
+    activations: str = "auto"        # auto | keep | recompute
+    prefetch: int = 2                # blocks read ahead of the one computing
+    shard_elems: int = DEFAULT_SHARD_ELEMS
+    io_threads: int = 4
+    direct_io: bool | None = None    # None: where the file system allows it
+    optim: AdamWConfig = field(default_factory=AdamWConfig)
+    tokens_per_micro_batch: int = 2048  # for the budget check; the trainer sets batch * seq_len
+
+    def __post_init__(self):
+        self.cpu_mem = parse_bytes(self.cpu_mem, "cpu_mem")
+        if self.precision not in ("bf16", "fp32"):
+            raise ValueError(f"precision must be 'bf16' or 'fp32', got {self.precision!r}")
+        if self.activations not in ("auto", "keep", "recompute"):
+            raise ValueError(f"activations must be auto, keep or recompute, got {self.activations!r}")
+        if self.grad_accum < 1:
+            raise ValueError("grad_accum must be >= 1")
+
+
+class Engine:
+    def __init__(self, model: nn.Module, source, cfg: EngineConfig, resume: bool = False,
+                 torch_rss: int | None = None, on_event=None):
+        """model: an HF causal LM whose parameters may be on `meta` (see from_pretrained);
+        source(name, out_fp32) fills the fp32 initial value of a parameter (used unless resuming)."""
+        B.release_freed_memory_eagerly()
+        self.cfg = cfg
+        self.config = model.config
+        self.dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
+        self.training = True
+        self.model = model
+        self.blocks, params = discover_blocks(model)
+        self.names = list(params)  # canonical order: model.parameters()
+        self.infos = {n: make_param_info(n, tuple(p.shape), cfg.shard_elems) for n, p in params.items()}
+        self._install_params(model)
+        self.hooks = ParamRefHooks()
+        for blk in self.blocks:
+            if blk.kind == "layer":
+                wrap_layer(self, blk, blk.module)
+        self._hook_embed_and_head()
+
+        root = Path(cfg.nvme_dir)
+        root.mkdir(parents=True, exist_ok=True)
+        self.root = root
+        baseline = B.current_rss() - (torch_rss if torch_rss is not None else B.current_rss())
+        self.split = self._plan_budget(max(baseline, 0))
+        self.window_pool = HostBufferPool(self.split.window, name="weight window")
+        self.opt_pool = HostBufferPool(self.split.optimizer, name="optimizer buffers")
+        self.store = TensorStore(root, self.opt_pool, io_threads=cfg.io_threads,
+                                 direct_io=cfg.direct_io, on_event=on_event)
+        self.state = self._load_or_import(source, resume)
+        weight_dtype = None if self.dtype == torch.float32 else self.dtype
+        backward_order = [n for blk in reversed(self.blocks) for n in blk.owns]
+        self.optimizer = OutOfCoreAdamW(
+            self.store, self.opt_pool, self.infos, backward_order, self.names, cfg.optim,
+            weight_dtype, self.state["optim"], max_pending_grad_bytes=self.split.grads, on_event=on_event)
+        wkind = "master" if weight_dtype is None else "w"
+        self.window = WeightWindow(self.store, self.window_pool, self.infos, self.dtype,
+                                   lambda n, k: key(wkind, n, k, self.optimizer.slots[n]))
+        self.micro = 0
+        self.lr = cfg.optim.lr
+        self._held_head: list[str] = []
+        self._policy: dict[int, str] = {}
+        self._act_bytes = 0       # activations kept in this micro-batch (measured)
+        self.last_layer_act = 0   # measured saved bytes of the last kept layer
+
+    # ---- construction ----------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, model_dir, cfg: EngineConfig, resume: bool = False, **kw) -> "Engine":
+        from transformers import AutoConfig
+
+        from ..hf.safetensors_io import SafetensorsDir
+
+        config = AutoConfig.from_pretrained(model_dir)
+        model = empty_model(config)
+        st = SafetensorsDir(model_dir)
+        available = set(st.names())
+
+        def source(name: str, out: torch.Tensor) -> None:
+            if name not in available:
+                raise ValueError(f"{model_dir}: the checkpoint has no tensor {name!r} that "
+                                 f"{type(model).__name__} needs; is this the right model directory?")
+            dt, _ = st.info(name)
+            if dt == torch.float32:
+                st.read(name, out)
+            else:
+                tmp = torch.empty(out.shape, dtype=dt)
+                st.read(name, tmp)
+                out.copy_(tmp)
+        eng = cls(model, source, cfg, resume=resume, **kw)
+        eng.model_dir = str(model_dir)
+        return eng
+
+    @classmethod
+    def from_model(cls, model: nn.Module, cfg: EngineConfig, **kw) -> "Engine":
+        """Wrap a user's in-memory transformers model: its weights move to NVMe and are freed."""
+        values = {n: p.detach() for n, p in model.named_parameters()}
+
+        def source(name: str, out: torch.Tensor) -> None:
+            out.copy_(values.pop(name).reshape(out.shape))
+        return cls(model, source, cfg, **kw)
+
+    def _install_params(self, model: nn.Module) -> None:
+        """Replace every parameter (meta or real) by an empty CPU one: data arrives per block."""
+        self.params: dict[str, nn.Parameter] = {}
+        name_shape = {n: i.shape for n, i in self.infos.items()}
+        for name, slots in module_param_slots(model).items():
+            p = nn.Parameter(self._placeholder(name_shape[name]))
+            p.register_post_accumulate_grad_hook(lambda prm, n=name: self._on_grad(n, prm))
+            for mod, attr in slots:
+                mod._parameters[attr] = p
+            self.params[name] = p
+
+    def _hook_embed_and_head(self) -> None:
+        by_kind = {b.kind: b for b in self.blocks if b.kind != "layer"}
+        slots = module_param_slots(self.model)
+        for kind in ("embed", "head"):
+            blk = by_kind[kind]
+            mods = {id(m): (m, attr) for n in blk.uses for m, attr in slots[n]}
+            for mod, attr in mods.values():
+                names = [self._canon(mod, a) for a in mod._parameters if mod._parameters[a] is not None]
+                if kind == "embed":
+                    mod.register_forward_pre_hook(lambda m, a, ns=names: self._load(ns))
+                    mod.register_forward_hook(lambda m, a, o, ns=names: self._unload(ns))
+                else:
+                    mod.register_forward_pre_hook(lambda m, a, ns=names: self._hold_head(ns))
+
+    def _canon(self, mod: nn.Module, attr: str) -> str:
+        p = mod._parameters[attr]
+        return next(n for n, q in self.params.items() if q is p)
+
+    # ---- budget and state --------------------------------------------------------------
+    def _plan_budget(self, baseline: int) -> B.Split:
+        def block_bytes(blk, dt):
+            return sum(nbytes(dt, self.infos[n].numel) for n in blk.uses)
+        max_w = max(block_bytes(b, self.dtype) for b in self.blocks)
+        max_g = max(sum(nbytes(self.dtype, self.infos[n].numel) for n in b.owns) for b in self.blocks)
+        shard = min(self.cfg.shard_elems, max(i.numel for i in self.infos.values()))
+        item = shard * (16 + (2 if self.dtype != torch.float32 else 0))
+        tokens = self.cfg.tokens_per_micro_batch
+        act = B.layer_activation_bytes(self.config, tokens, self.dtype)
+        inp = tokens * self.config.hidden_size * torch.empty((), dtype=self.dtype).element_size()
+        n_layers = sum(b.kind == "layer" for b in self.blocks)
+        return B.plan_split(self.cfg.cpu_mem, baseline, max_w, max_g, item, act, inp, n_layers,
+                            B.logits_bytes(self.config, tokens, self.dtype), self.cfg.prefetch)
+
+    def _fingerprint(self) -> dict:
+        return {"model_type": self.config.model_type, "precision": self.cfg.precision,
+                "shard_elems": self.cfg.shard_elems,
+                "params": {n: list(i.shape) for n, i in self.infos.items()}}
+
+    def _load_or_import(self, source, resume: bool) -> dict:
+        path = self.root / STATE_FILE
+        if resume and path.exists():
+            state = json.loads(path.read_text())
+            if state["fingerprint"] != self._fingerprint():
+                raise ValueError(f"{path}: the state there belongs to another model or precision; "
+                                 f"point --nvme at a new directory or start without resuming")
+            self.store.load_manifest(state.pop("records"))
+            return state
+        for d in _MANAGED:
+            shutil.rmtree(self.root / d, ignore_errors=True)
+        if path.exists():
+            path.unlink()
+        state = {"fingerprint": self._fingerprint(), "step": 0,
+                 "optim": {"slots": {n: 0 for n in self.infos}, "steps": {n: 0 for n in self.infos}}}
+        for name, info in self.infos.items():
+            master = torch.empty(info.shape, dtype=torch.float32)
+            source(name, master)
+            flat = master.reshape(-1)
+            futs = []
+            for k, (a, b) in enumerate(info.shards):
+                futs.append(self.store.write(key("master", name, k, 0), flat[a:b]))
+                if self.dtype != torch.float32:
+                    futs.append(self.store.write(key("w", name, k, 0), flat[a:b].to(self.dtype)))
+            for f in futs:
+                f.result()
+            del master, flat
+        self._save_state(state)
+        return state
+
+    def _save_state(self, state: dict | None = None) -> None:
+        state = dict(state or self.state)
+        state["records"] = self.store.manifest()
+        path = self.root / STATE_FILE
+        tmp = path.with_name(STATE_FILE + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    # ---- weights in and out of the modules ---------------------------------------------
+    def _load(self, names) -> None:
+        tensors = self.window.acquire(names)
+        for n, t in tensors.items():
+            p = self.params[n]
+            p.data = t
+            self.hooks.track(p)
+
+    def _unload(self, names) -> None:
+        for n in names:
+            p = self.params[n]
+            self.hooks.untrack(p)
+            p.data = self._placeholder(p.shape)
+        self.window.release(names)
+
+    def _placeholder(self, shape) -> torch.Tensor:
+        """An unloaded parameter: the right shape (autograd checks it when accumulating a
+        gradient) over a single element of memory."""
+        return torch.zeros(1, dtype=self.dtype).expand(shape)
+
+    def _hold_head(self, names) -> None:
+        new = [n for n in names if n not in self._held_head]
+        if new:
+            self._load(new)
+            self._held_head.extend(new)
+
+    def _drop_head(self) -> None:
+        if self._held_head:
+            held, self._held_head = self._held_head, []
+            self._unload(held)
+
+    def _prefetch_from(self, index: int, step: int) -> None:
+        for d in range(1, self.cfg.prefetch + 1):
+            j = index + d * step
+            if 0 <= j < len(self.blocks):
+                self.window.prefetch(self.blocks[j].uses)
+
+    # called by the layer wrappers
+    def block_forward_begin(self, blk) -> None:
+        self._prefetch_from(blk.index, +1)
+        self._load(blk.uses)
+        self.hooks.saved_bytes = 0
+
+    def block_forward_end(self, blk) -> None:
+        self._unload(blk.uses)
+        if self._policy.get(blk.index) == "keep":
+            self.last_layer_act = self.hooks.saved_bytes
+            self._act_bytes += self.hooks.saved_bytes
+
+    def block_backward_begin(self, blk) -> None:
+        self._drop_head()  # the head's backward is over once a layer's starts
+        self._load(blk.uses)
+        self._prefetch_from(blk.index, -1)
+
+    def block_backward_end(self, blk) -> None:
+        self._unload(blk.uses)
+
+    def policy_for(self, blk) -> str:
+        """keep a layer's activations while the allowance has room for them (measured on the
+        layers already run), recompute the rest from their inputs."""
+        if self.cfg.activations != "auto":
+            pol = self.cfg.activations
+        else:
+            est = self.last_layer_act or B.layer_activation_bytes(
+                self.config, self.cfg.tokens_per_micro_batch, self.dtype)
+            pol = "keep" if self._act_bytes + est <= self.split.activations else "recompute"
+        self._policy[blk.index] = pol
+        return pol
+
+    # ---- training API ------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, **kwargs):
+        """The HF model's forward (returns its output, `.loss` when labels are given)."""
+        self._policy = {}
+        self._act_bytes = 0
+        self._drop_head()
+        self._prefetch_from(-1, +1)
+        with self.hooks:
+            out = self.model(input_ids=input_ids, labels=labels, use_cache=False, **kwargs)
+        if not torch.is_grad_enabled():
+            self._drop_head()
+        return out
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of loss / grad_accum; the optimizer consumes the gradients as they appear."""
+        if self.micro >= self.cfg.grad_accum:
+            raise RuntimeError(f"backward called {self.micro + 1} times for grad_accum="
+                               f"{self.cfg.grad_accum}; call step() after each {self.cfg.grad_accum}")
+        self.optimizer.begin_micro(self.micro, self.cfg.grad_accum, self.lr)
+        try:
+            (loss / self.cfg.grad_accum).backward()
+        finally:
+            self._drop_head()
+            self.optimizer.end_micro()
+        self.micro += 1
+
+    def step(self) -> StepResult:
+        """Finish the step: exact clipping (redo if torch would clip) and the commit."""
+        if self.micro != self.cfg.grad_accum:
+            raise RuntimeError(f"step() after {self.micro} of {self.cfg.grad_accum} backward calls")
+        self.micro = 0
+        res = self.optimizer.finish_step()
+        self.window.invalidate_all()
+        if res.finite:
+            self.optimizer.commit()
+            self.state["step"] += 1
+            self._save_state()
+        else:
+            self.optimizer.discard()
+        self._prefetch_from(-1, +1)
+        return res
+
+    def set_lr(self, lr: float) -> None:
+        self.lr = lr
+
+    def _on_grad(self, name: str, p: nn.Parameter) -> None:
+        g = p.grad
+        p.grad = None
+        self.optimizer.grad_ready(name, g)
+
+    # ---- export ------------------------------------------------------------------------
+    def weights(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The current working weights of one parameter, read from the store (a copy)."""
+        info = self.infos[name]
+        wkind = "master" if self.dtype == torch.float32 else "w"
+        out = torch.empty(info.numel, dtype=self.dtype)
+        futs = [self.store.read_into(key(wkind, name, k, self.optimizer.slots[name]), out[a:b])
+                for k, (a, b) in enumerate(info.shards)]
+        for f in futs:
+            f.result()
+        out = out.view(info.shape)
+        return out if dtype is None else out.to(dtype)
+
+    def master(self, name: str) -> torch.Tensor:
+        info = self.infos[name]
+        out = torch.empty(info.numel, dtype=torch.float32)
+        futs = [self.store.read_into(key("master", name, k, self.optimizer.slots[name]), out[a:b])
+                for k, (a, b) in enumerate(info.shards)]
+        for f in futs:
+            f.result()
+        return out.view(info.shape)
+
+    def save_pretrained(self, out_dir, dtype: torch.dtype | None = None, tokenizer_from=None) -> Path:
+        """An HF model directory of the current weights, written tensor by tensor."""
+        from ..hf.safetensors_io import SafetensorsWriter
+
+        dtype = dtype or self.dtype
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        specs = [(n, dtype, self.infos[n].shape) for n in self.names]
+        with SafetensorsWriter(out, specs) as w:
+            for n in self.names:
+                w.write(n, self.weights(n, dtype))
+        cfg = self.config
+        cfg.torch_dtype = dtype
+        cfg.save_pretrained(out)
+        src = tokenizer_from or getattr(self, "model_dir", None)
+        if src:
+            for f in Path(src).iterdir():
+                if f.name.startswith(("tokenizer", "special_tokens_map", "vocab", "merges",
+                                      "generation_config", "chat_template")):
+                    shutil.copy2(f, out / f.name)
+        return out
+
+    def stats(self) -> dict:
+        return {"io": self.store.stats.snapshot(), "window_hits": self.window.hits,
+                "window_misses": self.window.misses, "peak_rss": B.peak_rss(),
+                "pools": {"window": self.window_pool.peak_used, "optimizer": self.opt_pool.peak_used}}
+
+    def close(self) -> None:
+        self.optimizer.close()
+        self.store.close()
+
+
+__all__ = ["Engine", "EngineConfig", "AdamWConfig", "asdict", "time", "fmt_bytes"]

@@ -1,0 +1,104 @@
+"""The model skeleton: every parameter on no memory, every buffer real, parameters grouped in blocks.
+
+A block is the unit the engine streams: the input embeddings, each decoder layer, and the head
+(final norm + lm_head). The block's parameters are materialised only while it is in the window.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@contextlib.contextmanager
+def _params_on_meta():
+    """Create parameters on `meta` but buffers (rotary inv_freq, masks) with their real values.
+
+    `torch.device("meta")` would also make the buffers meta, and their values are computed in
+    the modules' constructors, not stored in checkpoints.
+    """
+    original = nn.Module.register_parameter
+
+    def register(module, name, param):
+        original(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+def empty_model(config) -> nn.Module:
+    """An HF causal LM for `config` whose parameters take no memory."""
+    from transformers import AutoModelForCausalLM
+
+    with _params_on_meta():
+        model = AutoModelForCausalLM.from_config(config)
+    model.train()
+    return model
+
+
+@dataclass
+class Block:
+    index: int                  # position in forward order
+    name: str                   # "embed", "layers.3", "head"
+    kind: str                   # "embed" | "layer" | "head"
+    module: nn.Module | None    # the decoder layer, for kind == "layer"
+    uses: list[str] = field(default_factory=list)   # parameters it needs resident to run
+    owns: list[str] = field(default_factory=list)   # parameters whose update it triggers
+
+
+def find_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    n = model.config.num_hidden_layers
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) == n:
+            return name, mod
+    raise ValueError(f"cannot find the {n} decoder layers of {type(model).__name__}")
+
+
+def discover_blocks(model: nn.Module) -> tuple[list[Block], dict[str, nn.Parameter]]:
+    """Group the model's parameters into embed / layer / head blocks in forward order.
+
+    Returns the blocks and the canonical name -> Parameter map (tied parameters appear once, under
+    the name `named_parameters()` gives them first: the input embedding's).
+    """
+    layers_name, layers = find_layers(model)
+    params = dict(model.named_parameters())  # de-duplicated: tied weights once
+    canon = {id(p): n for n, p in params.items()}
+    embed = Block(0, "embed", "embed", None)
+    blocks = [embed]
+    for i, layer in enumerate(layers):
+        blocks.append(Block(i + 1, f"layers.{i}", "layer", layer))
+    head = Block(len(blocks), "head", "head", None)
+    blocks.append(head)
+
+    prefix = layers_name + "."
+    for full, p in model.named_parameters(remove_duplicate=False):
+        name = canon[id(p)]
+        if full.startswith(prefix):
+            b = blocks[1 + int(full[len(prefix):].split(".")[0])]
+        else:
+            mod = model.get_submodule(full.rsplit(".", 1)[0])
+            b = embed if isinstance(mod, nn.Embedding) else head
+        if name not in b.uses:
+            b.uses.append(name)
+        if full == name:
+            b.owns.append(name)
+    return blocks, params
+
+
+def module_param_slots(model: nn.Module) -> dict[str, list[tuple[nn.Module, str]]]:
+    """canonical parameter name -> every (module, attribute) that holds it (two for tied weights)."""
+    params = dict(model.named_parameters())
+    canon = {id(p): n for n, p in params.items()}
+    slots: dict[str, list] = {n: [] for n in params}
+    for mod_name, mod in model.named_modules():
+        for attr, p in mod._parameters.items():
+            if p is not None:
+                slots[canon[id(p)]].append((mod, attr))
+    return slots

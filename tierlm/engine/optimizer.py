@@ -1,0 +1,407 @@
+"""The out-of-core AdamW: consumes each block's gradients as backward produces them.
+
+It runs on its own thread, beside backward. For every (parameter, shard) in backward order it reads
+fp32 master weights and Adam moments from the store (looking ahead while the pool has room), waits
+for that parameter's gradient, applies torch's own AdamW kernel, and writes the new state to the
+other slot plus the new working weights. The result is exactly `torch.optim.AdamW`'s:
+
+- the same functional kernel (`torch.optim.adamw.adamw`, fused/foreach/single as configured) on the
+  same fp32 values; it is elementwise, so sharding does not change a bit;
+- exact global-norm clipping: the update is speculative (clip factor 1) into the new slot; at the end
+  of the step the total norm is known, and only when torch would scale the gradients (factor < 1)
+  the update is redone from the untouched old slot with the saved gradients times that factor.
+"""
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+from torch.optim.adamw import adamw
+
+from ..storage import HostBufferPool, TensorStore
+from .layout import ParamInfo, key, nbytes
+
+
+@dataclass
+class AdamWConfig:
+    lr: float = 1e-5
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = None
+    impl: str = "fused"  # fused | foreach | single: which torch AdamW kernel (results match that kernel)
+
+    def kernel_flags(self) -> dict:
+        return {"fused": dict(fused=True, foreach=False), "foreach": dict(fused=False, foreach=True),
+                "single": dict(fused=False, foreach=False)}[self.impl]
+
+
+@dataclass
+class StepResult:
+    grad_norm: float
+    clip_coef: float  # 1.0 when not clipped
+    redone: bool
+    finite: bool
+
+
+class OptimizerError(RuntimeError):
+    pass
+
+
+class _Item:
+    """One (parameter, shard) of work, with its buffers once prepared."""
+
+    __slots__ = ("name", "shard", "a", "b", "bufs", "reads", "_left", "_lock")
+
+    def __init__(self, name: str, shard: int, a: int, b: int):
+        self.name, self.shard, self.a, self.b = name, shard, a, b
+        self.bufs: dict = {}
+        self.reads: list[Future] = []
+        self._lock = threading.Lock()
+
+    def release(self) -> None:
+        for buf in self.bufs.values():
+            buf.release()
+        self.bufs = {}
+
+    def release_after(self, writes: list[Future]) -> None:
+        """Give the buffers back when the last write from them finishes (on the I/O thread, so a
+        worker blocked on a full pool is woken without having to reap)."""
+        if not writes:
+            self.release()
+            return
+        self._left = len(writes)
+
+        def one_done(_):
+            with self._lock:
+                self._left -= 1
+                last = self._left == 0
+            if last:
+                self.release()
+        for f in writes:
+            f.add_done_callback(one_done)
+
+
+class OutOfCoreAdamW:
+    def __init__(self, store: TensorStore, pool: HostBufferPool, infos: dict[str, ParamInfo],
+                 order: list[str], canonical: list[str], cfg: AdamWConfig,
+                 weight_dtype: torch.dtype | None, state: dict, lookahead: int = 4,
+                 max_pending_grad_bytes: int = 1 << 62, on_event=None):
+        """order: parameter names in the order backward produces them (block by block);
+        canonical: the order of `model.parameters()` (the order torch's clipping stacks norms in);
+        weight_dtype: dtype of the working weights, or None when they are the fp32 master (full fp32);
+        state: the persisted optimizer state dict ({'slots', 'steps'}) - mutated on commit."""
+        self.store, self.pool, self.infos, self.cfg = store, pool, infos, cfg
+        self.order, self.canonical = order, canonical
+        self.weight_dtype = weight_dtype
+        self.slots: dict[str, int] = state.setdefault("slots", {n: 0 for n in infos})
+        self.steps: dict[str, int] = state.setdefault("steps", {n: 0 for n in infos})
+        self.lookahead = lookahead
+        self.on_event = on_event
+        self.max_pending = max_pending_grad_bytes
+        self._grads: dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self._cv = threading.Condition()
+        self._exec = ThreadPoolExecutor(1, thread_name_prefix="tierlm-optim")
+        self._run: Future | None = None
+        self._error: BaseException | None = None
+        self._norms: dict[str, torch.Tensor] = {}
+        self._updated: set[str] = set()
+        self._sq: dict[str, torch.Tensor] = {}
+        self._taken: set[str] = set()
+        self._closing = False
+        self._predicted: list[str] = list(order)
+        self._arrival: list[str] = list(order)
+        self.lr = cfg.lr
+
+    # ---- called from the compute thread ----------------------------------------------
+    def begin_micro(self, micro: int, n_micro: int, lr: float) -> None:
+        """Start consuming the gradients of micro-batch `micro` (0-based) of `n_micro`."""
+        if self._run is not None:
+            raise OptimizerError("begin_micro called twice without end_micro")
+        self.lr = lr
+        if micro == 0:
+            self._norms.clear()
+            self._sq.clear()
+            self._updated.clear()
+        self._taken = set()
+        self._error = None
+        self._run = self._exec.submit(self._consume, micro, n_micro)
+
+    def grad_ready(self, name: str, grad: torch.Tensor) -> None:
+        """Hand over a parameter's gradient; blocks while too many gradient bytes wait."""
+        size = grad.numel() * grad.element_size()
+        with self._cv:
+            while (self._pending_bytes > 0 and self._pending_bytes + size > self.max_pending
+                   and self._run is not None and not self._run.done()):
+                self._cv.wait(0.5)
+            if self._run is not None and self._run.done():
+                self._run.result()  # the worker failed: surface its error in backward
+            self._grads[name] = grad
+            self._pending_bytes += size
+            self._cv.notify_all()
+
+    def end_micro(self) -> None:
+        """Wait until every gradient of this micro-batch is consumed. Parameters that received no
+        gradient (unused in the forward) are skipped, as torch skips grad-less parameters."""
+        run, self._run = self._run, None
+        if run is None:
+            return
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        try:
+            run.result()
+        finally:
+            with self._cv:
+                self._closing = False
+                self._grads.clear()
+                self._pending_bytes = 0
+
+    def finish_step(self) -> StepResult:
+        """After the last micro-batch: global norm, and the clip redo when torch would clip."""
+        norms = [self._norms[n] for n in self.canonical if n in self._norms]
+        total = torch.linalg.vector_norm(torch.stack(norms), 2) if norms else torch.tensor(0.0)
+        finite = bool(torch.isfinite(total))
+        coef = 1.0
+        redone = False
+        if self.cfg.max_grad_norm is not None and finite:
+            clamped = torch.clamp(self.cfg.max_grad_norm / (total + 1e-6), max=1.0)
+            if float(clamped) < 1.0:
+                coef = float(clamped)
+                self._exec.submit(self._redo, clamped).result()
+                redone = True
+        return StepResult(float(total), coef, redone, finite)
+
+    def commit(self) -> None:
+        """The new slot becomes current for every parameter updated this step."""
+        for n in self._updated:
+            self.slots[n] = 1 - self.slots[n]
+            self.steps[n] += 1
+        self._updated.clear()
+
+    def discard(self) -> None:
+        """Forget this step's speculative writes (a non-finite step): the old slot stays current."""
+        self._updated.clear()
+
+    def close(self) -> None:
+        self._exec.shutdown(wait=True)
+
+    # ---- the worker ------------------------------------------------------------------
+    # Gradients are consumed in the order they arrive (autograd decides the order inside a block);
+    # optimizer state is read ahead in the order seen on the previous micro-batch, so the reads of
+    # the next parameters overlap the backward that is still producing their gradients.
+
+    def _consume(self, micro: int, n_micro: int) -> None:
+        self._pipeline("update" if micro == n_micro - 1 else "accumulate", micro)
+
+    def _redo(self, coef: torch.Tensor) -> None:
+        self._pipeline("redo", 0, clip=coef, names=[n for n in self._arrival if n in self._updated])
+
+    def _pipeline(self, mode: str, micro: int, clip=None, names: list[str] | None = None) -> None:
+        order = names if names is not None else self._predicted
+        predicted = [(n, k) for n in order for k in range(len(self.infos[n].shards))]
+        cursor = 0
+        prepared: dict[tuple, _Item] = {}
+        done: set[tuple] = set()
+        writes: list[Future] = []
+        arrival: list[str] = []
+        todo = deque(names) if names is not None else None
+        try:
+            while True:
+                # Read ahead along the predicted order while the pool has room.
+                while cursor < len(predicted) and len(prepared) < self.lookahead:
+                    nk = predicted[cursor]
+                    if nk in done or nk in prepared:
+                        cursor += 1
+                        continue
+                    it = self._new_item(*nk)
+                    if not self._prepare(it, mode, micro, blocking=False):
+                        break
+                    prepared[nk] = it
+                    cursor += 1
+                name = (todo.popleft() if todo else None) if todo is not None else self._next_arrival()
+                if name is None:
+                    break
+                arrival.append(name)
+                for k in range(len(self.infos[name].shards)):
+                    it = prepared.pop((name, k), None)
+                    while it is None:
+                        it = self._new_item(name, k)
+                        if not self._prepare(it, mode, micro, blocking=not prepared):
+                            it = None
+                            self._drop_furthest(prepared)  # make room: this one is needed now
+                    done.add((name, k))
+                    for f in it.reads:
+                        f.result()
+                    ws = self._process(it, mode, micro, clip)
+                    it.release_after(ws)
+                    for f in writes:
+                        if f.done():
+                            f.result()  # a failed write raises now, naming its file
+                    writes = [f for f in writes if not f.done()] + ws
+        finally:
+            for it in prepared.values():  # read ahead for parameters that got no gradient
+                for f in it.reads:
+                    f.exception()
+                it.release()
+            for f in writes:
+                f.exception()  # wait for every write before the step can end
+        for f in writes:
+            f.result()  # a failed write raises here, naming its file
+        if mode != "redo":
+            self._arrival = arrival
+            seen = set(arrival)
+            self._predicted = arrival + [n for n in self._predicted if n not in seen]
+
+    def _new_item(self, name: str, k: int) -> _Item:
+        a, b = self.infos[name].shards[k]
+        return _Item(name, k, a, b)
+
+    @staticmethod
+    def _drop_furthest(prepared: dict) -> None:
+        nk = next(reversed(prepared))
+        it = prepared.pop(nk)
+        for f in it.reads:
+            f.exception()
+        it.release()
+
+    def _next_arrival(self) -> str | None:
+        with self._cv:
+            while True:
+                for name in self._grads:
+                    if name not in self._taken:
+                        self._taken.add(name)
+                        return name
+                if self._closing:
+                    return None
+                self._cv.wait(0.5)
+
+    def _acquire(self, it: _Item, tag: str, nbytes_: int, blocking: bool) -> bool:
+        buf = self.pool.acquire(nbytes_) if blocking else self.pool.try_acquire(nbytes_)
+        if buf is None:
+            return False
+        it.bufs[tag] = buf
+        return True
+
+    def _prepare(self, it: _Item, mode: str, micro: int, blocking: bool) -> bool:
+        n = it.b - it.a
+        f32 = nbytes(torch.float32, n)
+        need = []
+        if mode in ("update", "redo"):
+            need += ["master", "m", "v"]
+            if self.weight_dtype is not None:
+                need.append("w")
+        if mode == "redo" or micro > 0 or self.weight_dtype is not None:
+            # the saved gradient (redo), the accumulator (later micro-batches), or the fp32 copy
+            # of a low-precision gradient
+            need.append("g")
+        for tag in need:
+            size = nbytes(self.weight_dtype, n) if tag == "w" else f32
+            if not self._acquire(it, tag, size, blocking):
+                it.release()
+                return False
+        slot = self.slots[it.name]
+        view = lambda tag: it.bufs[tag].view(torch.float32, (n,))
+        if mode in ("update", "redo"):
+            it.reads.append(self.store.read_into(key("master", it.name, it.shard, slot), view("master"), True))
+            if self.steps[it.name] > 0:
+                it.reads.append(self.store.read_into(key("m", it.name, it.shard, slot), view("m"), True))
+                it.reads.append(self.store.read_into(key("v", it.name, it.shard, slot), view("v"), True))
+            else:
+                view("m").zero_()
+                view("v").zero_()
+        if mode == "redo":
+            it.reads.append(self.store.read_into(key("grad", it.name, it.shard), view("g"), True))
+        elif micro > 0:
+            it.reads.append(self.store.read_into(key("gacc", it.name, it.shard), view("g"), True))
+        return True
+
+    def _grad_shard(self, it: _Item, micro: int) -> torch.Tensor:
+        """The fp32 gradient of this shard, accumulated over the micro-batches so far."""
+        g = self._grads[it.name].reshape(-1)[it.a:it.b]
+        if micro > 0:
+            acc = it.bufs["g"].view(torch.float32, (it.b - it.a,))
+            acc.add_(g)  # what autograd's accumulation does: grad += new
+            return acc
+        if g.dtype != torch.float32:
+            out = it.bufs["g"].view(torch.float32, (it.b - it.a,))
+            out.copy_(g)
+            return out
+        return g
+
+    def _process(self, it: _Item, mode: str, micro: int, clip) -> list[Future]:
+        t0 = time.perf_counter()
+        n = it.b - it.a
+        info = self.infos[it.name]
+        writes = []
+        if mode == "redo":
+            g = it.bufs["g"].view(torch.float32, (n,))
+            g.mul_(clip)  # what clip_grad_norm_ does to each gradient
+        else:
+            g = self._grad_shard(it, micro)
+            if it.shard == len(info.shards) - 1:
+                self._done_with_grad(it.name)
+        if mode == "accumulate":
+            writes.append(self.store.write(key("gacc", it.name, it.shard), g))
+        else:
+            if mode == "update":
+                self._record_norm(it, g)
+                if self.cfg.max_grad_norm is not None:
+                    writes.append(self.store.write(key("grad", it.name, it.shard), g))
+            master = it.bufs["master"].view(torch.float32, (n,))
+            m = it.bufs["m"].view(torch.float32, (n,))
+            v = it.bufs["v"].view(torch.float32, (n,))
+            step_t = torch.tensor(float(self.steps[it.name]))
+            adamw([master], [g], [m], [v], [], [step_t], lr=self.lr, beta1=self.cfg.beta1,
+                  beta2=self.cfg.beta2, weight_decay=self.cfg.weight_decay, eps=self.cfg.eps,
+                  amsgrad=False, maximize=False, **self.cfg.kernel_flags())
+            new = 1 - self.slots[it.name]
+            writes.append(self.store.write(key("master", it.name, it.shard, new), master))
+            writes.append(self.store.write(key("m", it.name, it.shard, new), m))
+            writes.append(self.store.write(key("v", it.name, it.shard, new), v))
+            if self.weight_dtype is not None:
+                w = it.bufs["w"].view(self.weight_dtype, (n,))
+                w.copy_(master)  # the same rounding as `param.data.copy_(master)`
+                writes.append(self.store.write(key("w", it.name, it.shard, new), w))
+            self._updated.add(it.name)
+        if self.on_event:
+            self.on_event("optimizer", f"{it.name}.{it.shard}", t0, time.perf_counter(), n)
+        return writes
+
+    def _record_norm(self, it: _Item, g: torch.Tensor) -> None:
+        info = self.infos[it.name]
+        if len(info.shards) == 1:
+            # The whole tensor: the very reduction clip_grad_norm_ runs, bit for bit.
+            self._norms[it.name] = torch.linalg.vector_norm(g, 2)
+            return
+        # Sharded tensors combine shard norms: equal to within rounding, not bitwise.
+        sq = torch.linalg.vector_norm(g, 2).double() ** 2
+        self._sq[it.name] = sq if it.shard == 0 else self._sq[it.name] + sq
+        if it.shard == len(info.shards) - 1:
+            self._norms[it.name] = self._sq.pop(it.name).sqrt().float()
+
+    def _done_with_grad(self, name: str) -> None:
+        with self._cv:
+            g = self._grads.get(name)
+            if g is not None:
+                # Keep the tensor until its writes finish (they hold a reference); only the
+                # accounting of what backward may produce ahead of us is released here.
+                self._pending_bytes -= g.numel() * g.element_size()
+                del self._grads[name]
+            self._cv.notify_all()
+
+
+def total_state_bytes(infos: dict[str, ParamInfo], weight_dtype: torch.dtype | None) -> int:
+    """Bytes on NVMe per slot: fp32 master + m + v, plus working weights when not fp32."""
+    per = 12 + (torch.empty((), dtype=weight_dtype).element_size() if weight_dtype is not None else 0)
+    return sum(i.numel for i in infos.values()) * per
+
+
+__all__ = ["AdamWConfig", "OutOfCoreAdamW", "OptimizerError", "StepResult", "total_state_bytes", "math"]
