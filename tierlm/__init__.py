@@ -1,1 +1,47 @@
-"""tierlm: fine-tune and serve language models larger than memory."""
+"""tierlm: fine-tune and serve language models larger than memory.
+
+GPU memory, CPU RAM and NVMe SSD as one hierarchy: weights and optimizer states live on the SSD,
+stream through a bounded window, and an out-of-core AdamW consumes each layer's gradients as
+backward produces them.
+"""
+import resource as _resource
+
+import torch as _torch  # noqa: F401  (imported first: its footprint is the baseline budgets exclude)
+
+# Peak RSS right after importing torch (reported; budgets start after the model code's import too).
+TORCH_RSS = _resource.getrusage(_resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _tame_malloc() -> None:
+    """Fewer glibc arenas (tokenizers' and the I/O threads' each keep their own, and freed memory
+    in them stays in RSS) and large blocks returned to the OS on free. Budgets are promises."""
+    import ctypes
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
+    libc.mallopt(M_ARENA_MAX, 2)
+    libc.mallopt(M_MMAP_THRESHOLD, 256 * 1024)
+    libc.mallopt(M_TRIM_THRESHOLD, 1 << 20)
+
+
+_tame_malloc()
+
+__version__ = "0.1.0"
+
+
+def finetune(*args, **kwargs):
+    """Fine-tune out-of-core; see tierlm.train.finetune.FinetuneConfig for the options."""
+    from .train.finetune import finetune as _finetune
+    return _finetune(*args, **kwargs)
+
+
+def __getattr__(name):
+    if name in ("Engine", "EngineConfig", "AdamWConfig"):
+        from .engine import engine as _engine
+        return getattr(_engine, name)
+    if name == "FinetuneConfig":
+        from .train.finetune import FinetuneConfig
+        return FinetuneConfig
+    raise AttributeError(name)

@@ -26,19 +26,23 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def release_freed_memory_eagerly() -> None:
-    """Make glibc hand large freed blocks back to the OS at once.
-
-    By default glibc raises its mmap threshold after large frees (up to 32 MiB), after which
-    such blocks live on the heap and RSS stops shrinking: a budget that is a promise cannot allow it.
-    """
+def trim() -> None:
+    """Hand freed heap memory back to the OS now (after tokenisation's transient peak)."""
     try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-    libc.mallopt(M_MMAP_THRESHOLD, 256 * 1024)
-    libc.mallopt(M_TRIM_THRESHOLD, 1 << 20)
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def library_baseline(config) -> int:
+    """RSS once torch, transformers and this architecture's model code are imported: the fixed cost
+    of the libraries, which `--cpu-mem` does not count. Imports the model code to measure it."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # noqa: F401
+
+    AutoModelForCausalLM._model_mapping[type(config)]  # imports modeling_<arch>
+    trim()
+    return current_rss()
 
 
 @dataclass

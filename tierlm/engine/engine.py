@@ -61,10 +61,11 @@ class EngineConfig:
 
 class Engine:
     def __init__(self, model: nn.Module, source, cfg: EngineConfig, resume: bool = False,
-                 torch_rss: int | None = None, on_event=None):
+                 library_rss: int | None = None, on_event=None):
         """model: an HF causal LM whose parameters may be on `meta` (see from_pretrained);
-        source(name, out_fp32) fills the fp32 initial value of a parameter (used unless resuming)."""
-        B.release_freed_memory_eagerly()
+        source(name, out_fp32) fills the fp32 initial value of a parameter (used unless resuming);
+        library_rss: RSS of the libraries alone (budget.library_baseline); what the process holds
+        beyond it counts against cfg.cpu_mem. Default: measured now."""
         self.cfg = cfg
         self.config = model.config
         self.dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
@@ -83,7 +84,9 @@ class Engine:
         root = Path(cfg.nvme_dir)
         root.mkdir(parents=True, exist_ok=True)
         self.root = root
-        baseline = B.current_rss() - (torch_rss if torch_rss is not None else B.current_rss())
+        B.trim()
+        self.library_rss = library_rss if library_rss is not None else B.library_baseline(self.config)
+        baseline = B.current_rss() - self.library_rss
         self.split = self._plan_budget(max(baseline, 0))
         self.window_pool = HostBufferPool(self.split.window, name="weight window")
         self.opt_pool = HostBufferPool(self.split.optimizer, name="optimizer buffers")
@@ -308,7 +311,8 @@ class Engine:
         self._drop_head()
         self._prefetch_from(-1, +1)
         with self.hooks:
-            out = self.model(input_ids=input_ids, labels=labels, use_cache=False, **kwargs)
+            kwargs.setdefault("use_cache", False)
+            out = self.model(input_ids=input_ids, labels=labels, **kwargs)
         if not torch.is_grad_enabled():
             self._drop_head()
         return out
@@ -384,7 +388,7 @@ class Engine:
             for n in self.names:
                 w.write(n, self.weights(n, dtype))
         cfg = self.config
-        cfg.torch_dtype = dtype
+        cfg.dtype = dtype
         cfg.save_pretrained(out)
         src = tokenizer_from or getattr(self, "model_dir", None)
         if src:

@@ -1,0 +1,117 @@
+"""`tierlm VERB ...`: maps verbs to functions and does nothing else."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import tierlm  # noqa: F401  (records the torch-import baseline before anything else loads)
+
+from . import config as C
+
+EXIT_USAGE = 2
+
+
+def _cmd_init(args) -> int:
+    from .hf.init import init_model
+    from .hf.presets import make_config, param_count
+    from .units import fmt_bytes
+
+    overrides = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "kv_heads", "intermediate",
+                                               "vocab", "max_positions") if getattr(args, k) is not None}
+    if args.dtype:
+        overrides["dtype"] = args.dtype
+    config = make_config(args.arch, args.preset, overrides)
+    out = init_model(args.out, config, seed=args.seed, tokenizer_text=args.tokenizer_text or None,
+                     overwrite=args.overwrite)
+    n = param_count(config)
+    print(f"created {out}: {config.model_type}, {n / 1e6:,.1f}M parameters, "
+          f"{config.num_hidden_layers} layers, hidden {config.hidden_size}; "
+          f"training state ~{fmt_bytes(16 * n)} (bf16 weights + fp32 master + Adam moments)")
+    return 0
+
+
+def _cmd_finetune(args) -> int:
+    from .train.finetune import FinetuneConfig, finetune
+
+    cfg = C.from_args(FinetuneConfig, args)
+    summary = finetune(cfg)
+    _print_summary(summary)
+    return 0
+
+
+def _print_summary(s: dict) -> None:
+    from .units import fmt_bytes
+
+    print(f"done: {s['steps']} steps, loss {s['first_loss']:.4f} -> {s['last_loss']:.4f}, "
+          f"{s['mean_s_per_step']:.2f} s/step, peak RSS {fmt_bytes(s['peak_rss_bytes'])} "
+          f"(budget {fmt_bytes(s['budget_bytes'])} + torch import)")
+    print(f"fine-tuned model: {s['final_model']}")
+    if s.get("sample") is not None:
+        print(f"sample: {s['sample']!r}")
+
+
+def _cmd_demo(args) -> int:
+    from .demo import run_demo
+
+    run_demo(args.dir, cpu_mem=args.cpu_mem, steps=args.steps)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .hf.presets import ARCHS, PRESETS
+    from .train.finetune import FinetuneConfig
+
+    p = argparse.ArgumentParser(prog="tierlm", description=(
+        "Fine-tune language models larger than memory: weights and optimizer states on NVMe, "
+        "streamed layer by layer, an exact AdamW overlapped with backward."))
+    sub = p.add_subparsers(dest="verb", required=True)
+
+    q = sub.add_parser("init", help="create a random-initialised Hugging Face model directory")
+    q.add_argument("out", help="directory to create")
+    q.add_argument("--arch", choices=sorted(ARCHS), help="architecture (a small model unless --preset)")
+    q.add_argument("--preset", choices=sorted(PRESETS), help="the shapes of a published model")
+    for name in ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab", "max_positions"):
+        q.add_argument("--" + name.replace("_", "-"), type=int, default=None, help=f"override {name}")
+    q.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default=None)
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--tokenizer-text", nargs="*", metavar="FILE",
+                   help="train a BPE tokenizer on these text files (default: byte-level tokenizer)")
+    q.add_argument("--overwrite", action="store_true", help="replace a model already in OUT")
+    q.set_defaults(fn=_cmd_init)
+
+    q = sub.add_parser("finetune", help="fine-tune every parameter out-of-core",
+                       description="Fine-tune every parameter of MODEL with weights and optimizer "
+                                   "states on NVMe under a RAM budget.")
+    C.add_arguments(q, FinetuneConfig, positional=("model",))
+    q.set_defaults(fn=_cmd_finetune)
+
+    q = sub.add_parser("demo", help="create a small model, fine-tune it out-of-core under a tight budget, generate")
+    q.add_argument("--dir", default="runs/demo", help="where the demo model, data and run go (default: runs/demo)")
+    q.add_argument("--cpu-mem", default="160MiB", help="the RAM budget (default: 160MiB)")
+    q.add_argument("--steps", type=int, default=30, help="optimizer steps (default: 30)")
+    q.set_defaults(fn=_cmd_demo)
+    return p
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.fn(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, FileExistsError, FileNotFoundError) as e:
+        # Bad input: one clear line (the message names the input and the fix), exit code 2.
+        print(f"tierlm {args.verb}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except RuntimeError as e:
+        from .storage import BudgetError, StorageError
+        if isinstance(e, (BudgetError, StorageError)):
+            print(f"tierlm {args.verb}: error: {e}", file=sys.stderr)
+            return EXIT_USAGE if isinstance(e, BudgetError) else 1
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""One typed config object is the YAML/TOML file, the CLI flags and the logged config.
+
+A dataclass declares the options once (type, default, help). The CLI gets a flag per field, a
+`--config FILE` gets the same keys, flags override the file, and an unknown key in either is an error
+that lists the known ones.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import types
+import typing
+from pathlib import Path
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _base_type(tp):
+    """int | None -> (int, optional=True)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return (args[0] if len(args) == 1 else str), True
+    return tp, False
+
+
+def _coerce(name: str, tp, value):
+    base, optional = _base_type(tp)
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{name}: a value is required")
+    try:
+        if base is bool:
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("1", "true", "yes", "on"):
+                return True
+            if str(value).lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if base is int:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError(value)
+            return int(value)
+        if base is float:
+            return float(value)
+        if base is str:
+            return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}: expected {base.__name__}, got {value!r}") from None
+    return value
+
+
+def fields(cls) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls)}
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls, positional: tuple[str, ...] = ()) -> None:
+    hints = typing.get_type_hints(cls)
+    for name, f in fields(cls).items():
+        helptext = f.metadata.get("help", "")
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if default not in (None, dataclasses.MISSING):
+            helptext += f" (default: {default})"
+        base, _ = _base_type(hints[name])
+        choices = f.metadata.get("choices")
+        if name in positional:
+            parser.add_argument(name, help=helptext, nargs="?", default=None)
+            continue
+        flag = "--" + name.replace("_", "-")
+        if base is bool:
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=helptext)
+        else:
+            parser.add_argument(flag, dest=name, default=None, help=helptext, choices=choices,
+                                type=str if base not in (int, float) else base, metavar=f.metadata.get("metavar"))
+    parser.add_argument("--config", dest="_config_file", default=None, metavar="FILE",
+                        help="a YAML or TOML file with the same keys as these flags; flags override it")
+
+
+def load_file(path: str) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config {path}: no such file")
+    text = p.read_text()
+    try:
+        if p.suffix == ".toml":
+            import tomllib
+            data = tomllib.loads(text)
+        elif p.suffix == ".json":
+            data = json.loads(text)
+        else:
+            import yaml
+            data = yaml.safe_load(text) or {}
+    except Exception as e:  # the parsers' own messages name the line
+        raise ConfigError(f"--config {path}: cannot parse: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of option: value at the top level")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def build(cls, *layers: dict, source: str = "config"):
+    """Instantiate `cls` from dicts of options, later ones overriding; unknown keys fail."""
+    known = fields(cls)
+    hints = typing.get_type_hints(cls)
+    merged: dict = {}
+    for layer in layers:
+        for k, v in layer.items():
+            if k not in known:
+                close = [n for n in known if n.startswith(k[:3])]
+                hint = f" (did you mean {', '.join(close)}?)" if close else ""
+                raise ConfigError(f"unknown option {k!r} in {source}{hint}; known options: {', '.join(known)}")
+            if v is not None:
+                merged[k] = v
+    kwargs = {}
+    for name, f in known.items():
+        if name in merged:
+            val = _coerce(name, hints[name], merged[name])
+            choices = f.metadata.get("choices")
+            if choices and val not in choices:
+                raise ConfigError(f"{name}: {val!r} is not one of {', '.join(map(str, choices))}")
+            kwargs[name] = val
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"{name} is required (flag --{name.replace('_', '-')} or key {name!r} in --config)")
+    return cls(**kwargs)
+
+
+def from_args(cls, args: argparse.Namespace):
+    file_layer = load_file(args._config_file) if getattr(args, "_config_file", None) else {}
+    cli_layer = {k: v for k, v in vars(args).items() if k in fields(cls) and v is not None}
+    src = f"--config {args._config_file}" if getattr(args, "_config_file", None) else "options"
+    return build(cls, file_layer, cli_layer, source=src)
+
+
+def to_dict(obj) -> dict:
+    return dataclasses.asdict(obj)
+
+
+def option(default=dataclasses.MISSING, help: str = "", choices=None, metavar=None):
+    md = {"help": help}
+    if choices:
+        md["choices"] = tuple(choices)
+    if metavar:
+        md["metavar"] = metavar
+    return dataclasses.field(default=default, metadata=md)

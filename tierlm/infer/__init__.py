@@ -1,0 +1,1 @@
+"""Inference: generation with streamed weights."""

@@ -1,0 +1,44 @@
+"""Generation with the engine's streamed weights and a KV cache (greedy or sampled)."""
+from __future__ import annotations
+
+import torch
+
+
+@torch.no_grad()
+def generate_ids(engine, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
+                 top_p: float = 1.0, eos_token_id: int | None = None, seed: int = 0) -> torch.Tensor:
+    """Prefill the prompt, then decode one token at a time; each forward streams the layers once."""
+    from transformers import DynamicCache
+
+    gen = torch.Generator().manual_seed(seed)
+    cache = DynamicCache()
+    ids = input_ids
+    out_tokens = []
+    was = engine.training
+    engine.training = False
+    try:
+        step_in = ids
+        for _ in range(max_new_tokens):
+            logits = engine.forward(step_in, past_key_values=cache, use_cache=True).logits[:, -1, :].float()
+            if temperature <= 0:
+                nxt = logits.argmax(-1)
+            else:
+                probs = torch.softmax(logits / temperature, -1)
+                if top_p < 1.0:
+                    sp, si = probs.sort(-1, descending=True)
+                    keep = sp.cumsum(-1) - sp < top_p
+                    probs = torch.zeros_like(probs).scatter(-1, si, sp * keep)
+                nxt = torch.multinomial(probs / probs.sum(-1, keepdim=True), 1, generator=gen)[:, 0]
+            out_tokens.append(nxt)
+            if eos_token_id is not None and bool((nxt == eos_token_id).all()):
+                break
+            step_in = nxt[:, None]
+    finally:
+        engine.training = was
+    return torch.cat([input_ids, torch.stack(out_tokens, 1)], 1) if out_tokens else input_ids
+
+
+def generate(engine, tokenizer, prompt: str, max_new_tokens: int = 40, temperature: float = 0.0) -> str:
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    out = generate_ids(engine, ids, max_new_tokens, temperature, eos_token_id=tokenizer.eos_token_id)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)

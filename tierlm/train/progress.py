@@ -1,0 +1,61 @@
+"""A progress bar and one line per step: loss, lr, s/step, tokens/s, RSS against the budget, SSD GB/s."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from ..engine import budget as B
+from ..units import fmt_bytes, parse_bytes
+
+
+class Progress:
+    def __init__(self, total: int, start: int, engine, cfg, metrics_path: Path, data_summary: str):
+        self.total, self.engine, self.cfg = total, engine, cfg
+        self.budget = parse_bytes(cfg.cpu_mem)
+        self.metrics = open(metrics_path, "a")
+        self.rows: list[dict] = []
+        self.t_start = time.perf_counter()
+        self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, leave=False)
+        self.bar.write(f"data: {data_summary}")
+        st = engine.split
+        self.bar.write(f"budget {fmt_bytes(st.budget)}: {st.describe()}; "
+                       f"direct I/O {'on' if engine.store.direct else 'off'}; nvme {engine.root}")
+
+    def step(self, step: int, loss: float, lr: float, res, tokens: int, dt: float, io0: dict) -> None:
+        io = self.engine.store.stats.snapshot()
+        rd = io["bytes_read"] - io0["bytes_read"]
+        wr = io["bytes_written"] - io0["bytes_written"]
+        rss = B.current_rss()
+        peak = B.peak_rss()
+        row = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": res.grad_norm,
+               "clip_coef": res.clip_coef, "skipped": not res.finite, "s_per_step": dt,
+               "tokens": tokens, "tokens_per_s": tokens / dt, "rss_bytes": rss, "peak_rss_bytes": peak,
+               "budget_bytes": self.budget, "ssd_read_bytes": rd, "ssd_write_bytes": wr,
+               "ssd_read_gbps": rd / dt / 1e9, "ssd_write_gbps": wr / dt / 1e9, "time": time.time()}
+        self.rows.append(row)
+        self.metrics.write(json.dumps(row) + "\n")
+        self.metrics.flush()
+        skipped = " SKIPPED (non-finite gradients)" if not res.finite else ""
+        clip = f" clip {res.clip_coef:.2f}" if res.clip_coef < 1 else ""
+        self.bar.write(
+            f"step {step + 1}/{self.total} loss {loss:.4f} lr {lr:.2e} gnorm {res.grad_norm:.3f}{clip} | "
+            f"{dt:.2f} s/step {tokens / dt:,.0f} tok/s | RSS {fmt_bytes(rss)} (peak {fmt_bytes(peak)}) "
+            f"of {fmt_bytes(self.budget)} + torch | SSD read {rd / dt / 1e9:.2f} GB/s "
+            f"write {wr / dt / 1e9:.2f} GB/s{skipped}")
+        self.bar.update(1)
+
+    def summary(self, final_dir) -> dict:
+        rows = self.rows
+        return {"steps": len(rows), "first_loss": rows[0]["loss"] if rows else None,
+                "last_loss": rows[-1]["loss"] if rows else None,
+                "mean_s_per_step": sum(r["s_per_step"] for r in rows) / max(len(rows), 1),
+                "peak_rss_bytes": B.peak_rss(), "budget_bytes": self.budget,
+                "final_model": str(final_dir), "wall_s": time.perf_counter() - self.t_start}
+
+    def close(self) -> None:
+        if not self.metrics.closed:
+            self.bar.close()
+            self.metrics.close()
