@@ -53,7 +53,7 @@ class ParamRefHooks(torch.autograd.graph.saved_tensors_hooks):
         if isinstance(x, ParamRef):
             d = x.param.data
             if d.numel() > 1 and 0 in d.stride():
-                raise RuntimeError("a streamed weight was needed in backward but is not loaded")
+                raise RuntimeError(f"a streamed weight {tuple(x.param.shape)} was needed in backward but is not loaded")
             return d.as_strided(x.size, x.stride, d.storage_offset() + x.rel_offset)
         return x
 

@@ -104,6 +104,7 @@ class Engine:
         self.micro = 0
         self.lr = cfg.optim.lr
         self._held_head: list[str] = []
+        self._pins: dict[str, int] = {}
         self._policy: dict[int, str] = {}
         self._act_bytes = 0       # activations kept in this micro-batch (measured)
         self.last_layer_act = 0   # measured saved bytes of the last kept layer
@@ -160,7 +161,9 @@ class Engine:
         slots = module_param_slots(self.model)
         for kind in ("embed", "head"):
             blk = by_kind[kind]
-            mods = {id(m): (m, attr) for n in blk.uses for m, attr in slots[n]}
+            # Tied weights sit in an Embedding and in lm_head: each block hooks its own kind.
+            mods = {id(m): (m, attr) for n in blk.uses for m, attr in slots[n]
+                    if isinstance(m, nn.Embedding) == (kind == "embed")}
             for mod, attr in mods.values():
                 names = [self._canon(mod, a) for a in mod._parameters if mod._parameters[a] is not None]
                 if kind == "embed":
@@ -238,15 +241,19 @@ class Engine:
     def _load(self, names) -> None:
         tensors = self.window.acquire(names)
         for n, t in tensors.items():
-            p = self.params[n]
-            p.data = t
-            self.hooks.track(p)
+            self._pins[n] = self._pins.get(n, 0) + 1
+            if self._pins[n] == 1:
+                p = self.params[n]
+                p.data = t
+                self.hooks.track(p)
 
     def _unload(self, names) -> None:
         for n in names:
-            p = self.params[n]
-            self.hooks.untrack(p)
-            p.data = self._placeholder(p.shape)
+            self._pins[n] -= 1
+            if self._pins[n] == 0:  # a tied weight stays while another block still uses it
+                p = self.params[n]
+                self.hooks.untrack(p)
+                p.data = self._placeholder(p.shape)
         self.window.release(names)
 
     def _placeholder(self, shape) -> torch.Tensor:

@@ -1,0 +1,145 @@
+"""Rung 3 of the ladder: N out-of-core steps equal plain PyTorch on the same data, bit for bit."""
+import copy
+
+import pytest
+import torch
+
+from tierlm.engine.engine import Engine, EngineConfig
+from tierlm.engine.optimizer import AdamWConfig
+from tierlm.train.schedule import lr_factor
+
+STEPS = 5
+
+
+def batches(n, vocab=128, bsz=2, seq=12, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (bsz, seq), generator=g) for _ in range(n)]
+
+
+def run_reference(model, data, *, lr, wd, clip, accum, warmup, precision, impl="fused"):
+    """Plain PyTorch: the model in memory, torch.optim.AdamW, LambdaLR, clip_grad_norm_.
+    bf16: bf16 model, fp32 master copies hold the AdamW state, gradients upcast and accumulated in fp32."""
+    model = copy.deepcopy(model)
+    sched_fn = lr_factor("cosine", warmup, len(data) // accum)
+    if precision == "fp32":
+        params = list(model.parameters())
+    else:
+        # fp32 masters from the fp32 checkpoint; bf16 copies for compute (weights only: buffers
+        # such as the rotary frequencies stay fp32)
+        params = [p.detach().clone().requires_grad_(True) for p in model.parameters()]
+        for p in model.parameters():
+            p.data = p.data.to(torch.bfloat16)
+    flags = {"fused": dict(fused=True), "foreach": dict(foreach=True), "single": dict(foreach=False)}[impl]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=wd, **flags)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, sched_fn)
+    losses, norms = [], []
+    for s in range(len(data) // accum):
+        for x in data[s * accum:(s + 1) * accum]:
+            loss = model(input_ids=x, labels=x).loss
+            (loss / accum).backward()
+            losses.append(loss.item())
+            if precision == "bf16":
+                for p, m in zip(model.parameters(), params):
+                    m.grad = p.grad.float() if m.grad is None else m.grad + p.grad.float()
+                    p.grad = None
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(params, clip)))
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        if precision == "bf16":
+            with torch.no_grad():
+                for p, m in zip(model.parameters(), params):
+                    p.copy_(m)
+    masters = dict(zip([n for n, _ in model.named_parameters()], [p.detach() for p in params]))
+    return model, masters, losses, norms
+
+
+def run_engine(model_dir, tmp_path, data, *, lr, wd, clip, accum, warmup, precision, impl="fused",
+               activations="auto", shard_elems=None):
+    optim = AdamWConfig(lr=lr, weight_decay=wd, max_grad_norm=clip, impl=impl)
+    kw = dict(shard_elems=shard_elems) if shard_elems else {}
+    cfg = EngineConfig(nvme_dir=str(tmp_path / f"nvme-{precision}-{activations}"), cpu_mem="1GiB",
+                       precision=precision, grad_accum=accum, activations=activations, optim=optim,
+                       tokens_per_micro_batch=data[0].numel(), **kw)
+    eng = Engine.from_pretrained(model_dir, cfg)
+    sched_fn = lr_factor("cosine", warmup, len(data) // accum)
+    losses, results = [], []
+    try:
+        for s in range(len(data) // accum):
+            eng.set_lr(lr * sched_fn(s))
+            for x in data[s * accum:(s + 1) * accum]:
+                loss = eng.forward(x, labels=x).loss
+                eng.backward(loss)
+                losses.append(loss.item())
+            results.append(eng.step())
+        masters = {n: eng.master(n) for n in eng.names}
+        weights = {n: eng.weights(n) for n in eng.names}
+    finally:
+        eng.close()
+    return masters, weights, losses, results
+
+
+def assert_same(ref: dict, got: dict):
+    for n, t in ref.items():
+        assert torch.equal(got[n], t), f"{n}: max diff {(got[n].float() - t.float()).abs().max().item()}"
+
+
+@pytest.mark.parametrize("clip", [None, 0.5, 100.0], ids=["noclip", "clip-triggers", "clip-never"])
+def test_fp32_equals_torch_adamw(make_model_dir, tmp_path, clip):
+    model_dir, model = make_model_dir("llama")
+    data = batches(STEPS)
+    kw = dict(lr=1e-2, wd=0.1, clip=clip, accum=1, warmup=2, precision="fp32")
+    ref_model, ref_master, ref_losses, ref_norms = run_reference(model, data, **kw)
+    masters, _, losses, results = run_engine(model_dir, tmp_path, data, **kw)
+    assert losses == ref_losses
+    assert_same(ref_master, masters)
+    if clip is not None:
+        assert [r.grad_norm for r in results] == ref_norms
+        redone = [r.redone for r in results]
+        assert all(redone) if clip == 0.5 else not any(redone)
+
+
+def test_fp32_gradient_accumulation(make_model_dir, tmp_path):
+    model_dir, model = make_model_dir("llama")
+    data = batches(3 * 3)
+    kw = dict(lr=1e-2, wd=0.05, clip=0.8, accum=3, warmup=1, precision="fp32")
+    _, ref_master, ref_losses, _ = run_reference(model, data, **kw)
+    masters, _, losses, _ = run_engine(model_dir, tmp_path, data, **kw)
+    assert losses == ref_losses
+    assert_same(ref_master, masters)
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_bf16_equals_mixed_precision_loop(make_model_dir, tmp_path, accum):
+    model_dir, model = make_model_dir("llama")
+    data = batches(4 * accum)
+    kw = dict(lr=5e-3, wd=0.1, clip=1.0, accum=accum, warmup=1, precision="bf16")
+    ref_model, ref_master, ref_losses, _ = run_reference(model, data, **kw)
+    masters, weights, losses, _ = run_engine(model_dir, tmp_path, data, **kw)
+    assert losses == ref_losses
+    assert_same(ref_master, masters)
+    assert_same({n: p.detach() for n, p in ref_model.named_parameters()}, weights)
+
+
+@pytest.mark.parametrize("impl", ["foreach", "single"])
+def test_other_adamw_kernels(make_model_dir, tmp_path, impl):
+    model_dir, model = make_model_dir("llama")
+    data = batches(3)
+    kw = dict(lr=1e-2, wd=0.1, clip=0.5, accum=1, warmup=0, precision="fp32", impl=impl)
+    _, ref_master, _, _ = run_reference(model, data, **kw)
+    masters, _, _, _ = run_engine(model_dir, tmp_path, data, **kw)
+    assert_same(ref_master, masters)
+
+
+@pytest.mark.parametrize("activations", ["keep", "recompute"])
+def test_activation_policies_and_sharding_do_not_change_bits(make_model_dir, tmp_path, activations):
+    # Shards of 2048 elements split every matrix of the tiny model: the sharded optimizer path.
+    model_dir, model = make_model_dir("llama")
+    data = batches(3)
+    kw = dict(lr=1e-2, wd=0.1, clip=None, accum=1, warmup=0, precision="fp32")
+    _, ref_master, ref_losses, _ = run_reference(model, data, **kw)
+    masters, _, losses, _ = run_engine(model_dir, tmp_path, data, activations=activations,
+                                       shard_elems=2048, **kw)
+    assert losses == ref_losses
+    assert_same(ref_master, masters)
