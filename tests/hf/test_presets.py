@@ -1,0 +1,135 @@
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tierlm.hf.presets import ARCHS, PRESETS, make_config, param_count
+
+# model.num_parameters() of the published checkpoints
+PUBLISHED = {
+    "qwen2.5-0.5b": 494_032_768,
+    "qwen2.5-1.5b": 1_543_714_304,
+    "qwen2.5-7b": 7_615_616_512,
+    "tinyllama-1.1b": 1_100_048_384,
+    "llama-3.2-1b": 1_235_814_400,
+    "llama-3.2-3b": 3_212_749_824,
+    "llama-2-7b": 6_738_415_616,
+    "llama-2-13b": 13_015_864_320,
+    "mistral-7b": 7_241_732_096,
+    "gpt2": 124_439_808,
+}
+
+
+def _meta_count(config) -> int:
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())  # parameters() counts a tied weight once
+
+
+def test_required_presets_exist_with_sources():
+    for name in ("qwen2.5-0.5b", "tinyllama-1.1b", "llama-3.2-1b", "llama-2-7b", "llama-2-13b", "mistral-7b",
+                 "gpt2", "gpt3-175b"):
+        assert name in PRESETS and PRESETS[name].source
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_preset_param_count_is_exact(name):
+    config = make_config(preset=name)
+    assert param_count(config) == _meta_count(config)
+    if name in PUBLISHED:
+        assert param_count(config) == PUBLISHED[name]
+
+
+def test_gpt3_shapes():
+    c = make_config(preset="gpt3-175b")
+    assert (c.model_type, c.n_layer, c.n_embd, c.n_head, c.n_positions, c.vocab_size) == \
+        ("gpt2", 96, 12288, 96, 2048, 50257)
+    assert 174e9 < param_count(c) < 176e9
+
+
+def test_published_details():
+    q = make_config(preset="qwen2.5-0.5b")
+    assert (q.hidden_size, q.num_hidden_layers, q.num_attention_heads, q.num_key_value_heads) == (896, 24, 14, 2)
+    assert q.tie_word_embeddings and q.rope_parameters["rope_theta"] == 1e6 and q.max_position_embeddings == 32768
+    ll = make_config(preset="llama-3.2-1b")
+    assert ll.rope_parameters["rope_type"] == "llama3" and ll.rope_parameters["factor"] == 32.0
+    assert ll.rope_parameters["rope_theta"] == 500000.0 and ll.tie_word_embeddings and ll.head_dim == 64
+    assert ll.dtype == "bfloat16" and ll.architectures == ["LlamaForCausalLM"]
+    t = make_config(preset="tinyllama-1.1b")
+    assert (t.num_key_value_heads, t.intermediate_size, t.max_position_embeddings) == (4, 5632, 2048)
+    assert make_config(preset="mistral-7b").sliding_window == 4096
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("overrides", [
+    {},
+    {"hidden": 96},
+    {"hidden": 128, "layers": 3, "kv_heads": 1, "vocab": 300},
+    {"heads": 8, "intermediate": 100, "tie_embeddings": False},
+    {"tie_embeddings": True, "max_positions": 64},
+])
+def test_tiny_param_count_matches_model(arch, overrides):
+    if arch == "gpt2":
+        overrides = {k: v for k, v in overrides.items() if k != "kv_heads"}
+    c = make_config(arch, overrides=overrides)
+    assert param_count(c) == _meta_count(c)
+    heads = c.num_attention_heads if arch != "gpt2" else c.n_head
+    hidden = c.hidden_size if arch != "gpt2" else c.n_embd
+    assert hidden % heads == 0 and (hidden // heads) % 2 == 0
+    if arch != "gpt2":
+        assert heads % c.num_key_value_heads == 0
+        assert c.head_dim == hidden // heads if hasattr(c, "head_dim") else True
+
+
+@pytest.mark.parametrize("extra", [{"attention_bias": True}, {"mlp_bias": True}])
+def test_llama_bias_variants_counted(extra):
+    c = make_config("llama", overrides=extra)
+    assert param_count(c) == _meta_count(c)
+
+
+def test_derived_shapes_when_only_hidden_changes():
+    c = make_config(preset="tinyllama-1.1b", overrides={"hidden": 1024})
+    assert c.num_attention_heads == 16 and c.head_dim == 64  # head_dim kept
+    assert c.num_key_value_heads == 2  # group size 8 kept
+    assert c.intermediate_size == 2816  # MLP ratio kept
+    c = make_config("llama", overrides={"hidden": 48})
+    assert 48 % c.num_attention_heads == 0 and (48 // c.num_attention_heads) % 2 == 0
+    assert c.num_attention_heads % c.num_key_value_heads == 0
+    g = make_config("gpt2", overrides={"hidden": 96})
+    assert g.n_embd == 96 and 96 % g.n_head == 0 and g.n_inner is None  # 4 * hidden
+
+
+def test_tiny_defaults_and_dropout():
+    c = make_config("llama")
+    assert (c.num_hidden_layers, c.hidden_size) == (2, 64)
+    g = make_config("gpt2")
+    assert g.resid_pdrop == g.embd_pdrop == g.attn_pdrop == 0.0
+    assert make_config(preset="gpt2").attn_pdrop == 0.0
+    assert make_config("qwen2").attention_dropout == 0.0
+    assert make_config("llama", overrides={"dtype": "bf16"}).dtype == "bfloat16"
+    assert make_config("llama", overrides={"dtype": torch.float16}).dtype == "float16"
+    assert make_config("llama", overrides={"rms_norm_eps": 1e-3}).rms_norm_eps == 1e-3  # native field
+    assert make_config("qwen2", overrides={"rope_theta": 1234.0}).rope_parameters["rope_theta"] == 1234.0
+    # published token ids that fall outside a shrunken vocab are dropped
+    small = make_config(preset="llama-3.2-1b", overrides={"vocab": 512, "layers": 1, "hidden": 64})
+    assert small.bos_token_id is None and small.eos_token_id is None
+
+
+def test_errors_list_valid_names():
+    with pytest.raises(ValueError, match="llama, qwen2, mistral, gpt2"):
+        make_config("bert")
+    with pytest.raises(ValueError, match="qwen2.5-0.5b"):
+        make_config(preset="llama-9b")
+    with pytest.raises(ValueError, match="give an arch"):
+        make_config()
+    with pytest.raises(ValueError, match="is a llama model"):
+        make_config("gpt2", preset="llama-2-7b")
+    with pytest.raises(ValueError, match="unknown override.*hiden"):
+        make_config("llama", overrides={"hiden": 64})
+    with pytest.raises(ValueError, match="kv_heads=3 must divide heads=4"):
+        make_config("llama", overrides={"kv_heads": 3})
+    with pytest.raises(ValueError, match="heads=5"):
+        make_config("llama", overrides={"heads": 5})
+    with pytest.raises(ValueError, match="gpt2 has no grouped-query"):
+        make_config("gpt2", overrides={"kv_heads": 1})
+    with pytest.raises(ValueError, match="dtype"):
+        make_config("llama", overrides={"dtype": "int3"})

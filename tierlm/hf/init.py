@@ -1,0 +1,139 @@
+"""Create a randomly initialised HF model directory without ever holding the whole model.
+
+The model is built on the `meta` device (shapes only), then materialised one piece at a time (a
+decoder layer, the embedding, the final norm, the head), initialised with the model's own
+`_init_weights`, streamed to safetensors and dropped back to meta. Peak memory is the largest
+piece (usually the embedding), so a 3B model is created inside a 4 GiB budget.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers import initialization as hf_init
+
+from tierlm.hf.presets import dtype_name
+from tierlm.hf.safetensors_io import SafetensorsWriter
+from tierlm.hf.tokenizer import make_tokenizer, special_token_ids
+
+
+def _has_saved_state(mod: nn.Module) -> bool:
+    bufs = [n for n, b in mod._buffers.items() if b is not None and n not in mod._non_persistent_buffers_set]
+    return any(p is not None for p in mod._parameters.values()) or bool(bufs)
+
+
+def _pieces(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(qualified name, module) units to materialise one at a time, in state_dict order.
+
+    Each element of a ModuleList is one unit (a decoder layer); elsewhere the first module on each
+    path that owns saved state is one, with its whole subtree. Modules holding only non-persistent
+    buffers (rotary inv_freq) are skipped: nothing of theirs is saved.
+    """
+    out = []
+
+    def walk(prefix: str, mod: nn.Module) -> None:
+        if isinstance(mod, nn.ModuleList):
+            out.extend((prefix + name, child) for name, child in mod.named_children())
+            return
+        if _has_saved_state(mod):
+            out.append((prefix.rstrip("."), mod))
+            return
+        for name, child in mod.named_children():
+            walk(prefix + name + ".", child)
+
+    walk("", model)
+    return out
+
+
+def _saved_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """state_dict entries that go to disk: a tensor shared by several names (tied embeddings) is saved
+    once, under the first name, as save_pretrained does."""
+    seen, keep = set(), {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            keep[name] = t
+    return keep
+
+
+@torch.no_grad()
+def _init_piece(model, piece: nn.Module) -> None:
+    # Children before parents, as initialize_weights() does: GPT-2's attention/MLP re-draw their
+    # c_proj after the generic Conv1D init with a depth-scaled std.
+    with hf_init.guard_torch_init_functions():
+        for sub in reversed(list(piece.modules())):
+            model._init_weights(sub)
+
+
+def _write_piece(model, piece: nn.Module, prefix: str, saved: dict, writer: SafetensorsWriter) -> None:
+    # A function of its own so no loop variable keeps the last tensor alive after the piece is freed.
+    piece.to_empty(device="cpu")
+    _init_piece(model, piece)
+    for k, t in piece.state_dict(prefix=prefix).items():
+        if k in saved:
+            writer.write(k, t)
+    piece.to_empty(device="meta")
+
+
+def init_model(out_dir: str | os.PathLike, config, seed: int = 0, dtype: str | torch.dtype | None = None,
+               tokenizer_text: list[str] | None = None, max_shard_bytes: int | str = "2GiB",
+               tokenizer: bool = True, overwrite: bool = False) -> Path:
+    """Write config.json, generation_config.json, safetensors weights and a tokenizer to out_dir.
+
+    `dtype` defaults to config.dtype, else float32. With `tokenizer`, a byte-level tokenizer (BPE
+    trained on `tokenizer_text` files when given) is written and its special-token ids go into the
+    config. Returns out_dir.
+    """
+    out = Path(out_dir)
+    if (out / "config.json").exists() and not overwrite:
+        raise FileExistsError(f"{out} already holds a model (config.json); pick a new directory or pass "
+                              "overwrite=True")
+    out.mkdir(parents=True, exist_ok=True)
+    # Overwriting: drop the old config first, so until this finishes the directory reads as unfinished
+    # rather than as the old model's config over new weights.
+    (out / "config.json").unlink(missing_ok=True)
+    config = copy.deepcopy(config)
+    dtype = getattr(torch, dtype_name(dtype or getattr(config, "dtype", None) or "float32"))
+    config.dtype = dtype_name(dtype)
+    gen_kw = {}
+    if tokenizer:
+        max_len = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+        tok = make_tokenizer(out, tokenizer_text, vocab_size=config.vocab_size, model_max_length=max_len)
+        ids = special_token_ids(tok)
+        config.bos_token_id, config.eos_token_id = ids["bos_token_id"], ids["eos_token_id"]
+        # pad stays out of config.json on purpose: Llama-family models turn config.pad_token_id into
+        # nn.Embedding(padding_idx=...), which zeroes that row and freezes its gradient - and our pad
+        # is the end-of-text token. Generation gets it from generation_config instead.
+        config.pad_token_id = None
+        gen_kw = dict(bos_token_id=ids["bos_token_id"], pad_token_id=ids["pad_token_id"],
+                      eos_token_id=[ids["eos_token_id"], ids["im_end_token_id"]])
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    model.to(dtype)  # on meta: free, and to_empty() below then allocates each piece in this dtype
+    model.eval()
+    saved = _saved_tensors(model)
+    writer = SafetensorsWriter(out, [(n, t.dtype, t.shape) for n, t in saved.items()], max_shard_bytes)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            for name, piece in _pieces(model):
+                prefix = name + "." if name else ""
+                keys = [prefix + k for k in piece.state_dict(keep_vars=True)]
+                if not any(k in saved for k in keys):
+                    continue  # e.g. a tied lm_head: its weight is the embedding, already written
+                _write_piece(model, piece, prefix, saved, writer)
+    except BaseException:
+        writer.abort()
+        raise
+    writer.close()
+
+    # Config last: a directory without config.json is plainly unfinished.
+    if gen_kw:
+        GenerationConfig(**gen_kw).save_pretrained(out)
+    config.save_pretrained(out)
+    return out
