@@ -22,7 +22,7 @@ def _tame_malloc() -> None:
         return
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
     libc.mallopt(M_ARENA_MAX, 2)
-    libc.mallopt(M_MMAP_THRESHOLD, 256 * 1024)
+    libc.mallopt(M_MMAP_THRESHOLD, 64 * 1024)
     libc.mallopt(M_TRIM_THRESHOLD, 1 << 20)
 
 

@@ -23,6 +23,18 @@ def current_rss() -> int:
 
 
 def peak_rss() -> int:
+    """This process's peak RSS: the kernel's high-water mark of its memory map (VmHWM).
+
+    ru_maxrss would do, except that Linux carries it across exec: a process started from a large
+    parent (pytest with torch loaded) would report the parent's size as its own peak.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -34,15 +46,35 @@ def trim() -> None:
         pass
 
 
-def library_baseline(config) -> int:
-    """RSS once torch, transformers and this architecture's model code are imported: the fixed cost
-    of the libraries, which `--cpu-mem` does not count. Imports the model code to measure it."""
-    from transformers import AutoModelForCausalLM
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # noqa: F401
+def library_baseline(config, dtype: torch.dtype = torch.bfloat16) -> int:
+    """RSS of the libraries alone: torch, transformers, this architecture's model code, and the
+    code pages of the kernels it runs (a tiny model of the same architecture runs one forward and
+    backward in `dtype` to touch them). `--cpu-mem` counts everything beyond this; none of it grows
+    with the model."""
+    from ..hf.presets import make_config
+    from .model import empty_model  # noqa: F401  (our own modules, imported before measuring)
 
-    AutoModelForCausalLM._model_mapping[type(config)]  # imports modeling_<arch>
+    tiny = make_config(config.model_type, None, {})
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    state = torch.random.get_rng_state()
+    m = AutoModelForCausalLM.from_config(tiny).to(dtype)
+    ids = torch.randint(0, tiny.vocab_size, (1, 8))
+    m(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    del m
+    torch.random.set_rng_state(state)
     trim()
     return current_rss()
+
+
+def shard_elems_for(budget: int) -> int:
+    """Optimizer shard size: one shard's buffers (fp32 master, m, v, gradient, working weights:
+    18 bytes an element) at most a twentieth of the budget, a multiple of 2048, at most 4M."""
+    from .layout import DEFAULT_SHARD_ELEMS
+
+    n = budget // 20 // 18 // 2048 * 2048
+    return max(2048, min(DEFAULT_SHARD_ELEMS, n))
 
 
 @dataclass
@@ -76,13 +108,19 @@ def logits_bytes(config, tokens: int, dtype: torch.dtype) -> int:
     return tokens * config.vocab_size * (torch.empty((), dtype=dtype).element_size() + 12)
 
 
+# Memory the process needs beyond what the split names: the compute kernels' caches and scratch
+# for the model's real shapes (oneDNN primitives, ~15 MiB measured on a 512-wide llama) and the
+# allocator's slack between steps.
+RUNTIME_RESERVE = 16 << 20
+
+
 def plan_split(budget: int, baseline: int, max_block_weight: int, max_block_grad: int,
                optimizer_item: int, layer_act: int, layer_input: int, n_layers: int,
                logits: int, prefetch: int) -> Split:
     window = (prefetch + 2) * max_block_weight
     optimizer = 4 * optimizer_item
     grads = 2 * max_block_grad
-    compute = 2 * layer_act + logits
+    compute = 2 * layer_act + logits + RUNTIME_RESERVE
     floor = baseline + 2 * max_block_weight + optimizer_item + max_block_grad + n_layers * layer_input + compute
     if floor > budget:
         raise BudgetError(
@@ -90,7 +128,7 @@ def plan_split(budget: int, baseline: int, max_block_weight: int, max_block_grad
             f"is needed (process baseline {fmt_bytes(baseline)}, 2 blocks of weights "
             f"{fmt_bytes(2 * max_block_weight)}, one optimizer shard {fmt_bytes(optimizer_item)}, "
             f"one block of gradients {fmt_bytes(max_block_grad)}, layer inputs "
-            f"{fmt_bytes(n_layers * layer_input)}, compute and logits {fmt_bytes(compute)}). "
+            f"{fmt_bytes(n_layers * layer_input)}, compute, logits and kernel scratch {fmt_bytes(compute)}). "
             f"Raise --cpu-mem to {fmt_bytes(floor * 1.1)} or more, or lower --batch-size / --seq-len.")
     spare = budget - baseline - compute - n_layers * layer_input
     # Shrink the generous defaults toward the floor until they fit, keeping proportions.

@@ -26,7 +26,7 @@ from ..storage import HostBufferPool, TensorStore
 from ..units import fmt_bytes, parse_bytes
 from . import budget as B
 from .block_fn import ParamRefHooks, wrap_layer
-from .layout import DEFAULT_SHARD_ELEMS, key, make_param_info, nbytes
+from .layout import key, make_param_info, nbytes
 from .model import discover_blocks, empty_model, module_param_slots
 from .optimizer import AdamWConfig, OutOfCoreAdamW, StepResult
 from .weights import WeightWindow
@@ -43,7 +43,7 @@ class EngineConfig:
     grad_accum: int = 1
     activations: str = "auto"        # auto | keep | recompute
     prefetch: int = 2                # blocks read ahead of the one computing
-    shard_elems: int = DEFAULT_SHARD_ELEMS
+    shard_elems: int | None = None   # optimizer shard size; None: from the budget (<= 4M elements)
     io_threads: int = 4
     direct_io: bool | None = None    # None: where the file system allows it
     optim: AdamWConfig = field(default_factory=AdamWConfig)
@@ -73,7 +73,8 @@ class Engine:
         self.model = model
         self.blocks, params = discover_blocks(model)
         self.names = list(params)  # canonical order: model.parameters()
-        self.infos = {n: make_param_info(n, tuple(p.shape), cfg.shard_elems) for n, p in params.items()}
+        self.shard_elems = cfg.shard_elems or B.shard_elems_for(cfg.cpu_mem)
+        self.infos = {n: make_param_info(n, tuple(p.shape), self.shard_elems) for n, p in params.items()}
         self._install_params(model)
         self.hooks = ParamRefHooks()
         for blk in self.blocks:
@@ -182,7 +183,7 @@ class Engine:
             return sum(nbytes(dt, self.infos[n].numel) for n in blk.uses)
         max_w = max(block_bytes(b, self.dtype) for b in self.blocks)
         max_g = max(sum(nbytes(self.dtype, self.infos[n].numel) for n in b.owns) for b in self.blocks)
-        shard = min(self.cfg.shard_elems, max(i.numel for i in self.infos.values()))
+        shard = min(self.shard_elems, max(i.numel for i in self.infos.values()))
         item = shard * (16 + (2 if self.dtype != torch.float32 else 0))
         tokens = self.cfg.tokens_per_micro_batch
         act = B.layer_activation_bytes(self.config, tokens, self.dtype)
@@ -193,7 +194,7 @@ class Engine:
 
     def _fingerprint(self) -> dict:
         return {"model_type": self.config.model_type, "precision": self.cfg.precision,
-                "shard_elems": self.cfg.shard_elems,
+                "shard_elems": self.shard_elems,
                 "params": {n: list(i.shape) for n, i in self.infos.items()}}
 
     def _load_or_import(self, source, resume: bool) -> dict:
@@ -350,6 +351,7 @@ class Engine:
             self._save_state()
         else:
             self.optimizer.discard()
+        B.trim()  # between steps, hand the freed heap back (activations are small tensors)
         self._prefetch_from(-1, +1)
         return res
 

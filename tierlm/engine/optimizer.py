@@ -230,6 +230,10 @@ class OutOfCoreAdamW:
                 if name is None:
                     break
                 arrival.append(name)
+                if mode == "update" and micro == 0:
+                    # The whole gradient is here: the very reduction clip_grad_norm_ runs on it
+                    # (upcasting inside the reduction gives the same bits as on a float copy).
+                    self._norms[name] = torch.linalg.vector_norm(self._grads[name], 2, dtype=torch.float32)
                 for k in range(len(self.infos[name].shards)):
                     it = prepared.pop((name, k), None)
                     while it is None:
@@ -352,7 +356,8 @@ class OutOfCoreAdamW:
             writes.append(self.store.write(key("gacc", it.name, it.shard), g))
         else:
             if mode == "update":
-                self._record_norm(it, g)
+                if micro > 0:
+                    self._record_norm(it, g)
                 if self.cfg.max_grad_norm is not None:
                     writes.append(self.store.write(key("grad", it.name, it.shard), g))
             master = it.bufs["master"].view(torch.float32, (n,))
@@ -378,10 +383,11 @@ class OutOfCoreAdamW:
     def _record_norm(self, it: _Item, g: torch.Tensor) -> None:
         info = self.infos[it.name]
         if len(info.shards) == 1:
-            # The whole tensor: the very reduction clip_grad_norm_ runs, bit for bit.
+            # The whole accumulated gradient: the very reduction clip_grad_norm_ runs.
             self._norms[it.name] = torch.linalg.vector_norm(g, 2)
             return
-        # Sharded tensors combine shard norms: equal to within rounding, not bitwise.
+        # An accumulated gradient exists only shard by shard: combining shard norms equals the
+        # tensor's norm to within rounding, not bitwise.
         sq = torch.linalg.vector_norm(g, 2).double() ** 2
         self._sq[it.name] = sq if it.shard == 0 else self._sq[it.name] + sq
         if it.shard == len(info.shards) - 1:

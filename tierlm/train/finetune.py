@@ -81,7 +81,8 @@ def finetune(cfg: FinetuneConfig | None = None, **options) -> dict:
     check_model_dir(cfg.model)
     from transformers import AutoConfig
     from ..engine.budget import library_baseline
-    library_rss = library_baseline(AutoConfig.from_pretrained(cfg.model))
+    library_rss = library_baseline(AutoConfig.from_pretrained(cfg.model),
+                                   torch.bfloat16 if cfg.precision == "bf16" else torch.float32)
     tokenizer = load_tokenizer(cfg.model)
     dataset = load_dataset(cfg.data, tokenizer, cfg.seq_len)
     batches = Batches(dataset, cfg.batch_size, seed=cfg.seed)

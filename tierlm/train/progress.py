@@ -21,18 +21,20 @@ class Progress:
         self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, leave=False)
         self.bar.write(f"data: {data_summary}")
         st = engine.split
-        self.bar.write(f"budget {fmt_bytes(st.budget)}: {st.describe()}; "
+        self.bar.write(f"--cpu-mem {fmt_bytes(st.budget)} beyond the libraries' {fmt_bytes(engine.library_rss)}: "
+                       f"{st.describe()}; "
                        f"direct I/O {'on' if engine.store.direct else 'off'}; nvme {engine.root}")
 
     def step(self, step: int, loss: float, lr: float, res, tokens: int, dt: float, io0: dict) -> None:
         io = self.engine.store.stats.snapshot()
         rd = io["bytes_read"] - io0["bytes_read"]
         wr = io["bytes_written"] - io0["bytes_written"]
-        rss = B.current_rss()
-        peak = B.peak_rss()
+        lib = self.engine.library_rss
+        rss = B.current_rss() - lib
+        peak = B.peak_rss() - lib
         row = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": res.grad_norm,
                "clip_coef": res.clip_coef, "skipped": not res.finite, "s_per_step": dt,
-               "tokens": tokens, "tokens_per_s": tokens / dt, "rss_bytes": rss, "peak_rss_bytes": peak,
+               "tokens": tokens, "tokens_per_s": tokens / dt, "rss_bytes": rss, "peak_rss_bytes": peak, "library_rss_bytes": lib,
                "budget_bytes": self.budget, "ssd_read_bytes": rd, "ssd_write_bytes": wr,
                "ssd_read_gbps": rd / dt / 1e9, "ssd_write_gbps": wr / dt / 1e9, "time": time.time()}
         self.rows.append(row)
@@ -42,8 +44,8 @@ class Progress:
         clip = f" clip {res.clip_coef:.2f}" if res.clip_coef < 1 else ""
         self.bar.write(
             f"step {step + 1}/{self.total} loss {loss:.4f} lr {lr:.2e} gnorm {res.grad_norm:.3f}{clip} | "
-            f"{dt:.2f} s/step {tokens / dt:,.0f} tok/s | RSS {fmt_bytes(rss)} (peak {fmt_bytes(peak)}) "
-            f"of {fmt_bytes(self.budget)} + torch | SSD read {rd / dt / 1e9:.2f} GB/s "
+            f"{dt:.2f} s/step {tokens / dt:,.0f} tok/s | RAM {fmt_bytes(rss)} (peak {fmt_bytes(peak)}) "
+            f"of {fmt_bytes(self.budget)} | SSD read {rd / dt / 1e9:.2f} GB/s "
             f"write {wr / dt / 1e9:.2f} GB/s{skipped}")
         self.bar.update(1)
 
@@ -52,7 +54,8 @@ class Progress:
         return {"steps": len(rows), "first_loss": rows[0]["loss"] if rows else None,
                 "last_loss": rows[-1]["loss"] if rows else None,
                 "mean_s_per_step": sum(r["s_per_step"] for r in rows) / max(len(rows), 1),
-                "peak_rss_bytes": B.peak_rss(), "budget_bytes": self.budget,
+                "peak_rss_bytes": B.peak_rss(), "library_rss_bytes": self.engine.library_rss,
+                "budget_bytes": self.budget,
                 "final_model": str(final_dir), "wall_s": time.perf_counter() - self.t_start}
 
     def close(self) -> None:
