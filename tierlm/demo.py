@@ -8,6 +8,10 @@ under a RAM budget smaller than the training state, and generates from the resul
 from __future__ import annotations
 
 import ast
+import json
+import shutil
+import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -39,7 +43,6 @@ def stdlib_corpus(out: Path, max_bytes: int = 3_000_000) -> Path:
 def run_demo(directory: str = "runs/demo", cpu_mem: str = "160MiB", steps: int = 30) -> dict:
     from .hf.init import init_model
     from .hf.presets import make_config, param_count
-    from .train.finetune import FinetuneConfig, finetune
 
     d = Path(directory)
     corpus = stdlib_corpus(d / "data" / "stdlib_docstrings.txt")
@@ -53,15 +56,19 @@ def run_demo(directory: str = "runs/demo", cpu_mem: str = "160MiB", steps: int =
     budget = parse_bytes(cpu_mem)
     print(f"model: {model_dir}, llama, {n / 1e6:.1f}M parameters; training state {fmt_bytes(state)} "
           f"= {state / budget:.1f}x the --cpu-mem budget of {fmt_bytes(budget)}")
-    cfg = FinetuneConfig(model=str(model_dir), data=str(corpus), output=str(d / "run"), cpu_mem=cpu_mem,
-                         seq_len=128, batch_size=4, steps=steps, lr=2e-3, schedule="cosine",
-                         warmup_steps=3, weight_decay=0.01, max_grad_norm=1.0,
-                         sample_prompt="Return the", sample_tokens=30)
-    summary = finetune(cfg)
+    run = d / "run"
+    shutil.rmtree(run, ignore_errors=True)
+    # A process of its own, so that its peak RSS is the fine-tune's and nothing else's.
+    cmd = [sys.executable, "-m", "tierlm", "finetune", str(model_dir), "--data", str(corpus),
+           "--output", str(run), "--cpu-mem", cpu_mem, "--seq-len", "128", "--batch-size", "4",
+           "--steps", str(steps), "--lr", "2e-3", "--schedule", "cosine", "--warmup-steps", "3",
+           "--weight-decay", "0.01", "--max-grad-norm", "1.0", "--sample-prompt", "Return the",
+           "--sample-tokens", "30", "--sample-temperature", "0.8"]
+    print("$ tierlm finetune " + " ".join(cmd[4:]), flush=True)
+    subprocess.run(cmd, check=True)
+    summary = json.loads((run / "summary.json").read_text())
     beyond = summary["peak_rss_bytes"] - summary["library_rss_bytes"]
-    print(f"loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f} over {summary['steps']} steps; "
-          f"peak RSS {fmt_bytes(summary['peak_rss_bytes'])} = the libraries' "
-          f"{fmt_bytes(summary['library_rss_bytes'])} + {fmt_bytes(beyond)} (budget {fmt_bytes(budget)})")
-    print(f"fine-tuned model: {summary['final_model']} (loads with transformers)")
-    print(f"sample after fine-tuning: 'Return the{summary.get('sample', '')}'")
+    print(f"\ndemo: {n / 1e6:.1f}M parameters, training state {fmt_bytes(state)} on disk "
+          f"({state / budget:.1f}x --cpu-mem {cpu_mem}); peak RSS beyond the libraries {fmt_bytes(beyond)}; "
+          f"loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f}")
     return summary

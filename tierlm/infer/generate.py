@@ -38,7 +38,9 @@ def generate_ids(engine, input_ids: torch.Tensor, max_new_tokens: int, temperatu
     return torch.cat([input_ids, torch.stack(out_tokens, 1)], 1) if out_tokens else input_ids
 
 
-def generate(engine, tokenizer, prompt: str, max_new_tokens: int = 40, temperature: float = 0.0) -> str:
+def generate(engine, tokenizer, prompt: str, max_new_tokens: int = 40, temperature: float = 0.0,
+             seed: int = 0) -> str:
     ids = tokenizer(prompt, return_tensors="pt").input_ids
-    out = generate_ids(engine, ids, max_new_tokens, temperature, eos_token_id=tokenizer.eos_token_id)
+    out = generate_ids(engine, ids, max_new_tokens, temperature, eos_token_id=tokenizer.eos_token_id,
+                       seed=seed)
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)

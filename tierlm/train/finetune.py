@@ -44,6 +44,7 @@ class FinetuneConfig:
     save_dtype: str | None = option(None, help="dtype of the saved model (default: the compute dtype)", choices=("bf16", "fp32"))
     sample_prompt: str | None = option(None, help="generate from this prompt with the fine-tuned model at the end")
     sample_tokens: int = option(40, help="tokens to generate for --sample-prompt")
+    sample_temperature: float = option(0.0, help="sampling temperature for --sample-prompt (0: greedy)")
     direct_io: bool | None = option(None, help="force direct I/O on or off (default: where the file system allows)")
     resume: bool = option(False, help="continue from the state in --nvme instead of starting over")
 
@@ -124,7 +125,8 @@ def finetune(cfg: FinetuneConfig | None = None, **options) -> dict:
         summary = progress.summary(final)
         if cfg.sample_prompt:
             from ..infer.generate import generate
-            summary["sample"] = generate(engine, tokenizer, cfg.sample_prompt, cfg.sample_tokens)
+            summary["sample"] = generate(engine, tokenizer, cfg.sample_prompt, cfg.sample_tokens,
+                                         cfg.sample_temperature, seed=cfg.seed)
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
     finally:

@@ -15,7 +15,7 @@ class Progress:
     def __init__(self, total: int, start: int, engine, cfg, metrics_path: Path, data_summary: str):
         self.total, self.engine, self.cfg = total, engine, cfg
         self.budget = parse_bytes(cfg.cpu_mem)
-        self.metrics = open(metrics_path, "a")
+        self.metrics = open(metrics_path, "a" if cfg.resume else "w")
         self.rows: list[dict] = []
         self.t_start = time.perf_counter()
         self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, leave=False)

@@ -1,0 +1,87 @@
+"""The command line end to end: init, finetune, the demo, and bad input as clear errors (exit 2)."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tierlm.cli import main
+
+
+def tierlm(*args, check=True):
+    r = subprocess.run([sys.executable, "-m", "tierlm", *map(str, args)], capture_output=True, text=True)
+    if check:
+        assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli") / "tiny"
+    assert main(["init", str(d), "--arch", "llama", "--layers", "2", "--hidden", "64"]) == 0
+    return d
+
+
+def _data(path, lines):
+    path.write_text("\n".join(json.dumps(x) if not isinstance(x, str) else x for x in lines) + "\n")
+    return path
+
+
+def test_finetune_writes_run_directory_and_loadable_model(tiny, tmp_path, capsys):
+    data = _data(tmp_path / "d.jsonl", [{"prompt": f"Q{i}:", "completion": f" answer {i}"} for i in range(60)])
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("seq_len: 32\nbatch_size: 2\nlr: 0.001\n")
+    rc = main(["finetune", str(tiny), "--data", str(data), "--output", str(tmp_path / "run"), "--cpu-mem", "256MiB",
+               "--config", str(cfg), "--steps", "3", "--grad-accum", "2", "--sample-prompt", "Q1:", "--sample-tokens", "5"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "done: 3 steps" in out and "sample:" in out
+    run = tmp_path / "run"
+    resolved = json.loads((run / "config.json").read_text())
+    assert resolved["seq_len"] == 32 and resolved["grad_accum"] == 2 and resolved["steps"] == 3
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["ssd_read_bytes"] > 0 and r["ssd_write_bytes"] > 0 and r["tokens"] == 2 * 2 * 32 for r in rows)
+    model = AutoModelForCausalLM.from_pretrained(run / "final")
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=torch.tensor([[1, 2, 3]])).logits).all()
+
+
+def test_unknown_config_key_is_refused(tiny, tmp_path, capsys):
+    data = _data(tmp_path / "d.txt", ["some text " * 50])
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("learning_rate: 0.1\n")
+    assert main(["finetune", str(tiny), "--data", str(data), "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "unknown option 'learning_rate'" in err and "lr" in err
+
+
+def test_malformed_data_line_names_file_and_line_before_any_step(tiny, tmp_path, capsys):
+    data = _data(tmp_path / "bad.jsonl", [{"text": "fine"}, {"text": "fine too"}, "{not json"])
+    assert main(["finetune", str(tiny), "--data", str(data), "--output", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "bad.jsonl:3: invalid JSON" in err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_budget_too_small_says_how_much_and_which_flag(tiny, tmp_path, capsys):
+    data = _data(tmp_path / "d.txt", ["some text " * 200])
+    assert main(["finetune", str(tiny), "--data", str(data), "--output", str(tmp_path / "run"),
+                 "--cpu-mem", "1MiB", "--seq-len", "64"]) == 2
+    err = capsys.readouterr().err
+    assert "--cpu-mem 1.00 MiB cannot hold the working set" in err and "Raise --cpu-mem to" in err
+
+
+def test_missing_model_directory(tmp_path, capsys):
+    assert main(["finetune", str(tmp_path / "nope"), "--data", str(tmp_path / "d.txt")]) == 2
+    assert "no such model directory" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_demo_runs_and_loss_goes_down(tmp_path):
+    r = tierlm("demo", "--dir", tmp_path / "demo", "--steps", "8")
+    assert "demo:" in r.stdout and "sample:" in r.stdout
+    summary = json.loads((tmp_path / "demo" / "run" / "summary.json").read_text())
+    assert summary["steps"] == 8 and summary["last_loss"] < summary["first_loss"]
