@@ -143,3 +143,49 @@ def test_activation_policies_and_sharding_do_not_change_bits(make_model_dir, tmp
                                        shard_elems=2048, **kw)
     assert losses == ref_losses
     assert_same(ref_master, masters)
+
+
+def test_wrapping_a_users_in_memory_model(tmp_path):
+    """Engine.from_model: a transformers model object moves to NVMe; the user's own loop matches."""
+    from tests.conftest import tiny_model
+
+    model = tiny_model("mistral")
+    data = batches(3)
+    kw = dict(lr=1e-2, wd=0.0, clip=None, accum=1, warmup=0, precision="fp32")
+    _, ref_master, ref_losses, _ = run_reference(model, data, **kw)
+    sched = lr_factor("cosine", 0, len(data))
+    eng = Engine.from_model(model, EngineConfig(nvme_dir=str(tmp_path / "nvme"), cpu_mem="1GiB",
+                                                precision="fp32", optim=AdamWConfig(lr=1e-2)))
+    try:
+        assert all(p.stride() == (0,) * p.dim() for p in model.parameters())  # the weights left RAM
+        losses = []
+        for s, x in enumerate(data):
+            eng.set_lr(1e-2 * sched(s))
+            loss = eng.forward(x, labels=x).loss
+            eng.backward(loss)
+            eng.step()
+            losses.append(loss.item())
+        assert losses == ref_losses
+        assert_same(ref_master, {n: eng.master(n) for n in eng.names})
+    finally:
+        eng.close()
+
+
+def test_corrupted_state_file_is_named_not_used(make_model_dir, tmp_path):
+    from tierlm.storage import CorruptionError
+
+    model_dir, _ = make_model_dir("llama")
+    eng = Engine.from_pretrained(model_dir, EngineConfig(nvme_dir=str(tmp_path / "nvme"), cpu_mem="1GiB",
+                                                         optim=AdamWConfig(lr=1e-3)))
+    try:
+        x = batches(1)[0]
+        eng.backward(eng.forward(x, labels=x).loss)
+        eng.step()
+        target = next((tmp_path / "nvme" / "master1").rglob("*layers.1.mlp.up_proj*"))
+        raw = bytearray(target.read_bytes())
+        raw[10] ^= 0x40
+        target.write_bytes(bytes(raw))
+        with pytest.raises(CorruptionError, match=r"master1/model\.layers\.1\.mlp\.up_proj\.weight\.0.*checksum"):
+            eng.backward(eng.forward(x, labels=x).loss)
+    finally:
+        eng.close()

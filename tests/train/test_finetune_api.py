@@ -1,0 +1,35 @@
+"""tierlm.finetune(...) from Python: the same options as the CLI, chat data through the template."""
+import json
+
+import pytest
+
+import tierlm
+from tierlm.config import ConfigError
+from tierlm.hf.init import init_model
+from tierlm.hf.presets import make_config
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("api") / "qwen"
+    init_model(d, make_config("qwen2", None, {"layers": 2, "hidden": 64}))
+    return d
+
+
+def test_finetune_on_chat_messages(model_dir, tmp_path):
+    data = tmp_path / "chat.jsonl"
+    data.write_text("\n".join(json.dumps({"messages": [
+        {"role": "user", "content": f"What is {i} plus {i}?"},
+        {"role": "assistant", "content": f"It is {2 * i}."}]}) for i in range(40)) + "\n")
+    summary = tierlm.finetune(model=str(model_dir), data=str(data), output=str(tmp_path / "run"),
+                              cpu_mem="256MiB", seq_len=48, batch_size=2, steps=4, lr=3e-3,
+                              precision="fp32", max_grad_norm=0)
+    assert summary["steps"] == 4
+    assert summary["last_loss"] < summary["first_loss"]
+    assert (tmp_path / "run" / "final" / "config.json").exists()
+    assert (tmp_path / "run" / "final" / "tokenizer_config.json").exists()
+
+
+def test_unknown_option_is_an_error(model_dir):
+    with pytest.raises(ConfigError, match="unknown option 'learning_rate'"):
+        tierlm.finetune(model=str(model_dir), data="x", learning_rate=1.0)
