@@ -30,6 +30,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--precision", default="bf16")
     ap.add_argument("--work", default="/tmp/tierlm-bench")
+    ap.add_argument("--tag", default="", help="suffix of the run directory, to keep runs apart")
     ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more tierlm finetune flags")
     a = ap.parse_args()
 
@@ -44,7 +45,7 @@ def main() -> None:
     corpus = work / "corpus.txt"
     if not corpus.exists():
         stdlib_corpus(corpus)
-    run = work / f"run-{a.preset}-{a.cpu_mem}"
+    run = work / f"run-{a.preset}-{a.cpu_mem}{a.tag}"
     cmd = [sys.executable, "-m", "tierlm", "finetune", str(model), "--data", str(corpus),
            "--output", str(run), "--cpu-mem", a.cpu_mem, "--steps", str(a.steps),
            "--seq-len", str(a.seq_len), "--batch-size", str(a.batch_size), "--precision", a.precision,

@@ -306,8 +306,14 @@ class OutOfCoreAdamW:
             # the saved gradient (redo), the accumulator (later micro-batches), or the fp32 copy
             # of a low-precision gradient
             need.append("g")
+        saved_dtype = None
+        if mode == "redo":
+            saved_dtype = getattr(torch, self.store.record(key("grad", it.name, it.shard)).dtype)
+            if saved_dtype != torch.float32:
+                need.append("gl")  # the saved gradient in its own (low) precision
         for tag in need:
-            size = nbytes(self.weight_dtype, n) if tag == "w" else f32
+            size = nbytes(self.weight_dtype, n) if tag == "w" else \
+                nbytes(saved_dtype, n) if tag == "gl" else f32
             if not self._acquire(it, tag, size, blocking):
                 it.release()
                 return False
@@ -322,10 +328,14 @@ class OutOfCoreAdamW:
                 view("m").zero_()
                 view("v").zero_()
         if mode == "redo":
-            it.reads.append(self.store.read_into(key("grad", it.name, it.shard), view("g"), True))
+            dst = view("g") if saved_dtype == torch.float32 else it.bufs["gl"].view(saved_dtype, (n,))
+            it.reads.append(self.store.read_into(key("grad", it.name, it.shard), dst, True))
         elif micro > 0:
             it.reads.append(self.store.read_into(key("gacc", it.name, it.shard), view("g"), True))
         return True
+
+    def _grad_dtype(self, it: _Item) -> torch.dtype:
+        return getattr(torch, self.store.record(key("grad", it.name, it.shard)).dtype)
 
     def _grad_shard(self, it: _Item, micro: int) -> torch.Tensor:
         """The fp32 gradient of this shard, accumulated over the micro-batches so far."""
@@ -345,10 +355,15 @@ class OutOfCoreAdamW:
         n = it.b - it.a
         info = self.infos[it.name]
         writes = []
+        raw = None
         if mode == "redo":
             g = it.bufs["g"].view(torch.float32, (n,))
+            if "gl" in it.bufs:
+                g.copy_(it.bufs["gl"].view(self._grad_dtype(it), (n,)))  # exact upcast
             g.mul_(clip)  # what clip_grad_norm_ does to each gradient
         else:
+            if micro == 0:
+                raw = self._grads[it.name].reshape(-1)[it.a:it.b]
             g = self._grad_shard(it, micro)
             if it.shard == len(info.shards) - 1:
                 self._done_with_grad(it.name)
@@ -359,7 +374,10 @@ class OutOfCoreAdamW:
                 if micro > 0:
                     self._record_norm(it, g)
                 if self.cfg.max_grad_norm is not None:
-                    writes.append(self.store.write(key("grad", it.name, it.shard), g))
+                    # Saved for a clip redo. A bf16 gradient is saved as bf16: its fp32 upcast is
+                    # exact, so the redo gets the same bits for half the bytes.
+                    src = raw if raw is not None else g
+                    writes.append(self.store.write(key("grad", it.name, it.shard), src))
             master = it.bufs["master"].view(torch.float32, (n,))
             m = it.bufs["m"].view(torch.float32, (n,))
             v = it.bufs["v"].view(torch.float32, (n,))
