@@ -60,7 +60,7 @@ def test_unknown_config_key_is_refused(tiny, tmp_path, capsys):
 
 def test_malformed_data_line_names_file_and_line_before_any_step(tiny, tmp_path, capsys):
     data = _data(tmp_path / "bad.jsonl", [{"text": "fine"}, {"text": "fine too"}, "{not json"])
-    assert main(["finetune", str(tiny), "--data", str(data), "--output", str(tmp_path / "run")]) == 2
+    assert main(["finetune", str(tiny), "--data", str(data), "--output", str(tmp_path / "run"), "--seq-len", "32"]) == 2
     err = capsys.readouterr().err
     assert "bad.jsonl:3: invalid JSON" in err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -25,14 +25,16 @@ from torch import nn
 from ..storage import HostBufferPool, TensorStore
 from ..units import fmt_bytes, parse_bytes
 from . import budget as B
+from ..storage import CorruptionError, StorageError
+from ..faults import fault
+from . import commit as C
 from .block_fn import ParamRefHooks, wrap_layer
 from .layout import key, make_param_info, nbytes
 from .model import discover_blocks, empty_model, module_param_slots
 from .optimizer import AdamWConfig, OutOfCoreAdamW, StepResult
 from .weights import WeightWindow
 
-STATE_FILE = "engine_state.json"
-_MANAGED = ("w0", "w1", "master0", "master1", "m0", "m1", "v0", "v1", "grad", "gacc")
+_MANAGED = ("w0", "w1", "master0", "master1", "m0", "m1", "v0", "v1", "grad", "gacc", "checkpoints")
 
 
 @dataclass
@@ -60,7 +62,7 @@ class EngineConfig:
 
 
 class Engine:
-    def __init__(self, model: nn.Module, source, cfg: EngineConfig, resume: bool = False,
+    def __init__(self, model: nn.Module, source, cfg: EngineConfig, resume: bool = False, overwrite: bool = False,
                  library_rss: int | None = None, on_event=None):
         """model: an HF causal LM whose parameters may be on `meta` (see from_pretrained);
         source(name, out_fp32) fills the fp32 initial value of a parameter (used unless resuming);
@@ -93,7 +95,8 @@ class Engine:
         self.opt_pool = HostBufferPool(self.split.optimizer, name="optimizer buffers")
         self.store = TensorStore(root, self.opt_pool, io_threads=cfg.io_threads,
                                  direct_io=cfg.direct_io, on_event=on_event)
-        self.state = self._load_or_import(source, resume)
+        self.fallbacks: list[str] = []  # committed states passed over on resume, and why
+        self.state = self._load_or_import(source, resume, overwrite)
         weight_dtype = None if self.dtype == torch.float32 else self.dtype
         backward_order = [n for blk in reversed(self.blocks) for n in blk.owns]
         self.optimizer = OutOfCoreAdamW(
@@ -112,7 +115,8 @@ class Engine:
 
     # ---- construction ----------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, model_dir, cfg: EngineConfig, resume: bool = False, **kw) -> "Engine":
+    def from_pretrained(cls, model_dir, cfg: EngineConfig, resume: bool = False, overwrite: bool = False,
+                        **kw) -> "Engine":
         from transformers import AutoConfig
 
         from ..hf.safetensors_io import SafetensorsDir
@@ -133,7 +137,7 @@ class Engine:
                 tmp = torch.empty(out.shape, dtype=dt)
                 st.read(name, tmp)
                 out.copy_(tmp)
-        eng = cls(model, source, cfg, resume=resume, **kw)
+        eng = cls(model, source, cfg, resume=resume, overwrite=overwrite, **kw)
         eng.model_dir = str(model_dir)
         return eng
 
@@ -197,20 +201,20 @@ class Engine:
                 "shard_elems": self.shard_elems,
                 "params": {n: list(i.shape) for n, i in self.infos.items()}}
 
-    def _load_or_import(self, source, resume: bool) -> dict:
-        path = self.root / STATE_FILE
-        if resume and path.exists():
-            state = json.loads(path.read_text())
-            if state["fingerprint"] != self._fingerprint():
-                raise ValueError(f"{path}: the state there belongs to another model or precision; "
-                                 f"point --nvme at a new directory or start without resuming")
-            self.store.load_manifest(state.pop("records"))
-            return state
+    def _load_or_import(self, source, resume: bool, overwrite: bool) -> dict:
+        candidates = C.list_manifests(self.root) + C.list_checkpoints(self.root)
+        if resume and candidates:
+            return self._resume(candidates)
+        if candidates and not overwrite:
+            step = C.read_manifest(candidates[0]).get("step", "?")
+            raise ValueError(f"{self.root} holds the committed state of a run at step {step}; "
+                             f"continue it with --resume auto, or start over with --overwrite "
+                             f"(which deletes it), or choose another --nvme directory")
         for d in _MANAGED:
             shutil.rmtree(self.root / d, ignore_errors=True)
-        if path.exists():
-            path.unlink()
-        state = {"fingerprint": self._fingerprint(), "step": 0,
+        for m in C.list_manifests(self.root):
+            m.unlink()
+        state = {"format": 1, "fingerprint": self._fingerprint(), "step": 0,
                  "optim": {"slots": {n: 0 for n in self.infos}, "steps": {n: 0 for n in self.infos}}}
         for name, info in self.infos.items():
             master = torch.empty(info.shape, dtype=torch.float32)
@@ -218,25 +222,64 @@ class Engine:
             flat = master.reshape(-1)
             futs = []
             for k, (a, b) in enumerate(info.shards):
-                futs.append(self.store.write(key("master", name, k, 0), flat[a:b]))
+                futs.append(self.store.write(key("master", name, k, 0), flat[a:b], durable=True))
                 if self.dtype != torch.float32:
-                    futs.append(self.store.write(key("w", name, k, 0), flat[a:b].to(self.dtype)))
+                    futs.append(self.store.write(key("w", name, k, 0), flat[a:b].to(self.dtype), durable=True))
             for f in futs:
                 f.result()
             del master, flat
-        self._save_state(state)
+        self.state = state
+        self._write_manifest()
         return state
 
-    def _save_state(self, state: dict | None = None) -> None:
-        state = dict(state or self.state)
-        state["records"] = self.store.manifest()
-        path = self.root / STATE_FILE
-        tmp = path.with_name(STATE_FILE + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+    def _resume(self, candidates) -> dict:
+        """The newest committed state whose every file is intact; older ones, then checkpoints,
+        are the fallbacks (each passed-over state is reported with the reason)."""
+        live = set(C.list_manifests(self.root))
+        for m in candidates:
+            try:
+                content = C.read_manifest(m)
+                if content.get("fingerprint") != self._fingerprint():
+                    raise ValueError(f"{m}: the state there belongs to another model, precision or shard "
+                                     f"size ({_fingerprint_diff(content.get('fingerprint') or {}, self._fingerprint())}); "
+                                     f"point --nvme at a new directory or start over with --overwrite")
+                if m not in live:
+                    C.restore_files(self.root, m)
+                self.store.load_manifest(content["records"])
+                C.verify(self.store, content["records"])
+            except (CorruptionError, StorageError) as e:
+                self.fallbacks.append(f"{m.name if m in live else m}: {e}")
+                continue
+            state = {k: v for k, v in content.items() if k != "records"}
+            if m not in live:
+                self.state = state
+                self._write_manifest()  # the restored checkpoint becomes the current state
+            return state
+        raise CorruptionError(f"{self.root}: no intact committed state to resume from:\n  "
+                              + "\n  ".join(self.fallbacks))
+
+    def _current_keys(self) -> list[str]:
+        slots, steps = self.state["optim"]["slots"], self.state["optim"]["steps"]
+        keys = []
+        for n, info in self.infos.items():
+            s = slots[n]
+            kinds = ["master"] + (["m", "v"] if steps[n] > 0 else []) + (["w"] if self.dtype != torch.float32 else [])
+            keys += [key(kind, n, k, s) for kind in kinds for k in range(len(info.shards))]
+        return keys
+
+    def _write_manifest(self) -> None:
+        """Commit: every current file is durable (written with fsync); make the directory entries
+        durable, then the manifest; the manifest before the previous one goes last."""
+        records = self.store.manifest()
+        current = {k: records[k] for k in self._current_keys()}
+        for d in {(self.root / k).parent for k in current}:
+            C.fsync_dir(d)
+        C.write_manifest(self.root, dict(self.state, records=current))
+        C.prune(self.root)
+
+    def checkpoint(self, name: str) -> Path:
+        """A named snapshot of the committed state (hard links: no bytes copied)."""
+        return C.snapshot(self.root, C.list_manifests(self.root)[0], name)
 
     # ---- weights in and out of the modules ---------------------------------------------
     def _load(self, names) -> None:
@@ -281,6 +324,7 @@ class Engine:
 
     # called by the layer wrappers
     def block_forward_begin(self, blk) -> None:
+        fault("forward.layer")
         self._prefetch_from(blk.index, +1)
         self._load(blk.uses)
         self.hooks.saved_bytes = 0
@@ -292,6 +336,7 @@ class Engine:
             self._act_bytes += self.hooks.saved_bytes
 
     def block_backward_begin(self, blk) -> None:
+        fault("backward.layer")
         self._drop_head()  # the head's backward is over once a layer's starts
         self._load(blk.uses)
         self._prefetch_from(blk.index, -1)
@@ -338,21 +383,32 @@ class Engine:
             self.optimizer.end_micro()
         self.micro += 1
 
-    def step(self) -> StepResult:
-        """Finish the step: exact clipping (redo if torch would clip) and the commit."""
+    def finish(self) -> StepResult:
+        """The step's update, done but not yet current: exact clipping (redo if torch would clip)."""
         if self.micro != self.cfg.grad_accum:
             raise RuntimeError(f"step() after {self.micro} of {self.cfg.grad_accum} backward calls")
         self.micro = 0
-        res = self.optimizer.finish_step()
+        self._result = self.optimizer.finish_step()
+        return self._result
+
+    def commit(self) -> None:
+        """Make the finished step the state (atomically). A step with non-finite gradients is not
+        applied: the weights and optimizer state stay those before it; the step still counts."""
+        res = self._result
         self.window.invalidate_all()
         if res.finite:
             self.optimizer.commit()
-            self.state["step"] += 1
-            self._save_state()
         else:
             self.optimizer.discard()
+        self.state["step"] += 1
+        self._write_manifest()
         B.trim()  # between steps, hand the freed heap back (activations are small tensors)
         self._prefetch_from(-1, +1)
+
+    def step(self) -> StepResult:
+        """finish() and commit()."""
+        res = self.finish()
+        self.commit()
         return res
 
     def set_lr(self, lr: float) -> None:
@@ -418,3 +474,11 @@ class Engine:
 
 
 __all__ = ["Engine", "EngineConfig", "AdamWConfig", "asdict", "time", "fmt_bytes"]
+
+
+def _fingerprint_diff(old: dict, new: dict) -> str:
+    diffs = [f"{k}: {old.get(k)!r} there, {new.get(k)!r} here" for k in sorted(set(old) | set(new))
+             if k != "params" and old.get(k) != new.get(k)]
+    if old.get("params") != new.get("params"):
+        diffs.append("parameter shapes differ")
+    return "; ".join(diffs)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch.optim.adamw import adamw
 
+from ..faults import fault
 from ..storage import HostBufferPool, TensorStore
 from .layout import ParamInfo, key, nbytes
 
@@ -351,6 +352,7 @@ class OutOfCoreAdamW:
         return g
 
     def _process(self, it: _Item, mode: str, micro: int, clip) -> list[Future]:
+        fault("optimizer.write")
         t0 = time.perf_counter()
         n = it.b - it.a
         info = self.infos[it.name]
@@ -386,13 +388,13 @@ class OutOfCoreAdamW:
                   beta2=self.cfg.beta2, weight_decay=self.cfg.weight_decay, eps=self.cfg.eps,
                   amsgrad=False, maximize=False, **self.cfg.kernel_flags())
             new = 1 - self.slots[it.name]
-            writes.append(self.store.write(key("master", it.name, it.shard, new), master))
-            writes.append(self.store.write(key("m", it.name, it.shard, new), m))
-            writes.append(self.store.write(key("v", it.name, it.shard, new), v))
+            writes.append(self.store.write(key("master", it.name, it.shard, new), master, durable=True))
+            writes.append(self.store.write(key("m", it.name, it.shard, new), m, durable=True))
+            writes.append(self.store.write(key("v", it.name, it.shard, new), v, durable=True))
             if self.weight_dtype is not None:
                 w = it.bufs["w"].view(self.weight_dtype, (n,))
                 w.copy_(master)  # the same rounding as `param.data.copy_(master)`
-                writes.append(self.store.write(key("w", it.name, it.shard, new), w))
+                writes.append(self.store.write(key("w", it.name, it.shard, new), w, durable=True))
             self._updated.add(it.name)
         if self.on_event:
             self.on_event("optimizer", f"{it.name}.{it.shard}", t0, time.perf_counter(), n)

@@ -7,6 +7,7 @@ CorruptionError naming it, it never turns into wrong weights.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import threading
@@ -18,6 +19,7 @@ from pathlib import Path
 import crc32c
 import torch
 
+from ..faults import fault
 from .aligned import ALIGN, as_bytes, is_aligned, round_up, supports_direct_io
 from .pool import Buffer, HostBufferPool
 
@@ -132,9 +134,13 @@ class TensorStore:
         return self._exec.submit(self._write, key, tensor, durable)
 
     def _write(self, key: str, tensor: torch.Tensor, durable: bool) -> Record:
+        """Write to a temporary name, then rename over the key's file: a reader (or a snapshot
+        that hard-linked the old file) never sees a half-written tensor, and a crash mid-write
+        leaves the previous file intact."""
         t0 = time.perf_counter()
         path = self.path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".partial")
         nbytes = tensor.numel() * tensor.element_size()
         padded = round_up(nbytes)
         direct = self.direct and nbytes > 0 and is_aligned(tensor, padded)
@@ -145,27 +151,36 @@ class TensorStore:
         else:
             mv = as_bytes(raw)
         crc = crc32c.crc32c(as_bytes(raw)) if nbytes else 0
-        flags = os.O_WRONLY | os.O_CREAT | (os.O_DIRECT if direct else 0)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
         try:
-            fd = os.open(path, flags, 0o644)
+            fd = os.open(tmp, flags, 0o644)
         except OSError as e:
             raise StorageError(f"{path}: cannot open for writing: {e.strerror}") from e
         try:
-            length = len(mv)
-            done = 0
-            while done < length:
-                n = os.pwrite(fd, mv[done:], done)
-                if n <= 0:
-                    raise OSError(0, "short write")
-                done += n
-            if os.fstat(fd).st_size != length:
-                os.ftruncate(fd, length)
-            if durable:
-                os.fsync(fd)
+            try:
+                fault("store.write")
+                length = len(mv)
+                done = 0
+                while done < length:
+                    n = os.pwrite(fd, mv[done:], done)
+                    if n <= 0:
+                        raise OSError(errno.EIO, "short write")
+                    done += n
+                if direct and padded != nbytes:
+                    os.ftruncate(fd, nbytes)  # the padding was only for the device's sake
+                if durable:
+                    fault("store.fsync")
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
         except OSError as e:
-            raise StorageError(f"{path}: write failed: {e.strerror or e}") from e
-        finally:
-            os.close(fd)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            what = "the disk is full" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+            raise StorageError(f"{path}: write failed: {what}") from e
         rec = Record(_dtype_name(tensor.dtype), tuple(tensor.shape), nbytes, crc)
         with self._rec_lock:
             self.records[key] = rec

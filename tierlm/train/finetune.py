@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,8 +11,10 @@ from pathlib import Path
 import torch
 
 from ..config import option, to_dict
+from ..faults import fault
 from ..units import parse_bytes
 from .progress import Progress
+from .rundir import RESULT_OPTIONS, RunLock, check_nvme, config_diff, rng_state, set_rng_state, truncate_metrics
 from .schedule import SCHEDULES, lr_at
 
 
@@ -46,7 +49,15 @@ class FinetuneConfig:
     sample_tokens: int = option(40, help="tokens to generate for --sample-prompt")
     sample_temperature: float = option(0.0, help="sampling temperature for --sample-prompt (0: greedy)")
     direct_io: bool | None = option(None, help="force direct I/O on or off (default: where the file system allows)")
-    resume: bool = option(False, help="continue from the state in --nvme instead of starting over")
+    resume: str = option("no", help="auto: continue from the newest intact committed state in --nvme "
+                         "(a fresh start when there is none); no: a new run", choices=("no", "auto"))
+    overwrite: bool = option(False, help="start a new run even where --nvme holds a committed state (deletes it)")
+    save_every: int | None = option(None, help="keep a named checkpoint of the committed state every N steps "
+                                    "(hard links: no bytes copied)")
+    max_restarts: int = option(0, help="after a crash or kill, restart and resume, up to N times")
+    max_bad_steps: int = option(5, help="stop after this many consecutive steps with non-finite loss or "
+                                "gradients (each such step is skipped, the state left as it was)")
+    allow_config_change: bool = option(False, help="resume although options that change results differ from the run's")
 
 
 def _resolve(cfg: FinetuneConfig) -> FinetuneConfig:
@@ -63,46 +74,82 @@ def _resolve(cfg: FinetuneConfig) -> FinetuneConfig:
     return cfg
 
 
+class TrainingStopped(RuntimeError):
+    """The run cannot go on (repeated non-finite steps); the committed state is intact."""
+
+
 def finetune(cfg: FinetuneConfig | None = None, **options) -> dict:
     """Fine-tune every parameter of `cfg.model` out-of-core; returns the run summary.
 
     Accepts a FinetuneConfig or the same options as keywords: finetune(model=..., data=..., cpu_mem="4GiB").
     """
     from ..config import build
-    from ..engine.engine import Engine, EngineConfig
-    from ..engine.optimizer import AdamWConfig
-    from ..hf.checks import check_model_dir, load_tokenizer
-    from .data import Batches, load_dataset
 
     if cfg is None:
         cfg = build(FinetuneConfig, options, source="finetune() arguments")
     cfg = _resolve(cfg)
     out = Path(cfg.output)
     out.mkdir(parents=True, exist_ok=True)
-    check_model_dir(cfg.model)
+    lock = RunLock(out)
+    try:
+        return _run(cfg, out)
+    finally:
+        lock.release()
+
+
+def _run(cfg: FinetuneConfig, out: Path) -> dict:
     from transformers import AutoConfig
+
     from ..engine.budget import library_baseline
-    library_rss = library_baseline(AutoConfig.from_pretrained(cfg.model),
-                                   torch.bfloat16 if cfg.precision == "bf16" else torch.float32)
+    from ..engine.engine import Engine, EngineConfig
+    from ..engine.optimizer import AdamWConfig
+    from ..hf.checks import check_model_dir, load_tokenizer
+    from ..hf.presets import param_count
+    from .data import Batches, load_dataset
+
+    check_model_dir(cfg.model)
+    hf_config = AutoConfig.from_pretrained(cfg.model)
+    max_pos = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
+    if max_pos and cfg.seq_len > max_pos:
+        raise ValueError(f"--seq-len {cfg.seq_len} is beyond the {max_pos} positions of {cfg.model}; "
+                         f"use --seq-len {max_pos} or less")
+    library_rss = library_baseline(hf_config, torch.bfloat16 if cfg.precision == "bf16" else torch.float32)
     tokenizer = load_tokenizer(cfg.model)
     dataset = load_dataset(cfg.data, tokenizer, cfg.seq_len)
     batches = Batches(dataset, cfg.batch_size, seed=cfg.seed)
-    per_step = cfg.grad_accum
-    total = cfg.steps if cfg.steps is not None else max(1, math.floor(cfg.epochs * batches.batches_per_epoch / per_step))
-    (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
+    total = cfg.steps if cfg.steps is not None else \
+        max(1, math.floor(cfg.epochs * batches.batches_per_epoch / cfg.grad_accum))
+    per_param = 2 * (12 + (2 if cfg.precision == "bf16" else 0)) + 4  # two slots, saved gradients
+    check_nvme(cfg.nvme, per_param * param_count(hf_config))
 
-    torch.manual_seed(cfg.seed)
     optim = AdamWConfig(lr=cfg.lr, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps,
                         weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm, impl=cfg.optim_impl)
     ecfg = EngineConfig(nvme_dir=cfg.nvme, cpu_mem=cfg.cpu_mem, precision=cfg.precision,
                         grad_accum=cfg.grad_accum, activations=cfg.activations, prefetch=cfg.prefetch,
                         direct_io=cfg.direct_io, optim=optim,
                         tokens_per_micro_batch=cfg.batch_size * cfg.seq_len)
-    engine = Engine.from_pretrained(cfg.model, ecfg, resume=cfg.resume, library_rss=library_rss)
-    start = engine.state["step"] if cfg.resume else 0
-    if cfg.resume and "data" in engine.state:
-        batches.load_state_dict(engine.state["data"])
-    progress = Progress(total, start, engine, cfg, out / "metrics.jsonl", dataset.summary())
+    engine = Engine.from_pretrained(cfg.model, ecfg, resume=cfg.resume == "auto", overwrite=cfg.overwrite,
+                                    library_rss=library_rss)
+    settings = {k: v for k, v in to_dict(cfg).items() if k in RESULT_OPTIONS}
+    trainer = engine.state.get("trainer")
+    start = engine.state["step"]
+    for fb in engine.fallbacks:
+        print(f"resume: passed over {fb}", file=sys.stderr)
+    if trainer:
+        diff = config_diff(trainer["settings"], settings)
+        if diff and not cfg.allow_config_change:
+            engine.close()
+            raise ValueError("the run in --nvme was made with other options that change results: "
+                             + "; ".join(diff) + ". Use the run's options, or --allow-config-change")
+        batches.load_state_dict(trainer["data"])
+        set_rng_state(trainer["rng"])
+        truncate_metrics(out / "metrics.jsonl", start)
+        print(f"resumed at step {start} from {engine.root}", file=sys.stderr)
+    else:
+        torch.manual_seed(cfg.seed)
+    (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
+    progress = Progress(total, start, engine, cfg, out / "metrics.jsonl", dataset.summary(), fresh=not trainer)
+    bad_streak = trainer["bad_streak"] if trainer else 0
     try:
         for step in range(start, total):
             t0 = time.perf_counter()
@@ -113,12 +160,26 @@ def finetune(cfg: FinetuneConfig | None = None, **options) -> dict:
             for _ in range(cfg.grad_accum):
                 ids, labels = next(batches)
                 loss = engine.forward(ids, labels=labels).loss
+                if fault("loss") == "nan":
+                    loss = loss * float("nan")
                 engine.backward(loss)
                 losses.append(loss.item())
                 tokens += ids.numel()
-            engine.state["data"] = batches.state_dict()  # committed with the step
-            res = engine.step()
+            res = engine.finish()
+            bad_streak = 0 if res.finite else bad_streak + 1
+            engine.state["trainer"] = {"settings": settings, "data": batches.state_dict(),
+                                       "rng": rng_state(), "bad_streak": bad_streak}
+            # The metrics row goes first: a crash before the commit leaves a row that resume drops.
             progress.step(step, sum(losses) / len(losses), lr, res, tokens, time.perf_counter() - t0, io0)
+            engine.commit()
+            if bad_streak >= cfg.max_bad_steps:
+                raise TrainingStopped(
+                    f"{bad_streak} consecutive steps had non-finite loss or gradients (steps "
+                    f"{step + 2 - bad_streak}..{step + 1}, each skipped); the state of step "
+                    f"{step + 1 - bad_streak} is intact in {engine.root}. Lower --lr or check the data, "
+                    f"then --resume auto")
+            if cfg.save_every and (step + 1) % cfg.save_every == 0:
+                engine.checkpoint(f"step-{step + 1:08d}")
         progress.close()
         save_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(cfg.save_dtype or "", None)
         final = engine.save_pretrained(out / "final", dtype=save_dtype)

@@ -12,10 +12,11 @@ from ..units import fmt_bytes, parse_bytes
 
 
 class Progress:
-    def __init__(self, total: int, start: int, engine, cfg, metrics_path: Path, data_summary: str):
+    def __init__(self, total: int, start: int, engine, cfg, metrics_path: Path, data_summary: str,
+                 fresh: bool = True):
         self.total, self.engine, self.cfg = total, engine, cfg
         self.budget = parse_bytes(cfg.cpu_mem)
-        self.metrics = open(metrics_path, "a" if cfg.resume else "w")
+        self.metrics = open(metrics_path, "w" if fresh else "a")
         self.rows: list[dict] = []
         self.t_start = time.perf_counter()
         self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, leave=False)

@@ -1,0 +1,134 @@
+"""The commit protocol: when a step's new state becomes the state.
+
+A step writes its new tensors into the other slot (each file written to a temporary name, fsynced
+and renamed), then the directories are fsynced, then a manifest naming every current file with its
+checksum is written to a temporary name, fsynced, renamed to `manifest-<step>.json`, and the
+directory fsynced. Only then is the manifest before the previous one deleted. So at every instant
+the newest manifest on disk describes files that are complete and durable, and the one before it
+still exists as a fallback until its files are overwritten by the next step.
+
+Named checkpoints (`checkpoints/step-N/`) hard-link the files of a committed state: every write
+renames a new file into place, so a linked file is never changed afterwards.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+from ..faults import fault
+from ..storage import CorruptionError, StorageError
+
+MANIFEST_RE = re.compile(r"^manifest-(\d{8})\.json$")
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def manifest_name(step: int) -> str:
+    return f"manifest-{step:08d}.json"
+
+
+def write_manifest(root: Path, content: dict) -> Path:
+    path = root / manifest_name(content["step"])
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(content, f)
+        f.flush()
+        fault("commit.fsync")
+        os.fsync(f.fileno())
+    fault("commit.manifest")
+    os.replace(tmp, path)
+    fsync_dir(root)
+    fault("commit.after")
+    return path
+
+
+def prune(root: Path, keep: int = 2) -> None:
+    """Delete all but the newest `keep` manifests (the current state and its fallback)."""
+    for old in list_manifests(root)[keep:]:
+        old.unlink(missing_ok=True)
+
+
+def list_manifests(root: Path) -> list[Path]:
+    """Committed manifests, newest first (temporary files of an interrupted commit are ignored)."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := MANIFEST_RE.match(p.name))]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    d = root / "checkpoints"
+    if not d.is_dir():
+        return []
+    found = []
+    for c in d.iterdir():
+        ms = list_manifests(c)
+        if ms:
+            found.append((json.loads(ms[0].read_text())["step"], ms[0]))
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def read_manifest(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CorruptionError(f"{path}: unreadable manifest: {e}") from None
+
+
+def snapshot(root: Path, manifest: Path, name: str) -> Path:
+    """Hard-link (or copy, where links are refused) a committed state into checkpoints/<name>/."""
+    content = read_manifest(manifest)
+    dest = root / "checkpoints" / name
+    tmp = dest.with_name(name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for key in content["records"]:
+        src = root / key
+        dst = tmp / key
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        fault("checkpoint")
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+    shutil.copy2(manifest, tmp / manifest.name)
+    for d in {(tmp / k).parent for k in content["records"]} | {tmp}:
+        fsync_dir(d)
+    shutil.rmtree(dest, ignore_errors=True)
+    os.replace(tmp, dest)
+    fsync_dir(dest.parent)
+    return dest
+
+
+def restore_files(root: Path, checkpoint_manifest: Path) -> None:
+    """Put a checkpoint's files back in the live layout (links; each renamed into place)."""
+    src_root = checkpoint_manifest.parent
+    for key in read_manifest(checkpoint_manifest)["records"]:
+        dst = root / key
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.with_name(dst.name + ".restore")
+        tmp.unlink(missing_ok=True)
+        try:
+            os.link(src_root / key, tmp)
+        except OSError:
+            shutil.copy2(src_root / key, tmp)
+        os.replace(tmp, dst)
+
+
+def verify(store, records: dict) -> None:
+    """Read every file of a state and check its checksum; raises naming the first bad file."""
+    for key in records:
+        store.read(key).result().release()
+
+
+__all__ = ["CorruptionError", "StorageError", "fsync_dir", "list_checkpoints", "list_manifests", "prune",
+           "read_manifest", "restore_files", "snapshot", "verify", "write_manifest"]
