@@ -1,0 +1,252 @@
+"""The inference engine: an HF causal LM whose weights are resident when they fit, streamed when not.
+
+No optimizer state and no master weights: the decoder layers that fit the `cpu` budget (beside the
+embeddings, the head, the preallocated KV cache and the compute scratch) are read once from the
+HF safetensors into RAM; the rest are written once to the NVMe store in their final form and
+stream through a window of (prefetch + 1) layers. transformers' own modeling code runs each
+forward, so attention, rotary embeddings and every architecture's details are theirs; a step
+is one forward over every sequence in the batch, so each streamed layer is read once per step
+whatever the batch size.
+
+    eng = InferenceEngine("models/tiny", InferConfig(cpu_mem="2GiB", max_batch=4))
+    logits = eng.step([[1, 2, 3], [7]], starts=[0, 0])   # rows are KV-cache slots 0 and 1
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..engine import budget as B
+from ..storage import BudgetError, HostBufferPool
+from ..storage.aligned import round_up
+from ..units import fmt_bytes, parse_bytes
+from .kvcache import SlotKVCache, kv_bytes, kv_geometry
+from .weights import LayerStream, PieceStore, fingerprint, plan_pieces
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+WEIGHTS = ("auto", "bf16", "fp32", "int8", "int4")
+
+
+@dataclass
+class InferConfig:
+    cpu_mem: int | str = "4GiB"
+    dtype: str = "bf16"              # compute dtype (and the KV cache's): bf16 | fp32
+    weights: str = "auto"            # auto (the compute dtype) | bf16 | fp32 | int8 | int4
+    nvme_dir: str | None = None      # the streamed layers' store; default: runs/infer-store/<model>
+    max_batch: int = 1               # KV-cache slots: sequences decoded together
+    max_seq_len: int | None = None   # positions per slot; default: the model's, at most 2048
+    step_tokens: int = 256           # prompt tokens per forward (longer prompts prefill in chunks)
+    prefetch: int = 2                # streamed layers read ahead of the one computing
+    resident_layers: int | None = None  # None: as many as fit; fewer forces streaming
+    io_threads: int = 4
+    direct_io: bool | None = None
+
+    def __post_init__(self):
+        self.cpu_mem = parse_bytes(self.cpu_mem, "--cpu-mem")
+        if self.weights in ("bf16", "fp32"):
+            self.dtype = self.weights
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"--weights must be one of bf16, fp32, int8, int4, got {self.weights!r}")
+        for name in ("max_batch", "step_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.prefetch < 0:
+            raise ValueError("--prefetch must be >= 0")
+
+    @property
+    def quant(self) -> str | None:
+        return self.weights if self.weights in ("int8", "int4") else None
+
+
+@dataclass
+class Placement:
+    budget: int
+    baseline: int
+    fixed: int          # embeddings, final norm, head
+    kv: int
+    scratch: int
+    layer_bytes: int    # the largest decoder layer
+    layers: int
+    resident: int       # decoder layers kept in RAM
+    window: int         # stream window pool (0 when every layer is resident)
+
+    @property
+    def streamed(self) -> int:
+        return self.layers - self.resident
+
+    def describe(self) -> str:
+        return (f"{self.resident}/{self.layers} layers resident, {self.streamed} streamed; budget "
+                f"{fmt_bytes(self.budget)} = baseline {fmt_bytes(self.baseline)} + embeddings/head "
+                f"{fmt_bytes(self.fixed)} + layers {fmt_bytes(self.resident * self.layer_bytes)} + stream window "
+                f"{fmt_bytes(self.window)} + KV cache {fmt_bytes(self.kv)} + compute {fmt_bytes(self.scratch)}")
+
+
+def scratch_bytes(config, cfg: InferConfig, max_len: int, dtype: torch.dtype) -> int:
+    """Transient memory of one forward of `step_tokens` tokens (an upper estimate): a layer's
+    activations in fp32, attention scores over the whole cache, the logits, the kernels' caches."""
+    h = config.hidden_size
+    inter = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * h
+    heads = config.num_attention_heads
+    tokens = max(cfg.step_tokens, cfg.max_batch)
+    act = tokens * (12 * h + 4 * inter) * 4
+    scores = tokens * heads * (max_len + 1) * 4
+    logits = cfg.max_batch * config.vocab_size * 4 * 3
+    return act + scores + logits + B.RUNTIME_RESERVE
+
+
+def plan_placement(cfg: InferConfig, baseline: int, fixed: int, layer_bytes: int, layers: int,
+                   kv: int, scratch: int) -> Placement:
+    avail = cfg.cpu_mem - baseline - fixed - kv - scratch
+    want = cfg.resident_layers if cfg.resident_layers is not None else layers
+    want = max(0, min(want, layers))
+    if want == layers and layers * layer_bytes <= avail:
+        return Placement(cfg.cpu_mem, baseline, fixed, kv, scratch, layer_bytes, layers, layers, 0)
+    window = (cfg.prefetch + 1) * layer_bytes
+    if avail < window:
+        need = cfg.cpu_mem - avail + window
+        raise BudgetError(
+            f"--cpu-mem {fmt_bytes(cfg.cpu_mem)} cannot run this model: at least {fmt_bytes(need)} is needed "
+            f"(process baseline {fmt_bytes(baseline)}, embeddings and head {fmt_bytes(fixed)}, KV cache "
+            f"{fmt_bytes(kv)} for --max-batch {cfg.max_batch} x --max-seq-len, compute {fmt_bytes(scratch)}, "
+            f"a stream window of {cfg.prefetch + 1} layers {fmt_bytes(window)}). Raise --cpu-mem to "
+            f"{fmt_bytes(need * 1.05)}, or lower --max-batch / --max-seq-len / --step-tokens / --prefetch, "
+            f"or use --weights int8 or int4")
+    resident = min(want, max(0, (avail - window) // max(layer_bytes, 1)))
+    return Placement(cfg.cpu_mem, baseline, fixed, kv, scratch, layer_bytes, layers, int(resident), window)
+
+
+class InferenceEngine:
+    def __init__(self, model_dir, cfg: InferConfig, library_rss: int | None = None):
+        from transformers import AutoConfig
+
+        from ..engine.model import discover_blocks, empty_model
+        from ..hf.checks import check_model_dir
+        from ..hf.safetensors_io import SafetensorsDir
+
+        check_model_dir(model_dir)
+        self.model_dir, self.cfg = Path(model_dir), cfg
+        self.dtype = DTYPES[cfg.dtype]
+        config = AutoConfig.from_pretrained(model_dir)
+        config._attn_implementation = "sdpa"  # the 4-D masks below are boolean (True: attend)
+        self.config = config
+        limit = getattr(config, "max_position_embeddings", None) or 2048
+        self.max_len = cfg.max_seq_len or min(limit, 2048)
+        if self.max_len > limit:
+            raise ValueError(f"--max-seq-len {self.max_len} exceeds the model's {limit} positions")
+        self.model = empty_model(config).eval()
+        self.blocks, _ = discover_blocks(self.model)
+        self.pieces = plan_pieces(self.model, self.blocks, self.dtype, cfg.quant)
+        layer_idx = [b.index for b in self.blocks if b.kind == "layer"]
+        fixed = sum(round_up(p.nbytes) for b in self.blocks if b.kind != "layer" for p in self.pieces[b.index])
+        lbytes = max(sum(round_up(p.nbytes) for p in self.pieces[i]) for i in layer_idx)
+
+        B.trim()
+        self.library_rss = library_rss if library_rss is not None else B.library_baseline(config, self.dtype)
+        baseline = max(B.current_rss() - self.library_rss, 0)
+        kv = kv_bytes(config, cfg.max_batch, self.max_len, self.dtype)
+        self.placement = plan_placement(cfg, baseline, fixed, lbytes, len(layer_idx), kv,
+                                        scratch_bytes(config, cfg, self.max_len, self.dtype))
+        resident = set(layer_idx[: self.placement.resident])
+        streamed = [i for i in layer_idx if i not in resident]
+
+        st = SafetensorsDir(model_dir)
+
+        def src(name: str) -> torch.Tensor:
+            if name not in st:
+                raise ValueError(f"{model_dir}: the checkpoint has no tensor {name!r} that "
+                                 f"{type(self.model).__name__} needs; is this the right model directory?")
+            return st.read(name)
+
+        t0 = time.perf_counter()
+        self.resident_bytes = 0
+        for b in self.blocks:
+            if b.kind != "layer" or b.index in resident:
+                for p in self.pieces[b.index]:
+                    p.install(p.make(src))
+                    self.resident_bytes += p.nbytes
+        self.store = self.stream = None
+        self.store_written = 0
+        if streamed:
+            root = Path(cfg.nvme_dir or Path("runs") / "infer-store" / f"{self.model_dir.name}-{cfg.weights}-{cfg.dtype}")
+            self.pool = HostBufferPool(self.placement.window, name="layer stream window")
+            self.store = PieceStore(root, self.pool, fingerprint(self.model_dir, self.dtype, cfg.quant),
+                                    cfg.io_threads, cfg.direct_io)
+            for i in streamed:
+                for p in self.pieces[i]:
+                    p.install(None)
+                self.store_written += self.store.ensure(self.pieces[i], src)
+            self.stream = LayerStream(self.store.store, self.pool, {i: self.pieces[i] for i in streamed},
+                                      cfg.prefetch)
+            by_index = {b.index: b for b in self.blocks}
+            for i in streamed:
+                mod = by_index[i].module
+                mod.register_forward_pre_hook(lambda m, a, i=i: self.stream.acquire(i))
+                mod.register_forward_hook(lambda m, a, o, i=i: self.stream.release(i))
+        st.close()
+        self.load_s = time.perf_counter() - t0
+        self.streamed_bytes = sum(self.stream.layer_bytes.values()) if self.stream else 0
+        self.cache = SlotKVCache(config, cfg.max_batch, self.max_len, self.dtype)
+        self.base = self.model.base_model
+        self.head = self.model.get_output_embeddings()
+        self._window, self._sliding = self._sliding_window()
+        B.trim()
+
+    def _sliding_window(self) -> tuple[int | None, bool]:
+        c = self.config
+        types = getattr(c, "layer_types", None) or []
+        if "sliding_attention" in types:
+            return c.sliding_window, True
+        if c.model_type == "mistral" and getattr(c, "sliding_window", None):
+            return c.sliding_window, False
+        return None, False
+
+    # ---- compute ------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, tokens: list[list[int]], starts: list[int]) -> torch.Tensor:
+        """Row b appends tokens[b] to KV slot b (which holds starts[b] positions); returns the
+        fp32 logits of each row's last token, [rows, vocab]."""
+        lens = [len(t) for t in tokens]
+        q = max(lens)
+        ids = torch.tensor([t + [t[-1]] * (q - len(t)) for t in tokens], dtype=torch.long)
+        pos, mask = self.cache.begin_step(starts, lens, self._window, self._sliding)
+        if self.stream:
+            self.stream.prefetch_after(None)
+        out = self.base(input_ids=ids, attention_mask=mask, position_ids=pos,
+                        past_key_values=self.cache, use_cache=True)
+        last = out.last_hidden_state[torch.arange(len(tokens)), torch.tensor(lens) - 1]
+        return self.head(last).float()
+
+    @torch.no_grad()
+    def logits_all(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits at every position of [B, T] ids without the cache (perplexity)."""
+        h = self.base(input_ids=input_ids, use_cache=False).last_hidden_state
+        return self.head(h).float()
+
+    def move_slot(self, src: int, dst: int, length: int) -> None:
+        self.cache.move(src, dst, length)
+
+    # ---- what a step moves, for the report ----------------------------------------------
+    def ram_weight_bytes(self) -> int:
+        """Weight bytes a forward reads from RAM (resident layers and the head; the embedding
+        lookup reads a few rows)."""
+        emb = sum(p.nbytes for p in self.pieces[self.blocks[0].index])
+        return self.resident_bytes - emb + (self.streamed_bytes if self.stream else 0)
+
+    def ssd_bytes_read(self) -> int:
+        return self.store.store.stats.snapshot()["bytes_read"] if self.store else 0
+
+    def describe(self) -> str:
+        _, kvh, hd = kv_geometry(self.config)
+        w = self.cfg.quant or self.cfg.dtype
+        return f"{self.config.model_type}, weights {w}: {self.placement.describe()}"
+
+    def close(self) -> None:
+        if self.stream:
+            self.stream.close()
+        if self.store:
+            self.store.close()

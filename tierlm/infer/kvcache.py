@@ -1,0 +1,106 @@
+"""The KV cache: preallocated slots, one per sequence in the batch, inside the `cpu` budget.
+
+Allocated (and touched) once, so its bytes are in RSS from the start and a request can never
+grow the process past its budget: a request that needs more positions than a slot has is refused
+before it runs. Slots in use are kept compact (0..B-1) so a step reads `cache[:B, :, :L]` as a
+view, not a gathered copy; a finishing sequence's slot is filled by moving the last one into it.
+
+The object is what transformers' attention layers call `past_key_values.update(k, v, layer)` on.
+Each row writes its new keys at its own positions (continuous batching: the sequences in a batch
+have different lengths), and the step's 4-D mask (built here too) hides what a row must not see.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..storage import BudgetError
+from ..units import fmt_bytes
+
+
+def kv_geometry(config) -> tuple[int, int, int]:
+    """(layers, kv heads, head dim) of an HF config."""
+    layers = config.num_hidden_layers
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return layers, kv, head_dim
+
+
+def kv_bytes(config, slots: int, max_len: int, dtype: torch.dtype) -> int:
+    layers, kv, hd = kv_geometry(config)
+    return 2 * layers * slots * kv * (max_len + 1) * hd * torch.empty((), dtype=dtype).element_size()
+
+
+class SlotKVCache:
+    def __init__(self, config, slots: int, max_len: int, dtype: torch.dtype):
+        layers, kv, hd = kv_geometry(config)
+        self.slots, self.max_len, self.dtype = slots, max_len, dtype
+        # One spare position per slot: queries that only pad a row write there, never over real keys.
+        shape = (slots, kv, max_len + 1, hd)
+        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(layers)]
+        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(layers)]
+        self.nbytes = kv_bytes(config, slots, max_len, dtype)
+        self._rows = 0
+        self._write_pos: torch.Tensor | None = None
+        self._kv_len = 0
+        self.bytes_read = 0  # KV bytes the attention read, for the bandwidth report
+
+    # ---- the step's geometry ------------------------------------------------------------
+    def begin_step(self, starts: list[int], lengths: list[int], window: int | None = None,
+                   sliding_layers: bool = False):
+        """Row b (slot b) holds `starts[b]` positions and appends `lengths[b]` new tokens this
+        step. Returns (position_ids [B, Q], attention mask [B, 1, Q, L] or a dict of them)."""
+        rows, q = len(starts), max(lengths)
+        if rows > self.slots:
+            raise BudgetError(f"{rows} sequences in a step but the KV cache has {self.slots} slots")
+        ends = [s + n for s, n in zip(starts, lengths)]
+        if max(ends) > self.max_len:
+            raise BudgetError(f"a sequence reached {max(ends)} positions; the KV cache holds {self.max_len}")
+        start = torch.tensor(starts)[:, None]
+        n = torch.tensor(lengths)[:, None]
+        j = torch.arange(q)[None, :]
+        real = j < n
+        pos = start + torch.minimum(j, n - 1)           # padding repeats the row's last position
+        self._write_pos = torch.where(real, start + j, torch.full_like(j, self.max_len))
+        self._rows = rows
+        self._kv_len = max(ends)
+        k = torch.arange(self._kv_len)[None, None, :]
+        full = k <= pos[:, :, None]
+        masks = full
+        if window is not None:
+            slide = full & (k > pos[:, :, None] - window)
+            masks = {"full_attention": full[:, None], "sliding_attention": slide[:, None]} if sliding_layers \
+                else slide
+        if not isinstance(masks, dict):
+            masks = masks[:, None]
+        return pos, masks
+
+    # ---- what the attention layers call ---------------------------------------------------
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        b, h, q, d = key.shape
+        kc, vc = self.k[layer_idx], self.v[layer_idx]
+        slot = torch.arange(b)[:, None, None]
+        head = torch.arange(h)[None, :, None]
+        pos = self._write_pos[:, None, :]
+        kc[slot, head, pos] = key.to(kc.dtype)
+        vc[slot, head, pos] = value.to(vc.dtype)
+        L = self._kv_len
+        self.bytes_read += 2 * b * h * L * d * kc.element_size()
+        return kc[:b, :, :L], vc[:b, :, :L]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._kv_len
+
+    # ---- slots --------------------------------------------------------------------------
+    def move(self, src: int, dst: int, length: int) -> None:
+        """Copy slot src's first `length` positions into slot dst (compaction after a finish)."""
+        for kc, vc in zip(self.k, self.v):
+            kc[dst, :, :length].copy_(kc[src, :, :length])
+            vc[dst, :, :length].copy_(vc[src, :, :length])
+
+    def check_fits(self, positions: int, what: str = "the request") -> None:
+        if positions > self.max_len:
+            raise BudgetError(
+                f"{what} needs {positions} positions (prompt + max tokens) but each KV cache slot holds "
+                f"{self.max_len}; shorten it or raise --max-seq-len (cache: {self.slots} slots, "
+                f"{fmt_bytes(self.nbytes)})")

@@ -1,0 +1,117 @@
+"""Quantised linear layers on PyTorch's own CPU kernels, chosen at load time.
+
+int8: symmetric, one scale per output channel, `aten._weight_int8pack_mm`.
+int4: asymmetric, one scale and zero per group of `group` input elements, packed by
+`aten._convert_weight_to_int4pack_for_cpu` and run by `aten._weight_int4pack_mm_for_cpu`
+(the layout gpt-fast/torchao use: value = (q - 8) * scale + zero).
+
+Only the decoder layers' linear maps are quantised: embeddings, norms and the head stay in the
+compute dtype (the head is where most of the quality goes, and it is read once per token anyway).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+MODES = ("int8", "int4")
+INT4_GROUPS = (32, 64, 128, 256)
+
+
+def _int8(w: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    w = w.float()
+    scale = (w.abs().amax(1) / 127).clamp(min=1e-12)
+    q = torch.round(w / scale[:, None]).clamp(-128, 127).to(torch.int8)
+    return {"qweight": q, "scales": scale.to(dtype)}
+
+
+def _int4(w: torch.Tensor, dtype: torch.dtype, group: int) -> dict[str, torch.Tensor]:
+    n, k = w.shape
+    g = w.float().reshape(n, k // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-6)
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).reshape(n, k)
+    zero = lo + 8 * scale
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    sz = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(dtype)  # [k/group, n, 2]
+    return {"qweight": packed, "scales": sz}
+
+
+def int4_group_for(k: int, want: int = 128) -> int | None:
+    """The largest supported group size <= want that divides k (None: cannot pack this width)."""
+    for g in sorted(INT4_GROUPS, reverse=True):
+        if g <= want and k % g == 0:
+            return g
+    return None
+
+
+class QLinear(nn.Module):
+    """y = x W^T + b with W quantised; tensors are plain attributes set by the loader."""
+
+    def __init__(self, in_features: int, out_features: int, mode: str, group: int = 0, has_bias: bool = False):
+        super().__init__()
+        self.in_features, self.out_features, self.mode, self.group = in_features, out_features, mode, group
+        self.has_bias = has_bias
+        self.qweight = self.scales = self.bias = None
+
+    def tensor_names(self) -> list[str]:
+        return ["qweight", "scales"] + (["bias"] if self.has_bias else [])
+
+    def quantize(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> dict:
+        """weight [out, in] in any float dtype -> the tensors this module holds."""
+        out = _int8(weight, dtype) if self.mode == "int8" else _int4(weight, dtype, self.group)
+        if self.has_bias:
+            out["bias"] = bias.to(dtype)
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if self.mode == "int8":
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group, self.scales)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        g = f", group={self.group}" if self.mode == "int4" else ""
+        return f"{self.in_features} -> {self.out_features}, {self.mode}{g}"
+
+
+def quantizable(layer: nn.Module, mode: str) -> dict[str, tuple[nn.Module, bool]]:
+    """Sub-module name -> (linear module, is_gpt2_conv1d) for every linear map of a decoder layer
+    that `mode` can hold. GPT-2's Conv1D stores W as [in, out]; it is transposed when quantised."""
+    from transformers.pytorch_utils import Conv1D
+
+    out = {}
+    for name, mod in layer.named_modules():
+        if isinstance(mod, nn.Linear):
+            k = mod.in_features
+            conv = False
+        elif isinstance(mod, Conv1D):
+            k = mod.weight.shape[0]
+            conv = True
+        else:
+            continue
+        if mode == "int4" and int4_group_for(k) is None:
+            continue  # widths without a supported group stay in the compute dtype
+        out[name] = (mod, conv)
+    return out
+
+
+def replace_linears(layer: nn.Module, mode: str, group: int = 128) -> dict[str, tuple]:
+    """Swap the layer's linear maps for QLinear modules (empty); name -> (QLinear, conv, old module)."""
+    made = {}
+    for name, (mod, conv) in quantizable(layer, mode).items():
+        if conv:
+            k, n = mod.weight.shape
+        else:
+            n, k = mod.out_features, mod.in_features
+        g = int4_group_for(k, group) if mode == "int4" else 0
+        q = QLinear(k, n, mode, g, has_bias=getattr(mod, "bias", None) is not None)
+        parent_name, _, attr = name.rpartition(".")
+        parent = layer.get_submodule(parent_name) if parent_name else layer
+        setattr(parent, attr, q)
+        made[name] = (q, conv, mod)
+    return made

@@ -1,0 +1,219 @@
+"""Where each inference weight comes from, how it is stored, and the stream of non-resident layers.
+
+A `Piece` is one tensor the model runs with: a parameter in the compute dtype, or a quantised
+linear map's packed weight, scales and bias. Its bytes are known before anything is read, so the
+placement is planned first; then resident pieces are read from the HF safetensors straight into
+the modules, and the pieces of streamed layers are written once to the NVMe store in their final
+form (compute dtype or packed) and read back a whole layer at a time.
+
+The stream holds one layer computing and `prefetch` layers read ahead, in cyclic order: after the
+last streamed layer it reads the first ones for the next forward (decode repeats the same walk).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..storage import HostBufferPool, TensorStore
+from ..storage.aligned import round_up
+from .quant import QLinear, replace_linears
+
+
+def _esize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass
+class Piece:
+    key: str                  # store key: the HF name (or the quantised linear's name + part)
+    slots: list               # [(module, attribute)] it is installed in (two for tied weights)
+    nbytes: int
+    make: object              # callable(src) -> the tensor in its final form; src(name) reads HF
+    is_param: bool = True     # installed in module._parameters (else a plain attribute)
+
+    def install(self, t: torch.Tensor | None) -> None:
+        # A plain tensor in _parameters: modules read it as self.weight, and no autograd
+        # bookkeeping (Parameter.data) is involved at inference.
+        for mod, attr in self.slots:
+            if self.is_param:
+                mod._parameters[attr] = t
+            else:
+                setattr(mod, attr, t)
+
+
+def plan_pieces(model: nn.Module, blocks, dtype: torch.dtype, mode: str | None) -> dict[int, list[Piece]]:
+    """block index -> its pieces. Decoder layers' linear maps become QLinear when `mode` is set.
+    A tied weight (one tensor in the embedding and the head) is one piece installed in both."""
+    from ..engine.model import module_param_slots
+
+    slots = module_param_slots(model)
+    canon = {(id(m), a): n for n, ss in slots.items() for m, a in ss}
+    out: dict[int, list[Piece]] = {}
+    seen: set[str] = set()
+    for blk in blocks:
+        pieces: list[Piece] = []
+        taken: set[str] = set(seen)
+        if blk.kind == "layer" and mode:
+            for q, conv, old in replace_linears(blk.module, mode).values():
+                wname = canon[(id(old), "weight")]
+                bname = canon.get((id(old), "bias")) if q.has_bias else None
+                taken.update(n for n in (wname, bname) if n)
+                pieces.extend(_qlinear_pieces(q, conv, wname, bname, dtype))
+        for name in blk.uses:
+            if name in taken:
+                continue
+            mods = [(m, a) for m, a in slots[name] if not isinstance(m, QLinear)]
+            numel = mods[0][0]._parameters[mods[0][1]].numel()
+            pieces.append(Piece(name, mods, numel * _esize(dtype), _reader(name, dtype)))
+        seen.update(blk.uses)
+        out[blk.index] = pieces
+    return out
+
+
+def _reader(name: str, dtype: torch.dtype):
+    def make(src):
+        return src(name).to(dtype)
+    return make
+
+
+def _qlinear_pieces(q: QLinear, conv: bool, wname: str, bname: str | None, dtype) -> list[Piece]:
+    names = q.tensor_names()
+    # One quantisation serves the linear's two or three pieces; dropped once all are taken.
+    state = {"v": None, "left": set(names)}
+
+    def make_one(t):
+        def make(src):
+            if state["v"] is None:
+                w = src(wname)
+                state["v"] = q.quantize(w.t() if conv else w, src(bname) if bname else None, dtype)
+            v = state["v"][t]
+            state["left"].discard(t)
+            if not state["left"]:
+                state["v"], state["left"] = None, set(names)
+            return v
+        return make
+
+    n, k = q.out_features, q.in_features
+    if q.mode == "int8":
+        sizes = {"qweight": n * k, "scales": n * _esize(dtype)}
+    else:
+        sizes = {"qweight": n * k // 2, "scales": (k // q.group) * n * 2 * _esize(dtype)}
+    sizes["bias"] = n * _esize(dtype)
+    base = wname[: -len(".weight")]
+    return [Piece(f"{base}.{t}", [(q, t)], sizes[t], make_one(t), is_param=False) for t in names]
+
+
+def fingerprint(model_dir: Path, dtype: torch.dtype, mode: str | None) -> str:
+    """What the stored pieces were made from: a changed checkpoint or format rewrites the store."""
+    h = hashlib.sha256()
+    h.update((Path(model_dir) / "config.json").read_bytes())
+    for p in sorted(Path(model_dir).glob("*.safetensors")):
+        st = p.stat()
+        h.update(f"{p.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    h.update(f"{dtype}:{mode}".encode())
+    return h.hexdigest()[:16]
+
+
+class PieceStore:
+    """The NVMe copy of the streamed layers, written once and reused while the checkpoint and
+    format are unchanged (a manifest with the fingerprint sits beside the tensors)."""
+
+    MANIFEST = "infer_store.json"
+
+    def __init__(self, root: Path, pool: HostBufferPool, fp: str, io_threads: int = 4, direct_io=None):
+        self.root = Path(root)
+        self.store = TensorStore(self.root, pool, io_threads=io_threads, direct_io=direct_io)
+        self.fp = fp
+        path = self.root / self.MANIFEST
+        if path.exists():
+            m = json.loads(path.read_text())
+            if m.get("fingerprint") == fp:
+                self.store.load_manifest(m["records"])
+
+    def ensure(self, pieces: list[Piece], src) -> int:
+        """Write the pieces the store lacks; returns bytes written."""
+        written = 0
+        for p in pieces:
+            if p.key in self.store:
+                continue
+            t = p.make(src)
+            self.store.write(p.key, t).result()
+            written += p.nbytes
+        if written:
+            tmp = self.root / (self.MANIFEST + ".tmp")
+            tmp.write_text(json.dumps({"fingerprint": self.fp, "records": self.store.manifest()}))
+            os.replace(tmp, self.root / self.MANIFEST)
+        return written
+
+    def close(self) -> None:
+        self.store.close()
+
+
+class LayerStream:
+    """Streamed layers through a pool of (prefetch + 1) layer buffers, read ahead cyclically."""
+
+    def __init__(self, store: TensorStore, pool: HostBufferPool, layers: dict[int, list[Piece]], prefetch: int):
+        self.store, self.pool, self.layers = store, pool, layers
+        self.order = sorted(layers)
+        self.prefetch = prefetch
+        self._live: dict[int, tuple] = {}   # layer -> (buffer, {key: tensor}, [futures])
+        self.layer_bytes = {i: sum(round_up(p.nbytes) for p in ps) for i, ps in layers.items()}
+        self.stall_s = 0.0
+
+    def _start(self, i: int, blocking: bool) -> bool:
+        size = self.layer_bytes[i]
+        buf = self.pool.acquire(size) if blocking else self.pool.try_acquire(size)
+        if buf is None:
+            return False
+        views, futs, off = {}, [], 0
+        for p in self.layers[i]:
+            rec = self.store.record(p.key)
+            dt = getattr(torch, rec.dtype)
+            t = buf.tensor[off: off + rec.nbytes].view(dt).view(rec.shape)
+            futs.append(self.store.read_into(p.key, t, owns_padding=True))
+            views[p.key] = t
+            off += round_up(p.nbytes)
+        self._live[i] = (buf, views, futs)
+        return True
+
+    def prefetch_after(self, i: int | None) -> None:
+        if not self.order:
+            return
+        k = 0 if i is None else self.order.index(i) + 1
+        for d in range(self.prefetch):
+            j = self.order[(k + d) % len(self.order)]
+            if j not in self._live and not self._start(j, blocking=False):
+                return
+
+    def acquire(self, i: int) -> None:
+        import time
+        if i not in self._live:
+            self._start(i, blocking=True)
+        self.prefetch_after(i)
+        buf, views, futs = self._live[i]
+        t0 = time.perf_counter()
+        for f in futs:
+            f.result()  # raises CorruptionError naming the file
+        self.stall_s += time.perf_counter() - t0
+        for p in self.layers[i]:
+            p.install(views[p.key])
+
+    def release(self, i: int) -> None:
+        for p in self.layers[i]:
+            p.install(None)
+        buf, _, _ = self._live.pop(i)
+        buf.release()
+        self.prefetch_after(i)
+
+    def close(self) -> None:
+        for i in list(self._live):
+            buf, _, futs = self._live.pop(i)
+            for f in futs:
+                f.exception()
+            buf.release()
