@@ -34,6 +34,10 @@ def _cmd_finetune(args) -> int:
     from .train.finetune import FinetuneConfig, finetune
 
     cfg = C.from_args(FinetuneConfig, args)
+    if cfg.max_restarts > 0:
+        from .train.finetune import _resolve
+        from .train.supervise import supervise
+        return supervise(_resolve(cfg))
     summary = finetune(cfg)
     _print_summary(summary)
     return 0
@@ -108,7 +112,8 @@ def main(argv=None) -> int:
         return EXIT_USAGE
     except RuntimeError as e:
         from .storage import BudgetError, StorageError
-        if isinstance(e, (BudgetError, StorageError)):
+        from .train.finetune import TrainingStopped
+        if isinstance(e, (BudgetError, StorageError, TrainingStopped)):
             print(f"tierlm {args.verb}: error: {e}", file=sys.stderr)
             return EXIT_USAGE if isinstance(e, BudgetError) else 1
         raise
