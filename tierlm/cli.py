@@ -47,6 +47,9 @@ def _print_summary(s: dict) -> None:
     from .units import fmt_bytes
 
     beyond = s["peak_rss_bytes"] - s["library_rss_bytes"]
+    if not s["steps"]:
+        print(f"nothing to do: the run had already finished its steps; model saved to {s['final_model']}")
+        return
     print(f"done: {s['steps']} steps, loss {s['first_loss']:.4f} -> {s['last_loss']:.4f}, "
           f"{s['mean_s_per_step']:.2f} s/step, peak RSS {fmt_bytes(s['peak_rss_bytes'])} = libraries "
           f"{fmt_bytes(s['library_rss_bytes'])} + {fmt_bytes(beyond)} of the {fmt_bytes(s['budget_bytes'])} budget")
@@ -60,6 +63,54 @@ def _cmd_demo(args) -> int:
 
     run_demo(args.dir, cpu_mem=args.cpu_mem, steps=args.steps)
     return 0
+
+
+# ---- inference verbs: generate, chat, serve (tierlm/infer) ---------------------------------
+def _cmd_generate(args) -> int:
+    from .infer.run import generate_cmd
+
+    generate_cmd(args)
+    return 0
+
+
+def _cmd_chat(args) -> int:
+    from .infer.run import chat_cmd
+
+    return chat_cmd(args)
+
+
+def _cmd_serve(args) -> int:
+    from .infer.server import serve_cmd
+
+    return serve_cmd(args)
+
+
+def _add_infer_verbs(sub) -> None:
+    from .infer.run import add_engine_args, add_sampling_args
+
+    q = sub.add_parser("generate", help="generate from a prompt (weights resident or streamed from NVMe)",
+                       description="Generate a completion; prints TTFT, decode tokens/s, GB/s and the bound.")
+    add_engine_args(q)
+    q.add_argument("--prompt", required=True, help="the prompt text")
+    q.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    q.add_argument("--batch", type=int, default=1, help="decode this many copies together (throughput)")
+    q.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens (benchmarks)")
+    q.add_argument("--json", default=None, metavar="FILE", help="also write the report to FILE")
+    add_sampling_args(q)
+    q.set_defaults(fn=_cmd_generate)
+
+    q = sub.add_parser("chat", help="chat with a model on the terminal")
+    add_engine_args(q)
+    q.add_argument("--system", default=None, help="a system message")
+    add_sampling_args(q, max_tokens=256)
+    q.set_defaults(fn=_cmd_chat)
+
+    q = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (127.0.0.1 by default)")
+    add_engine_args(q, max_batch=8)
+    q.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    q.add_argument("--port", type=int, default=8000, help="(default: 8000)")
+    q.add_argument("--served-model-name", default=None, help="the model id clients use (default: directory name)")
+    q.set_defaults(fn=_cmd_serve)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--cpu-mem", default="160MiB", help="the RAM budget (default: 160MiB)")
     q.add_argument("--steps", type=int, default=30, help="optimizer steps (default: 30)")
     q.set_defaults(fn=_cmd_demo)
+
+    _add_infer_verbs(sub)
     return p
 
 

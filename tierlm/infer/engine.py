@@ -140,6 +140,10 @@ class InferenceEngine:
             raise ValueError(f"--max-seq-len {self.max_len} exceeds the model's {limit} positions")
         self.model = empty_model(config).eval()
         self.blocks, _ = discover_blocks(self.model)
+        # weights a token multiplies (2 FLOPs each): everything but the embedding lookup, plus the head
+        total = sum(p.numel() for p in self.model.parameters())
+        self.flop_params = total - self.model.get_input_embeddings().weight.numel() + \
+            config.vocab_size * config.hidden_size
         self.pieces = plan_pieces(self.model, self.blocks, self.dtype, cfg.quant)
         layer_idx = [b.index for b in self.blocks if b.kind == "layer"]
         fixed = sum(round_up(p.nbytes) for b in self.blocks if b.kind != "layer" for p in self.pieces[b.index])

@@ -1,0 +1,109 @@
+"""Rooflines for the phase report: this machine's measured memory, SSD and matmul rates.
+
+Measured once in a child process (so its buffers never count against this process's budget) and
+kept in a small JSON file. A phase's time is compared with what each resource alone would need
+for the bytes and FLOPs it moved: the largest share is the bound it is closest to.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+_PROBE = r"""
+import json, os, sys, time, torch
+out = {}
+x = torch.ones(48 << 20, dtype=torch.float32)          # 192 MiB: far past the caches
+x.sum(); t = time.perf_counter()
+for _ in range(4): x.sum()
+out["mem_gbps"] = 4 * x.numel() * 4 / (time.perf_counter() - t) / 1e9
+del x
+for name, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+    a = torch.randn(512, 2048, dtype=dt); b = torch.randn(2048, 2048, dtype=dt)
+    a @ b; t = time.perf_counter()
+    for _ in range(4): a @ b
+    out[f"matmul_{name}_gflops"] = 4 * 2 * 512 * 2048 * 2048 / (time.perf_counter() - t) / 1e9
+d = sys.argv[1]
+if d:
+    from tierlm.storage.aligned import aligned_empty, supports_direct_io
+    os.makedirs(d, exist_ok=True)
+    path = os.path.join(d, "probe.bin"); n = 128 << 20
+    buf = aligned_empty(n)
+    buf.fill_(7)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644); os.write(fd, buf.numpy()); os.fsync(fd); os.close(fd)
+    direct = supports_direct_io(d)
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+    mv = memoryview(buf.numpy()); t = time.perf_counter(); got = 0
+    for _ in range(2):
+        got += os.preadv(fd, [mv], 0)
+    out["ssd_gbps"] = got / (time.perf_counter() - t) / 1e9
+    out["ssd_direct_io"] = direct
+    os.close(fd); os.unlink(path)
+print(json.dumps(out))
+"""
+
+
+def machine_rates(nvme_dir: str | None = None, cache: str | None = None) -> dict:
+    """{'mem_gbps', 'matmul_bf16_gflops', 'matmul_fp32_gflops', 'ssd_gbps'?}; cached per directory."""
+    cache_path = Path(cache or Path.home() / ".cache" / "tierlm" / "rates.json")
+    key = f"{os.cpu_count()}:{nvme_dir or ''}"
+    try:
+        known = json.loads(cache_path.read_text())
+    except (OSError, json.JSONDecodeError):
+        known = {}
+    if key in known:
+        return known[key]
+    r = subprocess.run([sys.executable, "-c", _PROBE, nvme_dir or ""], capture_output=True, text=True,
+                       timeout=300)
+    if r.returncode != 0:
+        return {}
+    rates = json.loads(r.stdout.strip().splitlines()[-1])
+    known[key] = rates
+    try:
+        cache_path.parent.mkdir(parents=True, exist_ok=True)
+        cache_path.write_text(json.dumps(known, indent=1))
+    except OSError:
+        pass
+    return rates
+
+
+def phase_line(name: str, seconds: float, tokens: int, ram: int, ssd: int, kv: int, flops: float,
+               rates: dict, dtype: str) -> tuple[str, dict]:
+    """One line: tokens/s, effective GB/s, and the share of each roofline the phase reached."""
+    if seconds <= 0 or tokens == 0:
+        return f"{name}: nothing ran", {}
+    gbps = (ram + kv + ssd) / seconds / 1e9
+    shares = {}
+    if rates.get("mem_gbps"):
+        shares["memory"] = (ram + kv) / (rates["mem_gbps"] * 1e9) / seconds
+    if ssd and rates.get("ssd_gbps"):
+        shares["ssd"] = ssd / (rates["ssd_gbps"] * 1e9) / seconds
+    mm = rates.get(f"matmul_{'bf16' if dtype == 'bf16' else 'fp32'}_gflops")
+    if mm:
+        shares["compute"] = flops / (mm * 1e9) / seconds
+    bound = max(shares, key=shares.get) if shares else "unknown"
+    parts = ", ".join(f"{k} {100 * v:.0f}%" for k, v in shares.items())
+    line = (f"{name}: {tokens} tokens in {seconds:.3f} s = {tokens / seconds:.1f} tok/s, "
+            f"{gbps:.2f} GB/s effective (weights from RAM {ram / seconds / 1e9:.2f}, SSD {ssd / seconds / 1e9:.2f}, "
+            f"KV {kv / seconds / 1e9:.2f}); closest bound: {bound} (share of each roofline: {parts})")
+    return line, {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "gbps": gbps,
+                  "bound": bound, "shares": shares}
+
+
+def report(batcher, engine, requests, rates: dict) -> tuple[list[str], dict]:
+    """Lines for `tierlm generate`: TTFT, prefill and decode phases."""
+    s = batcher.stats
+    lines, out = [], {}
+    ttfts = [r.t_first - r.t_submit for r in requests if r.t_first]
+    if ttfts:
+        out["ttft_s"] = sum(ttfts) / len(ttfts)
+        lines.append(f"time to first token: {out['ttft_s']:.3f} s (mean of {len(ttfts)})")
+    for ph in ("prefill", "decode"):
+        flops = 2 * engine.flop_params * s.tokens[ph]
+        line, d = phase_line(ph, s.s[ph], s.tokens[ph], s.ram[ph], s.ssd[ph], s.kv[ph], flops, rates,
+                             engine.cfg.dtype)
+        lines.append(line)
+        out[ph] = d
+    return lines, out

@@ -1,0 +1,156 @@
+"""What `tierlm generate`, `tierlm chat` and `tierlm serve` do, and the flags they share."""
+from __future__ import annotations
+
+import json
+import sys
+
+from .engine import InferConfig, InferenceEngine
+from .sampling import SamplingParams
+
+
+def add_engine_args(q, max_batch: int | None = None) -> None:
+    q.add_argument("model", help="a Hugging Face model directory (config.json, *.safetensors, tokenizer)")
+    q.add_argument("--cpu-mem", default="4GiB", help="RAM this process may use beyond the libraries "
+                   "(weights that fit stay resident, the rest stream from --nvme; default: 4GiB)")
+    q.add_argument("--weights", default="bf16", choices=("bf16", "fp32", "int8", "int4"),
+                   help="weight format, chosen at load time (default: bf16)")
+    q.add_argument("--dtype", default=None, choices=("bf16", "fp32"),
+                   help="compute and KV-cache dtype (default: fp32 for --weights fp32, else bf16)")
+    q.add_argument("--nvme", default=None, help="directory of the streamed layers' store (written once; "
+                   "default: runs/infer-store/<model>-<weights>)")
+    q.add_argument("--max-seq-len", type=int, default=None, help="positions per KV-cache slot")
+    if max_batch is not None:
+        q.add_argument("--max-batch", type=int, default=max_batch,
+                       help=f"sequences decoded together (KV-cache slots; default: {max_batch})")
+    q.add_argument("--step-tokens", type=int, default=256, help="prompt tokens per forward (default: 256)")
+    q.add_argument("--prefetch", type=int, default=2, help="streamed layers read ahead (default: 2)")
+    q.add_argument("--resident-layers", type=int, default=None,
+                   help="keep at most this many decoder layers in RAM (default: as many as fit)")
+
+
+def add_sampling_args(q, max_tokens: int = 128) -> None:
+    q.add_argument("--max-new-tokens", type=int, default=max_tokens, help=f"(default: {max_tokens})")
+    q.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
+    q.add_argument("--top-p", type=float, default=1.0)
+    q.add_argument("--top-k", type=int, default=0)
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def infer_config(args, max_batch: int, max_seq_len: int | None) -> InferConfig:
+    dtype = args.dtype or ("fp32" if args.weights == "fp32" else "bf16")
+    weights = args.weights if args.weights in ("int8", "int4") else dtype
+    if args.weights in ("bf16", "fp32") and args.dtype and args.dtype != args.weights:
+        raise ValueError(f"--weights {args.weights} with --dtype {args.dtype}: give one of them "
+                         "(the unquantised weights are held in the compute dtype)")
+    return InferConfig(cpu_mem=args.cpu_mem, dtype=dtype, weights=weights, nvme_dir=args.nvme,
+                       max_batch=max_batch, max_seq_len=args.max_seq_len or max_seq_len,
+                       step_tokens=args.step_tokens, prefetch=args.prefetch,
+                       resident_layers=args.resident_layers)
+
+
+def sampling(args) -> SamplingParams:
+    p = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                       top_k=args.top_k, seed=args.seed, stop=list(args.stop),
+                       ignore_eos=getattr(args, "ignore_eos", False))
+    p.check()
+    return p
+
+
+def load(model_dir, cfg: InferConfig, tok=None):
+    from ..hf.checks import check_model_dir, load_tokenizer
+    from .batcher import Batcher, eos_ids_of
+
+    check_model_dir(model_dir)
+    tok = tok or load_tokenizer(model_dir)
+    eng = InferenceEngine(model_dir, cfg)
+    return eng, tok, Batcher(eng, tok, eos_ids_of(tok, model_dir))
+
+
+def _chat_ids(tok, messages) -> list[int]:
+    if not getattr(tok, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat template (tokenizer_config.json "
+                         "'chat_template'); use `tierlm generate` with a plain prompt")
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def generate_cmd(args, out=sys.stdout, err=sys.stderr) -> dict:
+    """`tierlm generate`: stream the completion to `out`, the phase report to `err`."""
+    from ..hf.checks import check_model_dir, load_tokenizer
+    from .batcher import Request
+    from .report import machine_rates, report
+
+    check_model_dir(args.model)
+    tok = load_tokenizer(args.model)
+    params = sampling(args)
+    ids = _chat_ids(tok, [{"role": "user", "content": args.prompt}]) if args.chat \
+        else tok(args.prompt).input_ids
+    if not ids:
+        raise ValueError("--prompt encodes to no tokens; give some text")
+    cfg = infer_config(args, args.batch, len(ids) + params.max_tokens)
+    eng, tok, batcher = load(args.model, cfg, tok)
+    print(f"tierlm generate: {eng.describe()}; loaded in {eng.load_s:.2f} s"
+          + (f", wrote {eng.store_written / 1e6:.0f} MB to the store" if eng.store_written else ""), file=err)
+    reqs = []
+    for b in range(args.batch):
+        on_text = (lambda d: (out.write(d), out.flush())) if b == 0 else None
+        reqs.append(batcher.submit(Request(list(ids), params, on_text=on_text)))
+    batcher.run_until_idle()
+    out.write("\n")
+    out.flush()
+    rates = machine_rates(str(eng.store.root) if eng.store else None)
+    lines, rep = report(batcher, eng, reqs, rates)
+    for line in lines:
+        print(line, file=err)
+    rep.update({"placement": eng.placement.__dict__, "completion_tokens": [len(r.out_ids) for r in reqs],
+                "text": reqs[0].text, "rates": rates})
+    from ..engine.budget import peak_rss
+    rep["peak_rss_bytes"], rep["library_rss_bytes"] = peak_rss(), eng.library_rss
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rep, f, indent=1, default=str)
+    eng.close()
+    return rep
+
+
+def chat_cmd(args, inp=sys.stdin, out=sys.stdout, err=sys.stderr) -> int:
+    """`tierlm chat`: a conversation on the terminal; /reset forgets it, /exit (or end of input) ends."""
+    from .batcher import Request
+
+    cfg = infer_config(args, 1, None)
+    eng, tok, batcher = load(args.model, cfg)
+    print(f"tierlm chat: {eng.describe()}. Type a message; /reset starts over, /exit ends.", file=err)
+    params = sampling(args)
+    messages = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    while True:
+        out.write("> ")
+        out.flush()
+        line = inp.readline()
+        if not line or line.strip() == "/exit":
+            break
+        if line.strip() == "/reset":
+            messages = messages[:1] if args.system else []
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        ids = _chat_ids(tok, messages)
+        budget = eng.max_len - len(ids)
+        if budget < 1:
+            print(f"the conversation ({len(ids)} tokens) fills the context ({eng.max_len}); /reset", file=err)
+            messages.pop()
+            continue
+        p = SamplingParams(**{**params.__dict__, "max_tokens": min(params.max_tokens, budget)})
+        req = batcher.submit(Request(ids, p, on_text=lambda d: (out.write(d), out.flush())))
+        batcher.run_until_idle()
+        out.write("\n")
+        messages.append({"role": "assistant", "content": req.text})
+        if req.t_first:
+            n = len(req.out_ids)
+            dec = (req.t_done - req.t_first) / max(n - 1, 1)
+            print(f"[{n} tokens, first after {req.t_first - req.t_submit:.2f} s, then {1 / dec:.1f} tok/s]", file=err)
+    eng.close()
+    return 0
