@@ -113,6 +113,60 @@ def _add_infer_verbs(sub) -> None:
     q.set_defaults(fn=_cmd_serve)
 
 
+# ---- plan and bench (the planner's verbs) ------------------------------------------------------
+
+def _cmd_plan(args) -> int:
+    from .plan.command import run_plan
+    from .plan.planner import Task
+    from .units import parse_bytes
+
+    task = Task(kind=args.task, batch=args.batch, seq_len=args.seq_len, new_tokens=args.tokens,
+                activations=args.activations, state_cache=not args.no_state_cache,
+                cpu_mem=parse_bytes(args.cpu_mem, "--cpu-mem") if args.cpu_mem else None, precision=args.precision)
+    plans = run_plan(args.model, task, args.hardware, compare=args.compare, json_path=args.json,
+                     chart_path=args.chart, catalog_file=args.catalog, nvme=args.nvme)
+    return 0 if args.compare or plans[0].fits else 1
+
+
+def _cmd_bench(args) -> int:
+    from .plan.command import bench_text, run_bench
+    from .units import parse_bytes
+
+    res = run_bench(args.what, args.nvme, size=parse_bytes(args.size, "--size"))
+    print(bench_text(args.what, res))
+    return 0
+
+
+def _add_plan_verbs(sub) -> None:
+    q = sub.add_parser("plan", help="which hardware, which placement, how fast, at what cost",
+                       description="Plan fine-tuning or serving MODEL on HARDWARE: placement per tier, each "
+                                   "resource's time and the binding one, throughput, cost per million tokens.")
+    q.add_argument("model", help="a Hugging Face model directory, a config.json, or a preset (see `tierlm init --help`)")
+    q.add_argument("--task", choices=("finetune", "serve"), default="finetune")
+    q.add_argument("--hardware", default="this",
+                   help="'this' (measured), a system name, or parts joined by '+', e.g. rtx4090+256GiB+p5510*12")
+    q.add_argument("--batch", type=int, default=1, help="sequences per step (finetune) or concurrent requests (serve)")
+    q.add_argument("--seq-len", type=int, default=1024, help="training sequence length, or prompt length when serving")
+    q.add_argument("--tokens", type=int, default=256, help="serve: tokens generated per request")
+    q.add_argument("--activations", choices=("auto", "keep", "recompute"), default="auto")
+    q.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
+    q.add_argument("--cpu-mem", default=None, metavar="SIZE", help="RAM the run may use (default: the machine's less a reserve)")
+    q.add_argument("--no-state-cache", action="store_true",
+                   help="stream all optimizer state through the SSD even when RAM has room (today's engine)")
+    q.add_argument("--compare", default=None, metavar="HW1,HW2,...|all", help="rank these options and chart them")
+    q.add_argument("--chart", default=None, metavar="PNG", help="where --compare draws throughput vs cost")
+    q.add_argument("--json", default=None, metavar="FILE", help="also write the plan as JSON")
+    q.add_argument("--catalog", default=None, metavar="TOML", help="your own parts: [gpu.NAME], [cpu.NAME], [drive.NAME], [system]")
+    q.add_argument("--nvme", default=None, metavar="DIR", help="with --hardware this: the NVMe directory to measure")
+    q.set_defaults(fn=_cmd_plan)
+
+    q = sub.add_parser("bench", help="measure this machine for the planner (cached)")
+    q.add_argument("what", choices=("io", "compute"), help="io: NVMe read/write and host memory; compute: matmul, AdamW")
+    q.add_argument("--nvme", default=".", metavar="DIR", help="directory on the drive to measure (io)")
+    q.add_argument("--size", default="2GiB", help="bytes to write and read back (io)")
+    q.set_defaults(fn=_cmd_bench)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .hf.presets import ARCHS, PRESETS
     from .train.finetune import FinetuneConfig
@@ -148,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(fn=_cmd_demo)
 
     _add_infer_verbs(sub)
+    _add_plan_verbs(sub)  # plan, bench
     return p
 
 

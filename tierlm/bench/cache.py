@@ -1,0 +1,39 @@
+"""Where measured rates are kept: ~/.cache/tierlm/bench.json (or $TIERLM_CACHE_DIR), and a copy next
+to the NVMe directory measured, so the planner's `--hardware this` finds them without re-measuring."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+NAME = "bench.json"
+
+
+def cache_path() -> Path:
+    root = os.environ.get("TIERLM_CACHE_DIR") or Path.home() / ".cache" / "tierlm"
+    return Path(root) / NAME
+
+
+def load() -> dict:
+    path = cache_path()
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: cannot read the cached measurements ({e}); delete it and run `tierlm bench io` "
+                         f"and `tierlm bench compute` again") from None
+
+
+def update(section: str, values: dict, also_next_to: str | os.PathLike | None = None) -> Path:
+    """Merge one section ("io" or "compute") into the cache; returns the cache file."""
+    data = load()
+    data[section] = values
+    path = cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+    if also_next_to is not None:
+        (Path(also_next_to) / f"tierlm-{NAME}").write_text(json.dumps({section: values}, indent=2) + "\n")
+    return path

@@ -1,0 +1,121 @@
+"""The measurements: NVMe sequential bandwidth through tierlm's own store, host memory bandwidth,
+matmul throughput per dtype, and the AdamW kernel the optimizer runs.
+
+I/O goes through `TensorStore` (direct I/O where the file system allows it, CRC32C on every tensor,
+several requests in flight), so the numbers are what the engine gets, not what `fio` would get.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+from ..storage import HostBufferPool, TensorStore
+from ..storage.aligned import aligned_empty
+
+GB = 1e9
+
+
+def _best(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def bench_io(directory: str | os.PathLike, size_bytes: int = 2 << 30, block_bytes: int = 16 << 20,
+             inflight: int = 4) -> dict:
+    """Write then read `size_bytes` in `block_bytes` tensors with `inflight` requests outstanding."""
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(root).free
+    if free < size_bytes * 1.1:
+        raise ValueError(f"--nvme {root}: {free / GB:.1f} GB free, the benchmark writes {size_bytes / GB:.1f} GB; "
+                         f"free space or pass --size smaller")
+    work = root / f".tierlm-bench-{os.getpid()}"
+    n = max(1, size_bytes // block_bytes)
+    bufs = [aligned_empty(block_bytes) for _ in range(inflight)]
+    for b in bufs:  # incompressible bytes: some drives compress zeros
+        b.view(torch.uint8).copy_(torch.randint(0, 256, (b.numel(),), dtype=torch.uint8))
+    store = TensorStore(work, HostBufferPool(0, name="bench"), io_threads=inflight)
+    try:
+        t0 = time.perf_counter()
+        pending = [None] * inflight
+        for i in range(n):
+            slot = i % inflight
+            if pending[slot] is not None:
+                pending[slot].result()
+            pending[slot] = store.write(f"b{i}", bufs[slot][:block_bytes])
+        for f in pending:
+            if f is not None:
+                f.result()
+        os.sync()  # buffered writes (no direct I/O) count only once on the device
+        write_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        pending = [None] * inflight
+        for i in range(n):
+            slot = i % inflight
+            if pending[slot] is not None:
+                pending[slot].result()
+            pending[slot] = store.read_into(f"b{i}", bufs[slot][:block_bytes], owns_padding=True)
+        for f in pending:
+            if f is not None:
+                f.result()
+        read_s = time.perf_counter() - t0
+        direct = store.direct
+    finally:
+        store.close()
+        shutil.rmtree(work, ignore_errors=True)
+    total = n * block_bytes
+    return {"dir": str(root.resolve()), "direct_io": direct, "bytes": total, "block_bytes": block_bytes,
+            "inflight": inflight, "read_gbps": total / read_s / GB, "write_gbps": total / write_s / GB,
+            "free_bytes": shutil.disk_usage(root).free,
+            "note": None if direct else "no direct I/O here: reads may come from the page cache and overstate the drive"}
+
+
+def bench_memory(size_bytes: int = 512 << 20, repeats: int = 5) -> dict:
+    """Host memory bandwidth of a large tensor copy (read + write counted), torch's threads."""
+    src = torch.empty(size_bytes // 4, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    t = _best(lambda: dst.copy_(src), repeats)
+    return {"mem_gbps": 2 * size_bytes / t / GB, "copy_bytes": size_bytes}
+
+
+def bench_compute(seconds_per_dtype: float = 2.0, n: int = 2048) -> dict:
+    """Matmul TFLOPS per dtype (n x n x n), and fused AdamW elements/s on one 4M-element shard."""
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        a = torch.randn(n, n).to(dtype)
+        b = torch.randn(n, n).to(dtype)
+        a @ b  # kernel selection and page faults outside the timing
+        reps, t0 = 0, time.perf_counter()
+        while reps < 2 or time.perf_counter() - t0 < seconds_per_dtype:
+            a @ b
+            reps += 1
+        out[str(dtype).removeprefix("torch.")] = 2.0 * n**3 * reps / (time.perf_counter() - t0) / 1e12
+    from torch.optim.adamw import adamw
+
+    k = 1 << 22
+    p, g, m, v = (torch.randn(k) for _ in range(4))
+    v.abs_()
+    step = torch.tensor(1.0)
+
+    def update():
+        adamw([p], [g], [m], [v], [], [step], lr=1e-4, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8,
+              amsgrad=False, maximize=False, fused=True, foreach=False)
+    update()
+    t = _best(update, 10)
+    return {"matmul_tflops": out, "matmul_n": n, "adamw_elems_per_s": k / t, "threads": torch.get_num_threads()}
+
+
+def machine() -> dict:
+    return {"cores": psutil.cpu_count(logical=False) or os.cpu_count(), "logical_cpus": os.cpu_count(),
+            "ram_bytes": psutil.virtual_memory().total, "torch": torch.__version__,
+            "when": time.strftime("%Y-%m-%d %H:%M:%S")}

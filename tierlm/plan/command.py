@@ -1,0 +1,97 @@
+"""What `tierlm plan` and `tierlm bench` do, so the CLI only maps verbs to these functions.
+
+This is the one module of `plan/` that may run the profiler (`tierlm.bench`): `--hardware this` with
+no cached measurements measures the machine first, as `tierlm bench io` and `bench compute` would.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from ..units import fmt_bytes
+from . import report
+from .catalog import CPU, Catalog, Drive, Hardware
+from .planner import Plan, Task, plan
+from .shapes import model_shape
+
+
+def hardware_from_measurements(m: dict, spec: str = "this") -> Hardware:
+    """A Hardware whose rates are the measured ones (no datasheet, no efficiency factor)."""
+    io, comp, mach = m["io"], m["compute"], m["machine"]
+    cpu = CPU("this", 1, mach["cores"], comp["matmul_tflops"]["bfloat16"], 0, m["io"]["mem_gbps"],
+              mach["ram_bytes"], 0.0, 0.0, f"tierlm bench on this machine, {mach['when']}")
+    drive = Drive("this-nvme", io["read_gbps"], io["write_gbps"], io["free_bytes"], 0.0, 0.0,
+                  f"tierlm bench io --nvme {io['dir']}, {mach['when']}")
+    measured = {"matmul_tflops": comp["matmul_tflops"], "adamw_elems_per_s": comp["adamw_elems_per_s"],
+                "mem_gbps": io["mem_gbps"], "nvme": io, "when": mach["when"]}
+    hw = Hardware(spec, cpu, mach["ram_bytes"], None, drive, 1, measured=measured)
+    if not io.get("direct_io", True):
+        hw.notes.append(io.get("note") or "measured without direct I/O")
+    return hw
+
+
+def measured_this(nvme: str | None, quiet: bool = False) -> dict:
+    from ..bench import cache
+    data = cache.load()
+    if "io" not in data or (nvme and Path(data["io"]["dir"]) != Path(nvme).resolve()):
+        run_bench("io", nvme or ".", quiet=quiet)
+    if "compute" not in data:
+        run_bench("compute", None, quiet=quiet)
+    return cache.load()
+
+
+def run_bench(what: str, nvme: str | None, size: int = 2 << 30, quiet: bool = False) -> dict:
+    from ..bench import cache, measure
+
+    say = (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
+    if what == "io":
+        say(f"bench io: writing and reading {fmt_bytes(size)} in {nvme} (direct I/O where allowed) ...")
+        res = measure.bench_io(nvme, size)
+        res.update(measure.bench_memory())
+    else:
+        say("bench compute: matmul per dtype and the AdamW kernel ...")
+        res = measure.bench_compute()
+    res_machine = measure.machine()
+    path = cache.update(what, res, also_next_to=nvme if what == "io" else None)
+    cache.update("machine", res_machine)
+    say(f"cached in {path}")
+    return res
+
+
+def bench_text(what: str, res: dict) -> str:
+    if what == "io":
+        return (f"NVMe {res['dir']}: read {res['read_gbps']:.2f} GB/s, write {res['write_gbps']:.2f} GB/s "
+                f"({fmt_bytes(res['block_bytes'])} blocks, {res['inflight']} in flight, direct I/O "
+                f"{'on' if res['direct_io'] else 'OFF: ' + res['note']}); host memory copy {res['mem_gbps']:.1f} GB/s")
+    mm = ", ".join(f"{k} {v:.3f}" for k, v in res["matmul_tflops"].items())
+    return (f"matmul TFLOPS ({res['matmul_n']}^3, {res['threads']} threads): {mm}; "
+            f"AdamW (fused) {res['adamw_elems_per_s'] / 1e9:.2f} G elements/s")
+
+
+def resolve(spec: str, catalog: Catalog, nvme: str | None = None) -> Hardware:
+    if spec.strip().lower() == "this":
+        return hardware_from_measurements(measured_this(nvme))
+    return catalog.parse(spec)
+
+
+def run_plan(model: str, task: Task, hardware: str, compare: str | None = None, json_path: str | None = None,
+             chart_path: str | None = None, catalog_file: str | None = None, nvme: str | None = None) -> list[Plan]:
+    catalog = Catalog()
+    if catalog_file:
+        catalog.load_toml(catalog_file)
+    shape = model_shape(model)
+    if compare:
+        specs = catalog.everything() if compare.strip().lower() == "all" else [s for s in compare.split(",") if s.strip()]
+        plans = [plan(shape, resolve(s, catalog, nvme), Task(**vars(task))) for s in specs]
+        print(report.compare_text(plans))
+        chart = Path(chart_path or f"plan-{shape.name}-{task.kind}.png")
+        report.chart(plans, chart, f"{shape.name}, {task.kind}, batch {task.batch} x {task.seq_len}")
+        print(f"trade-off chart: {chart}")
+        if json_path:
+            report.write_json([p.to_json() for p in report.rank(plans)], json_path)
+        return plans
+    p = plan(shape, resolve(hardware, catalog, nvme), task)
+    print(report.text(p))
+    if json_path:
+        report.write_json(p.to_json(), json_path)
+    return [p]

@@ -1,0 +1,148 @@
+"""The cost model: FLOPs and bytes of a step, and the rates each resource moves them at.
+
+Everything here is arithmetic on a ModelShape and a Hardware; the planner (`planner.py`) decides the
+placement and combines the resource times. Formulas and assumptions are named where they are used,
+so a reader can check every number the plan prints.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from .catalog import GB, Hardware
+from .shapes import ModelShape
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Fraction of a datasheet peak a real run sustains, per class of resource, the same for every
+    part of the class (never tuned per part or per case). Measured rates (`--hardware this`) are
+    what tierlm itself reached, so they get 1.0.
+
+    gpu_compute 0.75: large bf16 GEMMs reach 80-90% of the tensor-core peak; attention, norms and
+        activation functions in the same step run well below it.
+    cpu_compute 0.60: AMX / AVX-512 GEMMs in oneDNN at all-core clocks, below the base-clock peak
+        once the vector units throttle, plus the non-GEMM share of the step.
+    memory 0.75: STREAM-style copy bandwidth is 70-80% of the channels' theoretical rate.
+    link 0.80: PCIe payload after TLP/DLLP overhead with large pinned transfers.
+    nvme 0.85: a RAID-0 of drives with direct I/O and large blocks, against the vendors' sequential
+        numbers (measured at 128 KiB, high queue depth, fresh drive).
+    """
+    gpu_compute: float = 0.75
+    cpu_compute: float = 0.60
+    memory: float = 0.75
+    link: float = 0.80
+    nvme: float = 0.85
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+# Fused AdamW elements per second per core on a catalog CPU: the update is memory-bound, ~1e9
+# elements/s per core on AVX-512 parts with the bytes in cache (assumption; `bench compute` measures
+# it on the machine at hand and replaces it).
+ADAM_ELEMS_PER_CORE = 1.0e9
+
+# Bytes per parameter in tierlm's layout (bf16 precision): working weights, fp32 master + Adam m, v,
+# and the bf16 gradient the optimizer consumes and saves for an exact clip redo.
+W_BYTES, OPT_BYTES, GRAD_BYTES = 2, 12, 2
+# Through the SSD per step for a parameter whose state lives there: weights read in forward and in
+# backward, optimizer state read and written, new working weights written, the gradient saved when
+# clipping is on (DESIGN.md's ~30 bytes plus 2).
+SSD_READ_PER_PARAM = W_BYTES + W_BYTES + OPT_BYTES
+SSD_WRITE_PER_PARAM = OPT_BYTES + W_BYTES
+# On disk: master, m, v and working weights in two slots (the step reads one and writes the other).
+SSD_STATE_PER_PARAM = 2 * (OPT_BYTES + W_BYTES) + GRAD_BYTES
+# Held in RAM to keep a parameter's state off the SSD: working weights + master + m + v.
+RAM_STATE_PER_PARAM = W_BYTES + OPT_BYTES
+# DRAM traffic of the CPU optimizer per parameter: read master, m, v and the gradient, write them
+# and the new working weights.
+OPT_DRAM_PER_PARAM = OPT_BYTES + GRAD_BYTES + OPT_BYTES + W_BYTES
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What each resource sustains, bytes/s or FLOP/s, after the efficiency factors."""
+    compute_flops: float      # the compute device (GPU, or the CPU when there is none)
+    cpu_flops: float
+    adam_elems: float         # CPU optimizer, parameters per second
+    dram: float
+    link: float               # host <-> GPU per direction; 0 without a GPU
+    gpu_mem: float            # GPU memory bandwidth; 0 without a GPU
+    ssd_read: float
+    ssd_write: float
+    gpu_bytes: int
+    ram_bytes: int
+    nvme_bytes: int
+    measured: bool
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def rates(hw: Hardware, eff: Efficiency, precision: str = "bf16") -> Rates:
+    m = hw.measured
+    if m is not None:
+        dtype = "bfloat16" if precision == "bf16" else "float32"
+        cpu_flops = m["matmul_tflops"][dtype] * 1e12
+        adam = m["adamw_elems_per_s"]
+        dram = m["mem_gbps"] * GB
+        rd, wr = m["nvme"]["read_gbps"] * GB, m["nvme"]["write_gbps"] * GB
+    else:
+        cpu_flops = hw.cpu.bf16_tflops * 1e12 * eff.cpu_compute
+        adam = hw.cpu.cores * ADAM_ELEMS_PER_CORE
+        dram = hw.cpu.mem_gbps * GB * eff.memory
+        rd, wr = hw.nvme_read_gbps * GB * eff.nvme, hw.nvme_write_gbps * GB * eff.nvme
+    g = hw.gpu
+    return Rates(compute_flops=(g.tflops * 1e12 * eff.gpu_compute) if g else cpu_flops, cpu_flops=cpu_flops,
+                 adam_elems=adam, dram=dram, link=g.link_gbps * GB * eff.link if g else 0.0,
+                 gpu_mem=g.mem_gbps * GB * eff.memory if g else 0.0, ssd_read=rd, ssd_write=wr,
+                 gpu_bytes=g.memory_bytes if g else 0, ram_bytes=hw.ram_bytes, nvme_bytes=hw.nvme_bytes,
+                 measured=m is not None)
+
+
+# ---- FLOPs ----------------------------------------------------------------------------------------
+
+def attention_fwd_flops(s: ModelShape, context: float, tokens: float) -> float:
+    """Score and value matmuls of every layer: 2 matmuls x 2 FLOP x context x q_dim per token.
+    `context` is the average number of keys a query sees (S/2 for a causal sequence of S, since the
+    kernels skip masked blocks)."""
+    return 4.0 * context * s.q_dim * s.layers * tokens
+
+
+def train_flops(s: ModelShape, tokens: int, seq_len: int) -> float:
+    """Model FLOPs of one forward + backward: 6 x (matmul parameters) x tokens, plus attention x 3.
+    The input embedding is a lookup and costs nothing; recomputation is added by the planner."""
+    return 6.0 * s.matmul_params * tokens + 3 * attention_fwd_flops(s, seq_len / 2, tokens)
+
+
+def layer_fwd_flops(s: ModelShape, tokens: int, seq_len: int) -> float:
+    """One decoder layer's forward: what recomputing it costs."""
+    return 2.0 * s.layer_params * tokens + attention_fwd_flops(s, seq_len / 2, tokens) / s.layers
+
+
+# ---- activation and working-set bytes --------------------------------------------------------------
+
+def layer_activation_bytes(s: ModelShape, tokens: int) -> int:
+    """bf16 tensors one decoder layer saves for backward, per Korthikanti et al. 2022 ("Reducing
+    Activation Recomputation in Large Transformer Models", section 4.1: 34 x s x b x h bytes for GPT)
+    without dropout masks and with a fused attention kernel (no s^2 score matrices): two norm inputs,
+    the attention input, Q, K, V, the attention output, the MLP input and 2 (GELU) or 3 (gated)
+    intermediate-wide tensors."""
+    elems = 4 * s.hidden + 2 * s.q_dim + 2 * s.kv_dim + (3 if s.gated_mlp else 2) * s.intermediate
+    return 2 * elems * tokens
+
+
+def layer_input_bytes(s: ModelShape, tokens: int) -> int:
+    """The checkpoint a recomputed layer restarts from (bf16 hidden states)."""
+    return 2 * s.hidden * tokens
+
+
+def compute_working_bytes(s: ModelShape, tokens: int) -> int:
+    """Transient memory beside the saved activations on the compute device: the widest intermediate
+    and its gradient, and the logits computed in chunks (one bf16 copy of tokens x vocab)."""
+    return 2 * 2 * s.intermediate * tokens + 2 * s.vocab * tokens
+
+
+def kv_bytes_per_token(s: ModelShape) -> int:
+    """bf16 K and V of every layer."""
+    return 2 * 2 * s.layers * s.kv_dim

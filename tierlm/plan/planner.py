@@ -1,0 +1,307 @@
+"""The planner: placement per tier, each resource's time, the binding one, throughput and cost.
+
+tierlm's pipeline runs every resource at once (layer i+1 loads while layer i computes while the
+optimizer updates layer i-1), so a step takes as long as its busiest device, plus the pipeline's
+fill and drain: one layer's worth of the other devices' work, (sum - max) / layers. Devices are
+physical: the GPU (compute), the CPU (optimizer; and compute too when there is no GPU, since they
+share the cores), DRAM, the PCIe link (per direction, full duplex) and the SSDs, which serve reads
+and writes from the same flash: mixed traffic takes read time + write time.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from ..units import fmt_bytes
+from . import cost as C
+from .catalog import GiB, Hardware
+from .shapes import ModelShape
+
+# Host RAM the planner leaves to the OS, the libraries and the allocator (assumption).
+HOST_RESERVE_BYTES = 8 * GiB
+HOST_RESERVE_FRACTION = 0.05
+
+
+@dataclass
+class Task:
+    kind: str = "finetune"           # finetune | serve
+    batch: int = 1                   # sequences per micro-batch / concurrent requests
+    seq_len: int = 1024              # training sequence, or prompt length when serving
+    new_tokens: int = 256            # serve: tokens generated per request
+    activations: str = "auto"        # auto | keep | recompute
+    state_cache: bool = True         # keep optimizer state resident in RAM where it fits
+    cpu_mem: int | None = None       # RAM the run may use (default: the machine's, less a reserve)
+    precision: str = "bf16"
+
+    def validate(self) -> "Task":
+        if self.kind not in ("finetune", "serve"):
+            raise ValueError(f"--task {self.kind!r}: use finetune or serve")
+        for name in ("batch", "seq_len", "new_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.activations not in ("auto", "keep", "recompute"):
+            raise ValueError(f"--activations {self.activations!r}: use auto, keep or recompute")
+        return self
+
+
+@dataclass
+class Plan:
+    model: dict
+    hardware: dict
+    task: dict
+    fits: bool
+    problems: list[str]                       # what does not fit, by how much, and what to change
+    placement: dict = field(default_factory=dict)   # tier -> {what: bytes}
+    activations: dict = field(default_factory=dict)  # layers kept / in RAM / on NVMe / recomputed
+    resources_s: dict = field(default_factory=dict)  # per resource, seconds per step
+    devices_s: dict = field(default_factory=dict)    # per physical device (what overlaps)
+    binding: str | None = None
+    step_s: float | None = None
+    tokens_per_s: float | None = None
+    tflops: float | None = None               # model FLOPs per second achieved (6PT + attention)
+    traffic_bytes: dict = field(default_factory=dict)
+    cost: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)
+    assumptions: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _usable_ram(hw: Hardware, task: Task) -> int:
+    if task.cpu_mem is not None:
+        return task.cpu_mem
+    if hw.measured is not None:
+        return int(hw.ram_bytes * (1 - HOST_RESERVE_FRACTION))
+    return int(hw.ram_bytes - HOST_RESERVE_BYTES - HOST_RESERVE_FRACTION * hw.ram_bytes)
+
+
+def _combine(devices: dict[str, float], layers: int) -> tuple[str, float]:
+    busy = {k: v for k, v in devices.items() if v > 0}
+    binding = max(busy, key=busy.get)
+    top = busy[binding]
+    return binding, top + (sum(busy.values()) - top) / max(layers, 1)
+
+
+def _cost(hw: Hardware, tokens_per_s: float | None, lifetime_years: float, usd_per_kwh: float) -> dict:
+    price = hw.parts_price()
+    out = {"hardware_usd": price, "power_w": None if hw.measured else hw.power_w(),
+           "lifetime_years": lifetime_years, "usd_per_kwh": usd_per_kwh, "usd_per_hour": None,
+           "usd_per_million_tokens": None}
+    if price is None:
+        out["note"] = "no price for this machine: give one with price_usd under [this] in --catalog"
+        return out
+    power_kw = (hw.power_w() if hw.measured is None else 0.0) / 1000
+    per_hour = price / (lifetime_years * 365 * 24) + power_kw * usd_per_kwh
+    out["usd_per_hour"] = per_hour
+    if tokens_per_s:
+        out["usd_per_million_tokens"] = per_hour / (tokens_per_s * 3600 / 1e6)
+    return out
+
+
+def _assumptions(eff: C.Efficiency, hw: Hardware, lifetime_years: float, usd_per_kwh: float) -> list[str]:
+    a = list(hw.notes)
+    if hw.measured is None:
+        a.append("rates: datasheet peaks x efficiency " + ", ".join(f"{k} {v}" for k, v in eff.to_json().items()))
+        a.append(f"CPU optimizer: {C.ADAM_ELEMS_PER_CORE:.0e} AdamW elements/s per core (assumption)")
+    else:
+        a.append("rates: measured by `tierlm bench` on this machine (" + hw.measured.get("when", "?") + ")")
+    a.append(f"overlap: step = busiest device + (sum of the others) / layers; SSD reads and writes share the drives")
+    a.append(f"cost: hardware over {lifetime_years:g} years at 100% use + TDP power at ${usd_per_kwh}/kWh")
+    return a
+
+
+def plan(shape: ModelShape, hw: Hardware, task: Task, eff: C.Efficiency | None = None,
+         lifetime_years: float = 3.0, usd_per_kwh: float = 0.15) -> Plan:
+    eff = eff or C.Efficiency()
+    task.validate()
+    r = C.rates(hw, eff, task.precision)
+    p = Plan(model=shape.to_json(), hardware={"spec": hw.spec, "describe": hw.describe(), "rates": r.to_json()},
+             task=asdict(task), fits=True, problems=[],
+             assumptions=_assumptions(eff, hw, lifetime_years, usd_per_kwh))
+    (_finetune if task.kind == "finetune" else _serve)(p, shape, hw, task, r)
+    p.cost = _cost(hw, p.tokens_per_s if p.fits else None, lifetime_years, usd_per_kwh)
+    return p
+
+
+# ---- fine-tuning --------------------------------------------------------------------------------
+
+def _finetune(p: Plan, s: ModelShape, hw: Hardware, task: Task, r: C.Rates) -> None:
+    T, L, P = task.batch * task.seq_len, s.layers, s.params
+    act = C.layer_activation_bytes(s, T)
+    working = C.compute_working_bytes(s, T)
+    lw = s.layer_params * C.W_BYTES
+    # The compute device's floor: the layer computing and the one prefetched, one layer's gradients,
+    # one layer's saved activations (rebuilt or reloaded for its backward) and the transients.
+    floor = 2 * lw + s.layer_params * C.GRAD_BYTES + act + working
+    gpu = hw.gpu is not None
+    ram = _usable_ram(hw, task)
+    # Host staging: with a GPU, pinned buffers for three layers of weights and two of gradients;
+    # without one, RAM is the compute device and its floor is the window itself.
+    staging = (3 * lw + 2 * s.layer_params * C.GRAD_BYTES) if gpu else floor
+    inputs = L * C.layer_input_bytes(s, T)  # recompute checkpoints, kept on the host
+    dev_spare = 0
+    if gpu:
+        if floor > r.gpu_bytes:
+            p.problems.append(
+                f"{hw.gpu.name} memory: one layer's working set needs {fmt_bytes(floor)} (weights of two "
+                f"layers {fmt_bytes(2 * lw)}, saved activations {fmt_bytes(act)}, transients "
+                f"{fmt_bytes(working)}), {fmt_bytes(floor - r.gpu_bytes)} more than its {fmt_bytes(r.gpu_bytes)}; "
+                f"lower --batch or --seq-len")
+        dev_spare = max(0, r.gpu_bytes - floor)
+    host_free = ram - staging - inputs
+    if host_free < 0:
+        p.problems.append(
+            f"RAM: streaming buffers {fmt_bytes(staging)} and layer checkpoints {fmt_bytes(inputs)} need "
+            f"{fmt_bytes(-host_free)} more than the {fmt_bytes(ram)} usable; raise --cpu-mem or add RAM, "
+            f"or lower --batch / --seq-len")
+        host_free = 0
+    # Optimizer state resident in RAM saves 32 SSD bytes per 14 RAM bytes, more than an activation
+    # byte (2 SSD bytes per byte), so it takes RAM first.
+    resident = min(P, host_free // C.RAM_STATE_PER_PARAM) if task.state_cache else 0
+    if resident == P and not hw.drive:
+        pass
+    host_free -= resident * C.RAM_STATE_PER_PARAM
+    on_ssd = P - resident
+    if on_ssd and not hw.drive:
+        p.problems.append(f"no NVMe: {fmt_bytes(on_ssd * C.RAM_STATE_PER_PARAM)} of optimizer state does not "
+                          f"fit in RAM; add drives (e.g. +pm9a3*4) or RAM")
+    need_ssd = on_ssd * C.SSD_STATE_PER_PARAM
+    # Activations: on the device while it has room, then host RAM, then NVMe or recomputed.
+    k_dev = min(L, dev_spare // act) if gpu else 0
+    k_ram = min(L - k_dev, host_free // act)
+    rest = L - k_dev - k_ram
+    if task.activations == "recompute":
+        k_dev = k_ram = rest = 0
+        choices = [(0, L)]
+    elif task.activations == "keep" or not hw.drive:
+        choices = [(rest, 0)] if hw.drive else [(0, rest)]
+    else:
+        choices = [(n, rest - n) for n in range(rest + 1)]
+    best = None
+    for n_ssd, n_rec in choices:
+        res = _finetune_times(s, task, r, T, resident, k_ram, n_ssd, n_rec, act, gpu)
+        if best is None or res[1] < best[1][1] - 1e-12:
+            best = ((n_ssd, n_rec), res)
+    (n_ssd, n_rec), (devices, step, resources, traffic, flops) = best
+    need_ssd += n_ssd * act
+    if hw.drive and need_ssd > r.nvme_bytes:
+        p.problems.append(f"NVMe capacity: state (two slots) and swapped activations need {fmt_bytes(need_ssd)}, "
+                          f"{fmt_bytes(need_ssd - r.nvme_bytes)} more than the {fmt_bytes(r.nvme_bytes)} of the drives; "
+                          f"add drives (NAME*N) or larger ones")
+    p.activations = {"per_layer_bytes": act, "on_device": k_dev, "in_ram": k_ram, "on_nvme": n_ssd,
+                     "recomputed": n_rec, "policy": task.activations}
+    dev = "gpu" if gpu else "ram"
+    p.placement = {
+        dev: {"weight_window": 2 * lw, "gradients": s.layer_params * C.GRAD_BYTES, "activations_working": act,
+              "transients": working, "activations_kept": k_dev * act},
+        "ram" if gpu else "ram_beyond_window": {"staging_buffers": staging if gpu else 0, "layer_checkpoints": inputs,
+                                                "resident_state": resident * C.RAM_STATE_PER_PARAM,
+                                                "activations": k_ram * act, "usable": ram},
+        "nvme": {"state_two_slots": on_ssd * C.SSD_STATE_PER_PARAM, "activations": n_ssd * act,
+                 "capacity": r.nvme_bytes},
+    }
+    p.resources_s, p.traffic_bytes = resources, traffic
+    p.devices_s = devices
+    p.fits = not p.problems
+    binding, _ = _combine(devices, L)
+    p.binding, p.step_s = binding, step
+    p.tokens_per_s = T / step
+    p.tflops = C.train_flops(s, T, task.seq_len) / step / 1e12
+    p.extra = {"tokens_per_step": T, "executed_flops": flops,
+               "model_flops": C.train_flops(s, T, task.seq_len), "resident_params": resident}
+
+
+def _finetune_times(s, task, r: C.Rates, T, resident, k_ram, n_ssd, n_rec, act, gpu):
+    P, L = s.params, s.layers
+    flops = C.train_flops(s, T, task.seq_len) + n_rec * C.layer_fwd_flops(s, T, task.seq_len)
+    streamed = P - resident
+    ssd_r = streamed * C.SSD_READ_PER_PARAM + n_ssd * act
+    ssd_w = streamed * C.SSD_WRITE_PER_PARAM + n_ssd * act
+    swapped = (k_ram + n_ssd) * act if gpu else 0
+    h2d = (2 * P * C.W_BYTES + swapped) if gpu else 0
+    d2h = (P * C.GRAD_BYTES + swapped) if gpu else 0
+    # DRAM: every SSD and PCIe byte lands in or leaves from RAM, plus the optimizer's own passes;
+    # without a GPU, activations kept in RAM are written and read back once.
+    dram = ssd_r + ssd_w + h2d + d2h + P * C.OPT_DRAM_PER_PARAM + (0 if gpu else 2 * k_ram * act)
+    res = {"compute": flops / r.compute_flops, "optimizer": P / r.adam_elems, "memory": dram / r.dram,
+           "link_h2d": h2d / r.link if gpu else 0.0, "link_d2h": d2h / r.link if gpu else 0.0,
+           "ssd_read": ssd_r / r.ssd_read if ssd_r else 0.0, "ssd_write": ssd_w / r.ssd_write if ssd_w else 0.0}
+    if gpu:
+        devices = {"gpu": res["compute"], "cpu": res["optimizer"]}
+    else:
+        devices = {"cpu": res["compute"] + res["optimizer"]}
+    devices.update({"dram": res["memory"], "pcie": max(res["link_h2d"], res["link_d2h"]),
+                    "ssd": res["ssd_read"] + res["ssd_write"]})
+    _, step = _combine(devices, L)
+    traffic = {"ssd_read": ssd_r, "ssd_write": ssd_w, "link_h2d": h2d, "link_d2h": d2h, "dram": dram}
+    return devices, step, res, traffic, flops
+
+
+# ---- serving ------------------------------------------------------------------------------------
+
+def _serve(p: Plan, s: ModelShape, hw: Hardware, task: Task, r: C.Rates) -> None:
+    B, Sp, N = task.batch, task.seq_len, task.new_tokens
+    W = s.params * C.W_BYTES
+    kv = B * (Sp + N) * C.kv_bytes_per_token(s)
+    ram = _usable_ram(hw, task)
+    scratch = C.compute_working_bytes(s, B * Sp) // 4  # prefill transients, inference only (no gradients)
+    options = []
+    # Weights where they are read from each decode step: GPU memory, RAM over PCIe, RAM by the CPU,
+    # NVMe. Each option is costed; the fastest that fits is the plan.
+    if hw.gpu is not None:
+        kv_on_gpu = kv + scratch <= r.gpu_bytes
+        options.append(("gpu", max(0, min(W, r.gpu_bytes - scratch - (kv if kv_on_gpu else 0)))))
+    options.append(("cpu", 0))
+    best = None
+    for site, on_gpu in options:
+        kv_where = "gpu" if site == "gpu" and kv_on_gpu else "ram"
+        ram_for_w = max(0, ram - (kv if kv_where == "ram" else 0))
+        in_ram = min(W - on_gpu, ram_for_w)
+        from_ssd = W - on_gpu - in_ram
+        if (from_ssd and not hw.drive) or (kv_where == "ram" and kv > ram):
+            continue
+        flops_tok = 2.0 * s.matmul_params * B + C.attention_fwd_flops(s, Sp + N / 2, B)
+        comp = r.compute_flops if site == "gpu" else r.cpu_flops
+        res = {"compute": flops_tok / comp,
+               "memory": ((in_ram if site == "cpu" else 0) + from_ssd + (kv if kv_where == "ram" else 0)) / r.dram,
+               "gpu_memory": ((on_gpu + (kv if kv_where == "gpu" else 0)) / r.gpu_mem) if site == "gpu" else 0.0,
+               "link_h2d": ((W - on_gpu) + (kv if kv_where == "ram" else 0)) / r.link if site == "gpu" else 0.0,
+               "ssd_read": from_ssd / r.ssd_read if from_ssd else 0.0}
+        devices = {"gpu" if site == "gpu" else "cpu": res["compute"], "dram": res["memory"],
+                   "hbm": res["gpu_memory"], "pcie": res["link_h2d"], "ssd": res["ssd_read"]}
+        binding, step = _combine(devices, s.layers)
+        prefill = _prefill(s, hw, r, B, Sp, on_gpu, in_ram, from_ssd)
+        total = prefill + N * step
+        cand = dict(site=site, weights={"gpu": on_gpu, "ram": in_ram, "nvme": from_ssd}, kv_where=kv_where,
+                    res=res, devices=devices, binding=binding, step=step, prefill=prefill, total=total)
+        if best is None or total < best["total"]:
+            best = cand
+    if best is None:
+        p.problems.append(f"weights {fmt_bytes(W)} and KV cache {fmt_bytes(kv)} do not fit in "
+                          f"{fmt_bytes(ram)} of usable RAM and there is no NVMe to stream from; add RAM or drives")
+        p.fits = False
+        return
+    if best["weights"]["nvme"] > r.nvme_bytes:
+        p.problems.append(f"NVMe capacity: {fmt_bytes(best['weights']['nvme'])} of weights on drives of "
+                          f"{fmt_bytes(r.nvme_bytes)}; add drives")
+    p.fits = not p.problems
+    p.placement = {"weights": best["weights"], "kv_cache": {best["kv_where"]: kv}, "compute": best["site"]}
+    p.resources_s, p.devices_s, p.binding = best["res"], best["devices"], best["binding"]
+    p.step_s = best["step"]
+    p.tokens_per_s = B * N / best["total"]
+    p.extra = {"decode_tokens_per_s": B / best["step"], "prefill_s": best["prefill"],
+               "request_s": best["total"], "ttft_s": best["prefill"] + best["step"],
+               "generated_tokens": B * N, "kv_cache_bytes": kv}
+
+
+def _prefill(s: ModelShape, hw: Hardware, r: C.Rates, batch: int, prompt: int, on_gpu: int, in_ram: int, from_ssd: int) -> float:
+    """The prompt's forward on whichever compute site is faster for it: prefill is compute-heavy, so a
+    GPU streaming the weights over PCIe often beats the CPU that decodes from RAM."""
+    flops = 2.0 * s.matmul_params * batch * prompt + C.attention_fwd_flops(s, prompt / 2, batch * prompt)
+    ssd = from_ssd / r.ssd_read if from_ssd else 0.0
+    times = [_combine({"cpu": flops / r.cpu_flops, "dram": (in_ram + from_ssd) / r.dram, "ssd": ssd}, s.layers)[1]]
+    if hw.gpu is not None:
+        off = in_ram + from_ssd
+        times.append(_combine({"gpu": flops / r.compute_flops, "hbm": on_gpu / r.gpu_mem, "pcie": off / r.link,
+                               "dram": off / r.dram, "ssd": ssd}, s.layers)[1])
+    return min(times)

@@ -1,0 +1,127 @@
+"""A model's shape for planning: parameter counts per block, widths, heads, vocabulary.
+
+The counts come from the Hugging Face model itself, built on the `meta` device (no parameter takes
+memory), so any architecture transformers knows is sized exactly, even a 405B one, in a few hundred
+MB of process memory (most of it the torch and transformers imports).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+# Shapes of models the planner is asked about that tierlm has no `init` preset for (planning only).
+PLAN_SHAPES = {
+    # Brown et al. 2020, Table 2.1: 40 layers, 40 heads of 128 (the table's d_model 5140 does not
+    # divide by 40 heads; 40 x 128 = 5120 is what the heads give), context 2048.
+    "gpt3-13b": ("gpt2", "GPT-3 13B (Brown et al. 2020, Table 2.1)",
+                 dict(layers=40, hidden=5120, heads=40, kv_heads=40, intermediate=4 * 5120, vocab=50257,
+                      max_positions=2048, tie_embeddings=True)),
+    "llama-3.1-8b": ("llama", "meta-llama/Llama-3.1-8B config.json",
+                     dict(layers=32, hidden=4096, heads=32, kv_heads=8, intermediate=14336, vocab=128256,
+                          max_positions=131072, tie_embeddings=False)),
+    "llama-3.1-70b": ("llama", "meta-llama/Llama-3.1-70B config.json",
+                      dict(layers=80, hidden=8192, heads=64, kv_heads=8, intermediate=28672, vocab=128256,
+                           max_positions=131072, tie_embeddings=False)),
+    "llama-3.1-405b": ("llama", "meta-llama/Llama-3.1-405B config.json",
+                       dict(layers=126, hidden=16384, heads=128, kv_heads=8, intermediate=53248, vocab=128256,
+                            max_positions=131072, tie_embeddings=False)),
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    model_type: str
+    source: str
+    params: int              # unique parameters (tied embeddings once)
+    embed_params: int        # input embeddings (token + learned positions): lookups, no FLOPs
+    head_params: int         # final norm + output projection when it is its own matrix
+    layer_params: int        # one decoder layer (all layers have the same shape)
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    gated_mlp: bool          # SwiGLU-style (three matrices) rather than two
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def matmul_params(self) -> int:
+        """Parameters a token multiplies by: every layer, plus the output projection (tied or not)."""
+        return self.layers * self.layer_params + self.vocab * self.hidden
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _config_for(model: str):
+    """An HF config from a model directory, a config.json path, an init preset or a plan shape."""
+    from ..hf.presets import PRESETS, make_config
+
+    p = Path(model)
+    if p.is_dir() or p.name == "config.json":
+        cfg_file = p / "config.json" if p.is_dir() else p
+        if not cfg_file.is_file():
+            raise ValueError(f"{model}: no config.json there; give a Hugging Face model directory or a preset "
+                             f"({', '.join(sorted(PRESETS) + sorted(PLAN_SHAPES))})")
+        from transformers import AutoConfig
+        return AutoConfig.from_pretrained(cfg_file.parent), str(cfg_file)
+    key = model.lower()
+    if key in PRESETS:
+        return make_config(None, key, {}), PRESETS[key].source
+    if key in PLAN_SHAPES:
+        arch, source, over = PLAN_SHAPES[key]
+        return make_config(arch, None, over), source
+    raise ValueError(f"model {model!r}: not a directory with config.json, nor a preset; presets: "
+                     f"{', '.join(sorted(PRESETS) + sorted(PLAN_SHAPES))}")
+
+
+def model_shape(model: str) -> ModelShape:
+    """The shape of `model` (a directory, a config.json, or a preset name), counted on `meta`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config, source = _config_for(model)
+    with torch.device("meta"):  # parameters and buffers take no memory
+        m = AutoModelForCausalLM.from_config(config)
+    n = config.num_hidden_layers
+    per_layer = [0] * n
+    embed = head = 0
+    seen: set[int] = set()
+    embeddings = {id(mod.weight) for mod in m.modules() if isinstance(mod, torch.nn.Embedding)}
+    for name, p in m.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        hit = re.search(r"\.(?:layers|h)\.(\d+)\.", name)
+        if hit and int(hit.group(1)) < n:
+            per_layer[int(hit.group(1))] += p.numel()
+        elif id(p) in embeddings:
+            embed += p.numel()
+        else:
+            head += p.numel()
+    del m
+    if len(set(per_layer)) != 1:
+        raise ValueError(f"{model}: decoder layers of different sizes are not planned yet ({sorted(set(per_layer))})")
+    hidden = getattr(config, "hidden_size", None) or config.n_embd
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    inter = (getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden)
+    gated = getattr(config, "hidden_act", "gelu") in ("silu", "swish") or config.model_type in (
+        "llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2")
+    return ModelShape(
+        name=Path(model).name if Path(model).exists() else model.lower(), model_type=config.model_type,
+        source=source, params=sum(per_layer) + embed + head, embed_params=embed, head_params=head,
+        layer_params=per_layer[0], layers=n, hidden=hidden, intermediate=inter, heads=heads,
+        kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim,
+        vocab=config.vocab_size, gated_mlp=gated)
