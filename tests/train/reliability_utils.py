@@ -1,0 +1,41 @@
+"""Shared set-up for the reliability tests: a tiny model, data, and comparisons of whole runs."""
+import json
+from pathlib import Path
+
+from tierlm.engine.commit import list_manifests, read_manifest
+from tierlm.hf.init import init_model
+from tierlm.hf.presets import make_config
+
+# Clipping that triggers (the redo path), accumulation (the accumulator files), checkpoints.
+RUN_ARGS = ["--seq-len", "24", "--batch-size", "2", "--grad-accum", "2", "--steps", "6", "--lr", "3e-3",
+            "--max-grad-norm", "0.5", "--precision", "fp32", "--save-every", "2", "--weight-decay", "0.01",
+            "--schedule", "cosine", "--warmup-steps", "1", "--cpu-mem", "256MiB"]
+
+
+def make_inputs(root: Path) -> tuple[Path, Path]:
+    model = root / "model"
+    if not model.exists():
+        init_model(model, make_config("llama", None, {"layers": 2, "hidden": 64}))
+    data = root / "data.txt"
+    data.write_text("\n".join(f"Record {i}: out-of-core training keeps state on the SSD." for i in range(300)))
+    return model, data
+
+
+def state_of(run: Path) -> dict:
+    """Everything a run ends with: the committed state's bytes, the saved model, the loss history."""
+    nvme = run / "nvme"
+    manifest = read_manifest(list_manifests(nvme)[0])
+    files = {k: (nvme / k).read_bytes() for k in manifest["records"]}
+    final = {p.name: p.read_bytes() for p in sorted((run / "final").glob("*.safetensors"))}
+    losses = [(r["step"], r["loss"], r["grad_norm"]) for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())]
+    return {"step": manifest["step"], "optim": manifest["optim"], "files": files, "final": final, "losses": losses}
+
+
+def assert_same_run(a: dict, b: dict) -> None:
+    assert a["step"] == b["step"]
+    assert a["optim"] == b["optim"]
+    assert a["files"].keys() == b["files"].keys()
+    bad = [k for k in a["files"] if a["files"][k] != b["files"][k]]
+    assert not bad, f"state files differ: {bad[:5]}"
+    assert a["final"] == b["final"]
+    assert a["losses"] == b["losses"]
