@@ -49,7 +49,7 @@ def main() -> None:
     cmd = [sys.executable, "-m", "tierlm", "finetune", str(model), "--data", str(corpus),
            "--output", str(run), "--cpu-mem", a.cpu_mem, "--steps", str(a.steps),
            "--seq-len", str(a.seq_len), "--batch-size", str(a.batch_size), "--precision", a.precision,
-           "--lr", "1e-5"] + a.extra
+           "--lr", "1e-5", "--overwrite"] + a.extra
     print(" ".join(cmd), flush=True)
     t = time.perf_counter()
     subprocess.run(cmd, check=True)
