@@ -78,7 +78,7 @@ def _text_of(content) -> str:
 
 
 def make_app(batcher, tokenizer, model_name: str):
-    from fastapi import FastAPI, Request as HTTPRequest
+    from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import StreamingResponse
     from starlette.exceptions import HTTPException
@@ -125,7 +125,7 @@ def make_app(batcher, tokenizer, model_name: str):
             raise APIError(400, str(e)) from None
         return p
 
-    async def run(ids: list[int], p: SamplingParams, chat: bool, body: _Body, http: HTTPRequest):
+    async def run(ids: list[int], p: SamplingParams, chat: bool, body: _Body):
         if not isinstance(body, CompletionBody) or body.max_tokens is None:
             # chat (or no max_tokens): as many tokens as the slot has room for
             room = batcher.engine.max_len - len(ids)
@@ -196,7 +196,7 @@ def make_app(batcher, tokenizer, model_name: str):
                                  headers={"Cache-Control": "no-cache"})
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionBody, http: HTTPRequest):
+    async def completions(body: CompletionBody):
         p = params_of(body)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
@@ -213,10 +213,10 @@ def make_app(batcher, tokenizer, model_name: str):
             ids = list(prompt)
         if not ids:
             raise APIError(400, "prompt: empty; give some text", "prompt")
-        return await run(ids, p, False, body, http)
+        return await run(ids, p, False, body)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatBody, http: HTTPRequest):
+    async def chat_completions(body: ChatBody):
         p = params_of(body)
         if not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
@@ -227,7 +227,7 @@ def make_app(batcher, tokenizer, model_name: str):
         except Exception as e:  # the template's own checks (roles, order) are the user's input errors
             raise APIError(400, f"messages: the chat template rejected them: {e}", "messages") from None
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        return await run(ids, p, True, body, http)
+        return await run(ids, p, True, body)
 
     return app
 
