@@ -225,7 +225,8 @@ def _finetune_times(s, task, r: C.Rates, T, resident, k_ram, n_ssd, n_rec, act, 
     dram = ssd_r + ssd_w + h2d + d2h + P * C.OPT_DRAM_PER_PARAM + (0 if gpu else 2 * k_ram * act)
     res = {"compute": flops / r.compute_flops, "optimizer": P / r.adam_elems, "memory": dram / r.dram,
            "link_h2d": h2d / r.link if gpu else 0.0, "link_d2h": d2h / r.link if gpu else 0.0,
-           "ssd_read": ssd_r / r.ssd_read if ssd_r else 0.0, "ssd_write": ssd_w / r.ssd_write if ssd_w else 0.0}
+           # no drives: the traffic has nowhere to go, and the plan already says so in its problems
+           "ssd_read": ssd_r / r.ssd_read if r.ssd_read else 0.0, "ssd_write": ssd_w / r.ssd_write if r.ssd_write else 0.0}
     if gpu:
         devices = {"gpu": res["compute"], "cpu": res["optimizer"]}
     else:

@@ -1,0 +1,80 @@
+"""Every catalog entry is complete and sourced; specs combine parts; user TOML parts are checked."""
+import dataclasses
+
+import pytest
+
+from tierlm.plan.catalog import CPUS, DRIVES, GPUS, Catalog
+
+
+@pytest.mark.parametrize("part", [*GPUS.values(), *CPUS.values(), *DRIVES.values()], ids=lambda p: p.name)
+def test_every_entry_is_complete_and_sourced(part):
+    for f in dataclasses.fields(part):
+        v = getattr(part, f.name)
+        assert v is not None, f.name
+        if isinstance(v, (int, float)):
+            # V100 has no bf16: its fp16 rate stands in, and the source says so.
+            assert v > 0 or (f.name == "bf16_tflops" and "no bf16" in part.source), f.name
+    assert len(part.source) > 20 and any(w in part.source.lower() for w in (
+        "datasheet", "whitepaper", "product", "ark", "brief")), part.source
+
+
+def test_required_gpus_are_there():
+    assert {"v100-32g", "a100-40g", "a100-80g", "a800-80g", "h100-80g", "h800-80g", "rtx4090"} <= set(GPUS)
+
+
+def test_every_system_parses():
+    cat = Catalog()
+    for name in cat.systems:
+        hw = cat.parse(name)
+        assert hw.spec == name and hw.cpu and hw.ram_bytes > 0
+    for spec in cat.everything():
+        cat.parse(spec)
+
+
+def test_spec_combines_parts():
+    hw = Catalog().parse("rtx4090+256GiB+p5510*12")
+    assert hw.gpu.name == "rtx4090" and hw.ram_bytes == 256 << 30 and hw.drives == 12
+    assert hw.nvme_read_gbps == pytest.approx(12 * 6.5)
+    assert any("assumed" in n for n in hw.notes)  # the default CPU is said, not hidden
+    assert hw.parts_price() > 1599 + 12 * 400
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("rtx5090+64GiB", ["unknown part 'rtx5090'", "rtx4090"]),
+    ("rtx4090*2", ["one GPU per machine"]),
+    ("epyc-9124+64TiB", ["more than epyc-9124 holds"]),
+    ("lohan+p5510", ["whole system"]),
+])
+def test_bad_specs_say_what_and_how_to_fix(spec, words):
+    with pytest.raises(ValueError) as e:
+        Catalog().parse(spec)
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_user_parts_from_toml(tmp_path):
+    f = tmp_path / "mine.toml"
+    f.write_text("""
+[gpu.l40s]
+memory_bytes = "48GiB"
+bf16_tflops = 362.05
+fp16_tflops = 362.05
+mem_gbps = 864
+link_gbps = 31.5
+price_usd = 8000
+power_w = 350
+source = "NVIDIA L40S datasheet"
+
+[system]
+mybox = "l40s+512GiB+pm9a3*2"
+""")
+    cat = Catalog().load_toml(f)
+    hw = cat.parse("mybox")
+    assert hw.gpu.name == "l40s" and hw.gpu.memory_bytes == 48 << 30
+
+
+def test_toml_part_missing_fields_is_named(tmp_path):
+    f = tmp_path / "bad.toml"
+    f.write_text('[drive.x]\nread_gbps = 3\nsource = "mine"\n')
+    with pytest.raises(ValueError, match=r"bad.toml \[drive.x\]: missing field\(s\) capacity_bytes"):
+        Catalog().load_toml(f)

@@ -1,0 +1,76 @@
+"""`tierlm plan` and `tierlm bench` end to end (in process; bench with tiny sizes, never timed)."""
+import json
+
+import pytest
+
+from tierlm.cli import main
+
+
+@pytest.fixture
+def measured(tmp_path, monkeypatch):
+    """A cached measurement, so `--hardware this` never profiles inside the tests."""
+    monkeypatch.setenv("TIERLM_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "bench.json").write_text(json.dumps({
+        "io": {"dir": str(tmp_path), "direct_io": True, "read_gbps": 1.0, "write_gbps": 1.0, "mem_gbps": 6.0,
+               "free_bytes": 100 << 30, "block_bytes": 16 << 20, "inflight": 4, "bytes": 1 << 30, "note": None},
+        "compute": {"matmul_tflops": {"float32": 0.04, "bfloat16": 0.12, "float16": 0.06},
+                    "adamw_elems_per_s": 5e8, "matmul_n": 2048, "threads": 2},
+        "machine": {"cores": 2, "logical_cpus": 2, "ram_bytes": 24 << 30, "torch": "x", "when": "test"}}))
+    return tmp_path
+
+
+def test_plan_prints_placement_binding_cost_and_writes_json(tmp_path, capsys):
+    out_json = tmp_path / "p.json"
+    assert main(["plan", "gpt3-175b", "--hardware", "lohan", "--batch", "16", "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    for words in ("fits: yes", "placement:", "binding:", "TFLOPS", "per million trained tokens", "assumptions:"):
+        assert words in out
+    data = json.loads(out_json.read_text())
+    assert data["binding"] in data["devices_s"] and data["cost"]["usd_per_million_tokens"] > 0
+
+
+def test_plan_infeasible_exits_1_and_explains(capsys):
+    assert main(["plan", "gpt3-175b", "--hardware", "lohan", "--batch", "64"]) == 1
+    assert "more than its 24.00 GiB" in capsys.readouterr().out
+
+
+def test_compare_ranks_and_draws(tmp_path, capsys):
+    png = tmp_path / "c.png"
+    assert main(["plan", "llama-3.1-8b", "--task", "serve", "--batch", "8",
+                 "--compare", "4090-workstation,h100-server,cpu-4s-ddr5,a100-80g+64GiB", "--chart", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") >= 5 and "$/M tokens" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plan_on_this_machine_uses_measurements(measured, capsys, make_model_dir):
+    d, _ = make_model_dir("llama")
+    assert main(["plan", str(d), "--hardware", "this", "--batch", "2", "--seq-len", "32", "--no-state-cache"]) == 0
+    out = capsys.readouterr().out
+    assert "measured by `tierlm bench`" in out and "cost: hardware n/a" in out
+
+
+def test_bad_hardware_is_a_usage_error(capsys):
+    assert main(["plan", "gpt2", "--hardware", "rtx9999"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown part 'rtx9999'" in err and "rtx4090" in err
+
+
+def test_bad_model_is_a_usage_error(capsys):
+    assert main(["plan", "no-such-model", "--hardware", "lohan"]) == 2
+    assert "presets:" in capsys.readouterr().err
+
+
+def test_bench_runs_small_and_caches(tmp_path, monkeypatch, capsys):
+    from tierlm.bench import cache, measure
+
+    monkeypatch.setenv("TIERLM_CACHE_DIR", str(tmp_path / "cache"))
+    io = measure.bench_io(tmp_path / "nvme", size_bytes=16 << 20, block_bytes=4 << 20, inflight=2)
+    assert io["read_gbps"] > 0 and io["write_gbps"] > 0 and not list((tmp_path / "nvme").iterdir())
+    comp = measure.bench_compute(seconds_per_dtype=0.01, n=128)
+    assert set(comp["matmul_tflops"]) == {"float32", "bfloat16", "float16"}
+    cache.update("compute", comp)
+    assert cache.load()["compute"]["adamw_elems_per_s"] > 0
+    assert main(["bench", "io", "--nvme", str(tmp_path / "nvme2"), "--size", "8MiB"]) == 0
+    assert "read" in capsys.readouterr().out and (tmp_path / "nvme2" / "tierlm-bench.json").is_file()

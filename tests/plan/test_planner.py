@@ -1,0 +1,83 @@
+"""Plans are deterministic, explain what does not fit, name the binding resource, and land near the
+published LoHan numbers (the check docs/planner.md reports)."""
+import json
+
+import pytest
+
+from tierlm.plan.catalog import Catalog
+from tierlm.plan.planner import Task, plan
+from tierlm.plan.shapes import model_shape
+
+
+@pytest.fixture(scope="module")
+def cat():
+    return Catalog()
+
+
+def test_plans_are_deterministic(cat):
+    a = plan(model_shape("llama-2-13b"), cat.parse("lohan"), Task(batch=8)).to_json()
+    b = plan(model_shape("llama-2-13b"), cat.parse("lohan"), Task(batch=8)).to_json()
+    assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
+def test_step_is_the_busiest_device_plus_fill(cat):
+    p = plan(model_shape("gpt3-175b"), cat.parse("lohan"), Task(batch=16))
+    top = max(p.devices_s.values())
+    assert p.devices_s[p.binding] == top
+    assert top <= p.step_s <= top + sum(p.devices_s.values()) / p.model["layers"] + 1e-9
+
+
+@pytest.mark.parametrize("model, batch, published", [("gpt3-13b", 64, 156.0), ("gpt3-175b", 16, 87.0)])
+def test_lohan_published_throughput_within_factor_1_5(cat, model, batch, published):
+    p = plan(model_shape(model), cat.parse("lohan"), Task(batch=batch, seq_len=1024))
+    assert p.fits
+    assert 1 / 1.5 <= p.tflops / published <= 1.5, (p.tflops, published)
+    assert p.binding in p.devices_s
+
+
+def test_gpu_too_small_says_by_how_much(cat):
+    p = plan(model_shape("gpt3-175b"), cat.parse("lohan"), Task(batch=32))
+    assert not p.fits
+    msg = p.problems[0]
+    assert "rtx4090 memory" in msg and "more than its 24.00 GiB" in msg and "--batch" in msg
+
+
+def test_no_nvme_and_too_little_ram(cat):
+    p = plan(model_shape("llama-3.1-70b"), cat.parse("a100-80g+64GiB"), Task(batch=1))
+    assert not p.fits
+    assert any("no NVMe" in m and "add drives" in m for m in p.problems)
+
+
+def test_nvme_capacity_shortfall(cat):
+    p = plan(model_shape("llama-3.1-405b"), cat.parse("h100-80g+512GiB+990pro*1"), Task(batch=1))
+    assert any(m.startswith("NVMe capacity") and "more than" in m for m in p.problems)
+
+
+def test_state_in_ram_takes_the_ssd_off_the_step(cat):
+    cached = plan(model_shape("llama-2-7b"), cat.parse("rtx4090+512GiB+pm9a3*2"), Task(batch=4))
+    streamed = plan(model_shape("llama-2-7b"), cat.parse("rtx4090+512GiB+pm9a3*2"), Task(batch=4, state_cache=False))
+    assert cached.traffic_bytes["ssd_read"] == 0 < streamed.traffic_bytes["ssd_read"]
+    assert streamed.resources_s["ssd_write"] > 0
+
+
+def test_recompute_costs_compute(cat):
+    auto = plan(model_shape("llama-2-13b"), cat.parse("lohan"), Task(batch=8))
+    rec = plan(model_shape("llama-2-13b"), cat.parse("lohan"), Task(batch=8, activations="recompute"))
+    assert rec.activations["recomputed"] == rec.model["layers"]
+    assert rec.resources_s["compute"] > auto.resources_s["compute"]
+
+
+def test_serve_placements(cat):
+    small = plan(model_shape("llama-3.1-8b"), cat.parse("h100-server"), Task(kind="serve", batch=8))
+    assert small.placement["compute"] == "gpu" and small.placement["weights"]["gpu"] > 0
+    huge = plan(model_shape("llama-3.1-405b"), cat.parse("rtx4090+64GiB+pm9a3*4"), Task(kind="serve", batch=1))
+    # 730 GB stream from the drives each token, through RAM and over PCIe: one of the two binds
+    assert huge.fits and huge.placement["weights"]["nvme"] > 0 and huge.binding in ("ssd", "pcie")
+    assert huge.extra["decode_tokens_per_s"] < small.extra["decode_tokens_per_s"]
+
+
+def test_cost_per_million_tokens_is_stated(cat):
+    p = plan(model_shape("llama-3.1-8b"), cat.parse("4090-workstation"), Task(kind="serve", batch=16))
+    c = p.cost
+    assert c["usd_per_million_tokens"] > 0 and c["lifetime_years"] == 3.0
+    assert any("cost:" in a for a in p.assumptions)
