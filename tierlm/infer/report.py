@@ -48,7 +48,11 @@ print(json.dumps(out))
 def machine_rates(nvme_dir: str | None = None, cache: str | None = None) -> dict:
     """{'mem_gbps', 'matmul_bf16_gflops', 'matmul_fp32_gflops', 'ssd_gbps'?}; cached per directory."""
     cache_path = Path(cache or Path.home() / ".cache" / "tierlm" / "rates.json")
-    key = f"{os.cpu_count()}:{nvme_dir or ''}"
+    # per machine and per file system (the SSD rate is the directory's device's)
+    where = Path(nvme_dir or ".").resolve()
+    while not where.exists():
+        where = where.parent
+    key = f"{os.cpu_count()}:{where.stat().st_dev if nvme_dir else ''}"
     try:
         known = json.loads(cache_path.read_text())
     except (OSError, json.JSONDecodeError):

@@ -104,7 +104,7 @@ def generate_cmd(args, out=sys.stdout, err=sys.stderr) -> dict:
     for line in lines:
         print(line, file=err)
     rep.update({"placement": eng.placement.__dict__, "completion_tokens": [len(r.out_ids) for r in reqs],
-                "text": reqs[0].text, "rates": rates})
+                "text": reqs[0].text, "token_ids": reqs[0].out_ids, "rates": rates})
     from ..engine.budget import peak_rss
     rep["peak_rss_bytes"], rep["library_rss_bytes"] = peak_rss(), eng.library_rss
     if args.json:

@@ -1,0 +1,62 @@
+"""`--cpu-mem` is a promise at inference too: a model 3x the budget streams its layers from the
+store, stays under the budget (peak RSS, VmHWM, of the generating process), and generates the
+same tokens as when it is resident."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tierlm.hf.init import init_model
+from tierlm.hf.presets import make_config, param_count
+from tierlm.units import parse_bytes
+
+BUDGET = "40MiB"
+SHAPE = {"layers": 20, "hidden": 512, "heads": 8, "kv_heads": 4, "intermediate": 1408, "vocab": 4096,
+         "initializer_range": 0.2}
+PEAK = "int([l for l in open('/proc/self/status') if l.startswith('VmHWM:')][0].split()[1]) * 1024"
+
+
+def _library_peak() -> int:
+    """Peak RSS of a fresh process with torch, transformers and the llama code, after one tiny
+    bf16 forward and backward: the libraries' own footprint, which the budget does not count."""
+    code = ("import torch, transformers\n"
+            "from transformers import LlamaConfig, AutoModelForCausalLM\n"
+            "m = AutoModelForCausalLM.from_config(LlamaConfig(hidden_size=64, intermediate_size=128, "
+            "num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)).bfloat16()\n"
+            "ids = torch.randint(0, 512, (1, 8)); m(input_ids=ids, labels=ids).loss.backward()\n"
+            f"print({PEAK})")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    return int(out.stdout.split()[-1])
+
+
+def _generate(model, out, budget, *extra):
+    r = subprocess.run([sys.executable, "-m", "tierlm", "generate", str(model), "--prompt", "The weather today",
+                        "--cpu-mem", budget, "--max-new-tokens", "8", "--ignore-eos", "--json", str(out),
+                        *extra], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(out.read_text()), r.stderr
+
+
+@pytest.mark.slow
+def test_model_3x_budget_streams_under_budget_with_resident_tokens(tmp_path):
+    config = make_config("llama", None, SHAPE)
+    weights = 2 * param_count(config)  # bf16
+    budget = parse_bytes(BUDGET)
+    assert weights >= 3 * budget
+    model = init_model(tmp_path / "model", config, dtype="bfloat16")  # a layer at a time: small
+    libraries = _library_peak()
+    streamed, log = _generate(model, tmp_path / "s.json", BUDGET, "--nvme", str(tmp_path / "nvme"),
+                              "--prefetch", "1", "--step-tokens", "32")
+    place = streamed["placement"]
+    assert place["resident"] < place["layers"] and "streamed" in log
+    assert streamed["decode"]["tokens"] == 7 and streamed["decode"]["gbps"] > 0
+    peak = streamed["peak_rss_bytes"]
+    print(f"weights {weights / 2**20:.0f} MiB, budget {budget / 2**20:.0f} MiB, libraries {libraries / 2**20:.0f} "
+          f"MiB, peak {peak / 2**20:.0f} MiB = libraries + {(peak - libraries) / 2**20:.0f} MiB; "
+          f"{place['resident']}/{place['layers']} layers resident")
+    assert peak <= libraries + budget, (
+        f"peak RSS {peak / 2**20:.0f} MiB > libraries {libraries / 2**20:.0f} MiB + budget {budget / 2**20:.0f} MiB")
+    resident, _ = _generate(model, tmp_path / "r.json", "1GiB")
+    assert resident["placement"]["resident"] == resident["placement"]["layers"]
+    assert streamed["token_ids"] == resident["token_ids"] and len(set(resident["token_ids"])) > 1
