@@ -122,7 +122,8 @@ def _cmd_plan(args) -> int:
 
     task = Task(kind=args.task, batch=args.batch, seq_len=args.seq_len, new_tokens=args.tokens,
                 activations=args.activations, state_cache=not args.no_state_cache,
-                cpu_mem=parse_bytes(args.cpu_mem, "--cpu-mem") if args.cpu_mem else None, precision=args.precision)
+                cpu_mem=parse_bytes(args.cpu_mem, "--cpu-mem") if args.cpu_mem else None, precision=args.precision,
+                clip=args.clip)
     plans = run_plan(args.model, task, args.hardware, compare=args.compare, json_path=args.json,
                      chart_path=args.chart, catalog_file=args.catalog, nvme=args.nvme)
     return 0 if args.compare or plans[0].fits else 1
@@ -153,6 +154,8 @@ def _add_plan_verbs(sub) -> None:
     q.add_argument("--cpu-mem", default=None, metavar="SIZE", help="RAM the run may use (default: the machine's less a reserve)")
     q.add_argument("--no-state-cache", action="store_true",
                    help="stream all optimizer state through the SSD even when RAM has room (today's engine)")
+    q.add_argument("--clip", choices=("on", "off", "redo"), default="on",
+                   help="gradient clipping: on (gradients saved for an exact redo), off, redo (every step clips)")
     q.add_argument("--compare", default=None, metavar="HW1,HW2,...|all", help="rank these options and chart them")
     q.add_argument("--chart", default=None, metavar="PNG", help="where --compare draws throughput vs cost")
     q.add_argument("--json", default=None, metavar="FILE", help="also write the plan as JSON")

@@ -46,8 +46,8 @@ ADAM_ELEMS_PER_CORE = 1.0e9
 # and the bf16 gradient the optimizer consumes and saves for an exact clip redo.
 W_BYTES, OPT_BYTES, GRAD_BYTES = 2, 12, 2
 # Through the SSD per step for a parameter whose state lives there: weights read in forward and in
-# backward, optimizer state read and written, new working weights written, the gradient saved when
-# clipping is on (DESIGN.md's ~30 bytes plus 2).
+# backward, optimizer state read and written, new working weights written (DESIGN.md's ~30 bytes); the
+# planner adds the gradient saved when clipping is on, and the redo of a step that clips.
 SSD_READ_PER_PARAM = W_BYTES + W_BYTES + OPT_BYTES
 SSD_WRITE_PER_PARAM = OPT_BYTES + W_BYTES
 # On disk: master, m, v and working weights in two slots (the step reads one and writes the other).

@@ -31,6 +31,7 @@ class Task:
     state_cache: bool = True         # keep optimizer state resident in RAM where it fits
     cpu_mem: int | None = None       # RAM the run may use (default: the machine's, less a reserve)
     precision: str = "bf16"
+    clip: str = "on"                 # on: gradients saved for an exact clip redo; off; redo: every step clips
 
     def validate(self) -> "Task":
         if self.kind not in ("finetune", "serve"):
@@ -40,6 +41,8 @@ class Task:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if self.activations not in ("auto", "keep", "recompute"):
             raise ValueError(f"--activations {self.activations!r}: use auto, keep or recompute")
+        if self.clip not in ("on", "off", "redo"):
+            raise ValueError(f"--clip {self.clip!r}: use on, off or redo")
         return self
 
 
@@ -215,15 +218,21 @@ def _finetune_times(s, task, r: C.Rates, T, resident, k_ram, n_ssd, n_rec, act, 
     P, L = s.params, s.layers
     flops = C.train_flops(s, T, task.seq_len) + n_rec * C.layer_fwd_flops(s, T, task.seq_len)
     streamed = P - resident
-    ssd_r = streamed * C.SSD_READ_PER_PARAM + n_ssd * act
-    ssd_w = streamed * C.SSD_WRITE_PER_PARAM + n_ssd * act
+    # Clipping on: the gradient is saved for a redo. A step that clips redoes the update from the old
+    # slot: its state and the saved gradient are read again, the new state written again.
+    rd_pp = C.SSD_READ_PER_PARAM + (C.OPT_BYTES + C.GRAD_BYTES if task.clip == "redo" else 0)
+    wr_pp = C.SSD_WRITE_PER_PARAM + (C.GRAD_BYTES if task.clip != "off" else 0) + (
+        C.OPT_BYTES + C.W_BYTES if task.clip == "redo" else 0)
+    ssd_r = streamed * rd_pp + n_ssd * act
+    ssd_w = streamed * wr_pp + n_ssd * act
     swapped = (k_ram + n_ssd) * act if gpu else 0
     h2d = (2 * P * C.W_BYTES + swapped) if gpu else 0
     d2h = (P * C.GRAD_BYTES + swapped) if gpu else 0
     # DRAM: every SSD and PCIe byte lands in or leaves from RAM, plus the optimizer's own passes;
     # without a GPU, activations kept in RAM are written and read back once.
-    dram = ssd_r + ssd_w + h2d + d2h + P * C.OPT_DRAM_PER_PARAM + (0 if gpu else 2 * k_ram * act)
-    res = {"compute": flops / r.compute_flops, "optimizer": P / r.adam_elems, "memory": dram / r.dram,
+    redo = 2 if task.clip == "redo" else 1
+    dram = ssd_r + ssd_w + h2d + d2h + redo * P * C.OPT_DRAM_PER_PARAM + (0 if gpu else 2 * k_ram * act)
+    res = {"compute": flops / r.compute_flops, "optimizer": redo * P / r.adam_elems, "memory": dram / r.dram,
            "link_h2d": h2d / r.link if gpu else 0.0, "link_d2h": d2h / r.link if gpu else 0.0,
            # no drives: the traffic has nowhere to go, and the plan already says so in its problems
            "ssd_read": ssd_r / r.ssd_read if r.ssd_read else 0.0, "ssd_write": ssd_w / r.ssd_write if r.ssd_write else 0.0}
