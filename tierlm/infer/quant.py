@@ -18,7 +18,7 @@ INT4_GROUPS = (32, 64, 128, 256)
 
 
 def _int8(w: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    w = w.float()
+    w = w.float().contiguous()  # GPT-2's transposed Conv1D weight; the kernel wants rows
     scale = (w.abs().amax(1) / 127).clamp(min=1e-12)
     q = torch.round(w / scale[:, None]).clamp(-128, 127).to(torch.int8)
     return {"qweight": q, "scales": scale.to(dtype)}

@@ -1,0 +1,63 @@
+"""int8 per-channel and int4 group-wise weights: close to the full-precision model, the same
+tokens resident or streamed, and a perplexity that costs little."""
+import pytest
+import torch
+
+from tierlm.infer.engine import InferConfig, InferenceEngine
+from tierlm.infer.quality import perplexity
+from tierlm.infer.quant import QLinear
+
+# hidden 128: int4's groups (32..256 input elements) need widths they divide
+WIDE = {"hidden_size": 128, "intermediate_size": 256, "initializer_range": 0.05}
+
+
+def _engine(d, tmp_path, weights, **kw):
+    kw.setdefault("cpu_mem", "1GiB")
+    return InferenceEngine(d, InferConfig(dtype="fp32", weights=weights, max_seq_len=64,
+                                          nvme_dir=str(tmp_path / f"nvme-{weights}"), **kw), library_rss=0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+@pytest.mark.parametrize("weights, tol", [("int8", 0.03), ("int4", 0.4)])
+def test_quantised_logits_are_close_and_streaming_changes_nothing(arch, weights, tol, make_model_dir, tmp_path):
+    over = dict(WIDE, n_embd=128) if arch == "gpt2" else dict(WIDE)
+    if arch == "gpt2":
+        over.pop("hidden_size"), over.pop("intermediate_size")
+    d, model = make_model_dir(arch, **over)
+    ids = torch.tensor([[3, 14, 15, 92, 65, 35, 89, 79]])
+    with torch.no_grad():
+        ref = model(ids).logits[0]
+    eng = _engine(d, tmp_path, weights)
+    try:
+        q = [m for m in eng.model.modules() if isinstance(m, QLinear)]
+        assert q and all(m.mode == weights for m in q)
+        got = eng.logits_all(ids)[0]
+        rel = ((got - ref).norm() / ref.norm()).item()
+        assert rel < tol, f"{arch} {weights}: relative logit error {rel:.4f}"
+        resident_step = eng.step([ids[0].tolist()], [0])
+    finally:
+        eng.close()
+    eng = _engine(d, tmp_path, weights, resident_layers=0)
+    try:
+        assert eng.stream is not None
+        assert torch.equal(eng.step([ids[0].tolist()], [0]), resident_step)
+    finally:
+        eng.close()
+
+
+def test_perplexity_of_formats_is_ordered_and_close(make_model_dir, tmp_path):
+    d, model = make_model_dir("llama", **WIDE)
+    # text the model "knows" (its own greedy continuation), so the perplexity is well below the vocab's
+    with torch.no_grad():
+        ids = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=120, do_sample=False,
+                             pad_token_id=0)[0].tolist()
+    ppl = {}
+    for w in ("fp32", "int8", "int4"):
+        eng = _engine(d, tmp_path, w)
+        try:
+            ppl[w] = perplexity(eng, ids, window=64)
+        finally:
+            eng.close()
+    assert ppl["fp32"] < 128  # better than uniform over the vocabulary: the text is the model's own
+    assert abs(ppl["int8"] / ppl["fp32"] - 1) < 0.01
+    assert abs(ppl["int4"] / ppl["fp32"] - 1) < 0.10
