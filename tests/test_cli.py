@@ -85,3 +85,18 @@ def test_demo_runs_and_loss_goes_down(tmp_path):
     assert "demo:" in r.stdout and "sample:" in r.stdout
     summary = json.loads((tmp_path / "demo" / "run" / "summary.json").read_text())
     assert summary["steps"] == 8 and summary["last_loss"] < summary["first_loss"]
+
+
+def test_timeline_is_valid_and_covers_every_layer(tiny, tmp_path):
+    data = _data(tmp_path / "d.txt", ["the timeline shows whether the pipeline is full. " * 40])
+    assert main(["finetune", str(tiny), "--data", str(data), "--output", str(tmp_path / "run"), "--seq-len", "32",
+                 "--steps", "2", "--timeline-step", "2"]) == 0
+    trace = json.loads((tmp_path / "run" / "timeline.json").read_text())["traceEvents"]
+    spans = [e for e in trace if e["ph"] == "X"]
+    assert all(e["dur"] > 0 and e["ts"] >= 0 for e in spans)
+    names = {e["name"] for e in spans if e["cat"] == "compute"}
+    layers = json.loads((tiny / "config.json").read_text())["num_hidden_layers"]
+    assert names == {f"{d} layers.{i}" for d in ("fwd", "bwd") for i in range(layers)}
+    cats = {e["cat"] for e in spans}
+    assert {"compute", "optimizer", "ssd_read", "ssd_write", "wait"} <= cats
+    assert (tmp_path / "run" / "timeline.png").stat().st_size > 10_000

@@ -32,6 +32,7 @@ from .block_fn import ParamRefHooks, wrap_layer
 from .layout import key, make_param_info, nbytes
 from .model import discover_blocks, empty_model, module_param_slots
 from .optimizer import AdamWConfig, OutOfCoreAdamW, StepResult
+from .timeline import Timeline
 from .weights import WeightWindow
 
 _MANAGED = ("w0", "w1", "master0", "master1", "m0", "m1", "v0", "v1", "grad", "gacc", "checkpoints")
@@ -63,7 +64,7 @@ class EngineConfig:
 
 class Engine:
     def __init__(self, model: nn.Module, source, cfg: EngineConfig, resume: bool = False, overwrite: bool = False,
-                 library_rss: int | None = None, on_event=None):
+                 library_rss: int | None = None):
         """model: an HF causal LM whose parameters may be on `meta` (see from_pretrained);
         source(name, out_fp32) fills the fp32 initial value of a parameter (used unless resuming);
         library_rss: RSS of the libraries alone (budget.library_baseline); what the process holds
@@ -84,6 +85,8 @@ class Engine:
                 wrap_layer(self, blk, blk.module)
         self._hook_embed_and_head()
 
+        self.timeline = Timeline()
+        on_event = self.timeline.event
         root = Path(cfg.nvme_dir)
         root.mkdir(parents=True, exist_ok=True)
         self.root = root
@@ -222,9 +225,9 @@ class Engine:
             flat = master.reshape(-1)
             futs = []
             for k, (a, b) in enumerate(info.shards):
-                futs.append(self.store.write(key("master", name, k, 0), flat[a:b], durable=True))
+                futs.append(self.store.write(key("master", name, k, 0), flat[a:b]))
                 if self.dtype != torch.float32:
-                    futs.append(self.store.write(key("w", name, k, 0), flat[a:b].to(self.dtype), durable=True))
+                    futs.append(self.store.write(key("w", name, k, 0), flat[a:b].to(self.dtype)))
             for f in futs:
                 f.result()
             del master, flat
@@ -268,12 +271,12 @@ class Engine:
         return keys
 
     def _write_manifest(self) -> None:
-        """Commit: every current file is durable (written with fsync); make the directory entries
-        durable, then the manifest; the manifest before the previous one goes last."""
+        """Commit: make the step's files and renames durable, then the manifest; the manifest
+        before the previous one goes last."""
         records = self.store.manifest()
         current = {k: records[k] for k in self._current_keys()}
-        for d in {(self.root / k).parent for k in current}:
-            C.fsync_dir(d)
+        fault("commit.fsync")
+        C.sync_fs(self.root)
         C.write_manifest(self.root, dict(self.state, records=current))
         C.prune(self.root)
 
@@ -283,7 +286,8 @@ class Engine:
 
     # ---- weights in and out of the modules ---------------------------------------------
     def _load(self, names) -> None:
-        tensors = self.window.acquire(names)
+        with self.timeline.span("wait", "weights"):
+            tensors = self.window.acquire(names)
         for n, t in tensors.items():
             self._pins[n] = self._pins.get(n, 0) + 1
             if self._pins[n] == 1:
@@ -328,8 +332,10 @@ class Engine:
         self._prefetch_from(blk.index, +1)
         self._load(blk.uses)
         self.hooks.saved_bytes = 0
+        self._t_compute = time.perf_counter()
 
     def block_forward_end(self, blk) -> None:
+        self.timeline.event("compute", f"fwd {blk.name}", self._t_compute, time.perf_counter())
         self._unload(blk.uses)
         if self._policy.get(blk.index) == "keep":
             self.last_layer_act = self.hooks.saved_bytes
@@ -340,8 +346,10 @@ class Engine:
         self._drop_head()  # the head's backward is over once a layer's starts
         self._load(blk.uses)
         self._prefetch_from(blk.index, -1)
+        self._t_compute = time.perf_counter()
 
     def block_backward_end(self, blk) -> None:
+        self.timeline.event("compute", f"bwd {blk.name}", self._t_compute, time.perf_counter())
         self._unload(blk.uses)
 
     def policy_for(self, blk) -> str:
@@ -380,7 +388,8 @@ class Engine:
             (loss / self.cfg.grad_accum).backward()
         finally:
             self._drop_head()
-            self.optimizer.end_micro()
+            with self.timeline.span("wait", "optimizer"):
+                self.optimizer.end_micro()
         self.micro += 1
 
     def finish(self) -> StepResult:
@@ -388,7 +397,8 @@ class Engine:
         if self.micro != self.cfg.grad_accum:
             raise RuntimeError(f"step() after {self.micro} of {self.cfg.grad_accum} backward calls")
         self.micro = 0
-        self._result = self.optimizer.finish_step()
+        with self.timeline.span("wait", "clip redo" if self.cfg.optim.max_grad_norm else "finish"):
+            self._result = self.optimizer.finish_step()
         return self._result
 
     def commit(self) -> None:
@@ -473,7 +483,7 @@ class Engine:
         self.store.close()
 
 
-__all__ = ["Engine", "EngineConfig", "AdamWConfig", "asdict", "time", "fmt_bytes"]
+__all__ = ["Engine", "EngineConfig", "AdamWConfig", "asdict", "fmt_bytes"]
 
 
 def _fingerprint_diff(old: dict, new: dict) -> str:

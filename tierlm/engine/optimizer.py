@@ -388,13 +388,13 @@ class OutOfCoreAdamW:
                   beta2=self.cfg.beta2, weight_decay=self.cfg.weight_decay, eps=self.cfg.eps,
                   amsgrad=False, maximize=False, **self.cfg.kernel_flags())
             new = 1 - self.slots[it.name]
-            writes.append(self.store.write(key("master", it.name, it.shard, new), master, durable=True))
-            writes.append(self.store.write(key("m", it.name, it.shard, new), m, durable=True))
-            writes.append(self.store.write(key("v", it.name, it.shard, new), v, durable=True))
+            writes.append(self.store.write(key("master", it.name, it.shard, new), master))
+            writes.append(self.store.write(key("m", it.name, it.shard, new), m))
+            writes.append(self.store.write(key("v", it.name, it.shard, new), v))
             if self.weight_dtype is not None:
                 w = it.bufs["w"].view(self.weight_dtype, (n,))
                 w.copy_(master)  # the same rounding as `param.data.copy_(master)`
-                writes.append(self.store.write(key("w", it.name, it.shard, new), w, durable=True))
+                writes.append(self.store.write(key("w", it.name, it.shard, new), w))
             self._updated.add(it.name)
         if self.on_event:
             self.on_event("optimizer", f"{it.name}.{it.shard}", t0, time.perf_counter(), n)

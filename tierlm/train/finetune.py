@@ -49,6 +49,8 @@ class FinetuneConfig:
     sample_tokens: int = option(40, help="tokens to generate for --sample-prompt")
     sample_temperature: float = option(0.0, help="sampling temperature for --sample-prompt (0: greedy)")
     direct_io: bool | None = option(None, help="force direct I/O on or off (default: where the file system allows)")
+    timeline_step: int | None = option(2, help="record this step's timeline (timeline.json for Perfetto, "
+                                       "timeline.png); 0 disables")
     resume: str = option("no", help="auto: continue from the newest intact committed state in --nvme "
                          "(a fresh start when there is none); no: a new run", choices=("no", "auto"))
     overwrite: bool = option(False, help="start a new run even where --nvme holds a committed state (deletes it)")
@@ -72,6 +74,16 @@ def _resolve(cfg: FinetuneConfig) -> FinetuneConfig:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
     parse_bytes(cfg.cpu_mem, "--cpu-mem")
     return cfg
+
+
+def _save_timeline(tl, out: Path, step: int, dt: float, progress) -> None:
+    tl.stop()
+    tl.save_chrome(out / "timeline.json")
+    busy = tl.lanes_busy_s()
+    tl.save_png(out / "timeline.png", title=f"step {step}: {dt:.2f} s, compute waited {tl.stall_s():.2f} s on I/O")
+    progress.bar.write(f"timeline of step {step}: {out / 'timeline.json'} (Perfetto), {out / 'timeline.png'}; "
+                       f"busy: " + ", ".join(f"{k} {v / dt:.0%}" for k, v in busy.items())
+                       + f"; compute stalled {tl.stall_s() / dt:.0%} of the step")
 
 
 class TrainingStopped(RuntimeError):
@@ -152,6 +164,8 @@ def _run(cfg: FinetuneConfig, out: Path) -> dict:
     bad_streak = trainer["bad_streak"] if trainer else 0
     try:
         for step in range(start, total):
+            if cfg.timeline_step and step + 1 == cfg.timeline_step:
+                engine.timeline.start()
             t0 = time.perf_counter()
             io0 = engine.store.stats.snapshot()
             lr = lr_at(cfg.lr, cfg.schedule, cfg.warmup_steps, total, step)
@@ -172,6 +186,8 @@ def _run(cfg: FinetuneConfig, out: Path) -> dict:
             # The metrics row goes first: a crash before the commit leaves a row that resume drops.
             progress.step(step, sum(losses) / len(losses), lr, res, tokens, time.perf_counter() - t0, io0)
             engine.commit()
+            if engine.timeline.recording:
+                _save_timeline(engine.timeline, out, step + 1, time.perf_counter() - t0, progress)
             if bad_streak >= cfg.max_bad_steps:
                 raise TrainingStopped(
                     f"{bad_streak} consecutive steps had non-finite loss or gradients (steps "

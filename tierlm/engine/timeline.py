@@ -1,0 +1,105 @@
+"""When each resource was busy: compute per layer, the optimizer, SSD reads and writes.
+
+Recording is off until `start()`; events are appended from any thread (a list append is atomic
+under the GIL). `save_chrome` writes a Chrome trace (open it in Perfetto or chrome://tracing), and
+`save_png` a Gantt chart with one lane per resource: the picture that shows at a glance whether the
+pipeline is full. `stall_s` is the time the compute thread spent waiting on I/O.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+# Lanes in the order they are drawn.
+LANES = ("compute", "wait", "optimizer", "ssd_read", "ssd_write")
+COLORS = {"compute": "#4878d0", "wait": "#d65f5f", "optimizer": "#6acc64", "ssd_read": "#ee854a",
+          "ssd_write": "#956cb4"}
+
+
+class Timeline:
+    def __init__(self):
+        self.events: list[tuple] = []  # (lane, name, t0, t1, nbytes, thread)
+        self.recording = False
+        self.origin = time.perf_counter()
+
+    def start(self) -> None:
+        self.events = []
+        self.origin = time.perf_counter()
+        self.recording = True
+
+    def stop(self) -> None:
+        self.recording = False
+
+    def event(self, lane: str, name: str, t0: float, t1: float, nbytes: int = 0) -> None:
+        if self.recording and t1 > self.origin:
+            # An I/O issued before recording started shows from the start of the window.
+            self.events.append((lane, name, max(t0, self.origin), t1, nbytes, threading.current_thread().name))
+
+    @contextmanager
+    def span(self, lane: str, name: str):
+        if not self.recording:
+            yield
+            return
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.event(lane, name, t0, time.perf_counter())
+
+    def stall_s(self) -> float:
+        return sum(t1 - t0 for lane, _, t0, t1, _, _ in self.events if lane == "wait")
+
+    def lanes_busy_s(self) -> dict[str, float]:
+        """Busy time per lane, overlapping events of one lane merged (several I/O threads)."""
+        out = {}
+        for lane in LANES:
+            spans = sorted((t0, t1) for ln, _, t0, t1, _, _ in self.events if ln == lane)
+            busy, end = 0.0, None
+            for t0, t1 in spans:
+                if end is None or t0 > end:
+                    busy += t1 - t0
+                    end = t1
+                elif t1 > end:
+                    busy += t1 - end
+                    end = t1
+            out[lane] = busy
+        return out
+
+    def save_chrome(self, path) -> Path:
+        path = Path(path)
+        tids = {lane: i for i, lane in enumerate(LANES)}
+        ev = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": tids[lane], "args": {"name": lane}}
+              for lane in LANES]
+        for lane, name, t0, t1, nbytes, thread in self.events:
+            ev.append({"name": name, "cat": lane, "ph": "X", "pid": 0, "tid": tids[lane],
+                       "ts": (t0 - self.origin) * 1e6, "dur": max(t1 - t0, 1e-7) * 1e6,
+                       "args": {"bytes": nbytes, "thread": thread}})
+        path.write_text(json.dumps({"traceEvents": ev, "displayTimeUnit": "ms"}))
+        return path
+
+    def save_png(self, path, title: str = "") -> Path:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        path = Path(path)
+        fig, ax = plt.subplots(figsize=(14, 3.6))
+        busy = self.lanes_busy_s()
+        span = max((e[3] for e in self.events), default=self.origin) - self.origin
+        for i, lane in enumerate(LANES):
+            bars = [(t0 - self.origin, t1 - t0) for ln, _, t0, t1, _, _ in self.events if ln == lane]
+            ax.broken_barh(bars, (len(LANES) - 1 - i - 0.4, 0.8), facecolors=COLORS[lane])
+        ax.set_yticks(range(len(LANES)))
+        ax.set_yticklabels([f"{lane} ({100 * busy[lane] / span:.0f}%)" if span else lane
+                            for lane in reversed(LANES)])
+        ax.set_xlabel("seconds")
+        ax.set_xlim(0, span or 1)
+        ax.set_title(title or "one step: busy time per resource")
+        ax.grid(axis="x", alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path
