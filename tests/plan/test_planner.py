@@ -81,3 +81,12 @@ def test_cost_per_million_tokens_is_stated(cat):
     c = p.cost
     assert c["usd_per_million_tokens"] > 0 and c["lifetime_years"] == 3.0
     assert any("cost:" in a for a in p.assumptions)
+
+
+def test_clip_redo_is_a_serial_second_pass(cat):
+    hw = cat.parse("4090-workstation")
+    on = plan(model_shape("llama-2-13b"), hw, Task(batch=4, state_cache=False))
+    off = plan(model_shape("llama-2-13b"), hw, Task(batch=4, state_cache=False, clip="off"))
+    redo = plan(model_shape("llama-2-13b"), hw, Task(batch=4, state_cache=False, clip="redo"))
+    assert off.traffic_bytes["ssd_write"] < on.traffic_bytes["ssd_write"] < redo.traffic_bytes["ssd_write"]
+    assert redo.step_s == pytest.approx(on.step_s + redo.resources_s["clip_redo"])

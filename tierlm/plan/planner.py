@@ -218,21 +218,16 @@ def _finetune_times(s, task, r: C.Rates, T, resident, k_ram, n_ssd, n_rec, act, 
     P, L = s.params, s.layers
     flops = C.train_flops(s, T, task.seq_len) + n_rec * C.layer_fwd_flops(s, T, task.seq_len)
     streamed = P - resident
-    # Clipping on: the gradient is saved for a redo. A step that clips redoes the update from the old
-    # slot: its state and the saved gradient are read again, the new state written again.
-    rd_pp = C.SSD_READ_PER_PARAM + (C.OPT_BYTES + C.GRAD_BYTES if task.clip == "redo" else 0)
-    wr_pp = C.SSD_WRITE_PER_PARAM + (C.GRAD_BYTES if task.clip != "off" else 0) + (
-        C.OPT_BYTES + C.W_BYTES if task.clip == "redo" else 0)
-    ssd_r = streamed * rd_pp + n_ssd * act
-    ssd_w = streamed * wr_pp + n_ssd * act
+    # Clipping on: the gradient is saved for a redo (2 bytes written).
+    ssd_r = streamed * C.SSD_READ_PER_PARAM + n_ssd * act
+    ssd_w = streamed * (C.SSD_WRITE_PER_PARAM + (C.GRAD_BYTES if task.clip != "off" else 0)) + n_ssd * act
     swapped = (k_ram + n_ssd) * act if gpu else 0
     h2d = (2 * P * C.W_BYTES + swapped) if gpu else 0
     d2h = (P * C.GRAD_BYTES + swapped) if gpu else 0
     # DRAM: every SSD and PCIe byte lands in or leaves from RAM, plus the optimizer's own passes;
     # without a GPU, activations kept in RAM are written and read back once.
-    redo = 2 if task.clip == "redo" else 1
-    dram = ssd_r + ssd_w + h2d + d2h + redo * P * C.OPT_DRAM_PER_PARAM + (0 if gpu else 2 * k_ram * act)
-    res = {"compute": flops / r.compute_flops, "optimizer": redo * P / r.adam_elems, "memory": dram / r.dram,
+    dram = ssd_r + ssd_w + h2d + d2h + P * C.OPT_DRAM_PER_PARAM + (0 if gpu else 2 * k_ram * act)
+    res = {"compute": flops / r.compute_flops, "optimizer": P / r.adam_elems, "memory": dram / r.dram,
            "link_h2d": h2d / r.link if gpu else 0.0, "link_d2h": d2h / r.link if gpu else 0.0,
            # no drives: the traffic has nowhere to go, and the plan already says so in its problems
            "ssd_read": ssd_r / r.ssd_read if r.ssd_read else 0.0, "ssd_write": ssd_w / r.ssd_write if r.ssd_write else 0.0}
@@ -243,6 +238,15 @@ def _finetune_times(s, task, r: C.Rates, T, resident, k_ram, n_ssd, n_rec, act, 
     devices.update({"dram": res["memory"], "pcie": max(res["link_h2d"], res["link_d2h"]),
                     "ssd": res["ssd_read"] + res["ssd_write"]})
     _, step = _combine(devices, L)
+    if task.clip == "redo":
+        # A step that clips knows it only once backward has ended: the update is redone from the old
+        # slot in a second pass (state and saved gradient read, new state written) after the pipeline,
+        # with nothing to overlap it.
+        rr, rw = streamed * (C.OPT_BYTES + C.GRAD_BYTES), streamed * (C.OPT_BYTES + C.W_BYTES)
+        res["clip_redo"] = max((rr / r.ssd_read if r.ssd_read else 0.0) + (rw / r.ssd_write if r.ssd_write else 0.0),
+                               P / r.adam_elems)
+        step += res["clip_redo"]
+        ssd_r, ssd_w = ssd_r + rr, ssd_w + rw
     traffic = {"ssd_read": ssd_r, "ssd_write": ssd_w, "link_h2d": h2d, "link_d2h": d2h, "dram": dram}
     return devices, step, res, traffic, flops
 
