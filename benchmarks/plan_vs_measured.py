@@ -42,6 +42,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--cpu-mem", default="1GiB")
+    ap.add_argument("--reuse", action="store_true", help="compare runs already in --work instead of running them")
     a = ap.parse_args()
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -59,9 +60,11 @@ def main() -> None:
         for batch in map(int, a.batches.split(",")):
             for acts in a.activations.split(","):
                 out = work / f"run-{name}-b{batch}-{acts}"
-                run([sys.executable, "-m", "tierlm", "finetune", str(model), "--data", str(corpus),
-                     "--output", str(out), "--cpu-mem", a.cpu_mem, "--steps", str(a.steps), "--seq-len",
-                     str(a.seq_len), "--batch-size", str(batch), "--activations", acts, "--lr", "1e-5", "--max-grad-norm", "0"])
+                if not (a.reuse and (out / "metrics.jsonl").exists()):
+                    run([sys.executable, "-m", "tierlm", "finetune", str(model), "--data", str(corpus),
+                        "--output", str(out), "--cpu-mem", a.cpu_mem, "--steps", str(a.steps), "--seq-len",
+                        str(a.seq_len), "--batch-size", str(batch), "--activations", acts, "--lr", "1e-5",
+                        "--max-grad-norm", "0"])
                 m = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()][1:]
                 meas = sum(r["s_per_step"] for r in m) / len(m)
                 ssd = sum(r["ssd_read_bytes"] + r["ssd_write_bytes"] for r in m) / len(m)
