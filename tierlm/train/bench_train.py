@@ -1,0 +1,110 @@
+"""`tierlm bench train MODEL`: the same model, data and batch, in memory and out-of-core, side by side.
+
+Each run is a process of its own (so each peak RSS is its own). The in-memory run is plain PyTorch
+(`tierlm.train.inmemory`): bf16 weights, fp32 master, torch.optim.AdamW. The out-of-core run is
+`tierlm finetune` with its timeline recorded on the last step. Printed: the ratio of steady step
+times, SSD bytes per step against the measured bandwidth (`tierlm bench io`), the share of the step
+the computation waited on I/O, and the peak RSS of each. When the in-memory run cannot fit in RAM,
+it is not run, and the out-of-core step is compared with its I/O bound instead.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+
+from ..units import fmt_bytes
+
+
+def _steady(rows: list[dict], key: str) -> float:
+    xs = [r[key] for r in (rows[1:] or rows)]
+    return sum(xs) / len(xs)
+
+
+def _inmemory_fits(model_dir: str) -> tuple[bool, int]:
+    from transformers import AutoConfig
+
+    from ..hf.presets import param_count
+    need = 18 * param_count(AutoConfig.from_pretrained(model_dir))  # bf16 + fp32 master + m, v + grads
+    return need < 0.8 * psutil.virtual_memory().available, need
+
+
+def bench_train(model: str, data: str, cpu_mem: str, steps: int, work: str, finetune_args: list[str],
+                nvme: str | None = None) -> dict:
+    from ..plan.command import measured_this
+
+    work_dir = Path(work)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    common = [model, "--data", data, "--steps", str(steps), *finetune_args]
+    result: dict = {"model": model, "steps": steps, "cpu_mem": cpu_mem}
+
+    fits, need = _inmemory_fits(model)
+    if fits:
+        out = work_dir / "inmemory.json"
+        subprocess.run([sys.executable, "-m", "tierlm.train.inmemory", *common, "--json", str(out)], check=True)
+        mem = json.loads(out.read_text())
+        result["inmemory"] = {"s_per_step": _steady(mem["rows"], "s_per_step"), "peak_rss_bytes": mem["peak_rss_bytes"],
+                              "losses": [r["loss"] for r in mem["rows"]]}
+    else:
+        result["inmemory"] = None
+        result["inmemory_skipped"] = f"needs ~{fmt_bytes(need)}, more than the RAM available"
+
+    run = work_dir / "outofcore"
+    shutil.rmtree(run, ignore_errors=True)
+    nvme_dir = nvme or str(run / "nvme")
+    subprocess.run([sys.executable, "-m", "tierlm", "finetune", *common, "--output", str(run), "--nvme", nvme_dir,
+                    "--cpu-mem", cpu_mem, "--overwrite", "--timeline-step", str(steps)], check=True)
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((run / "summary.json").read_text())
+    trace = json.loads((run / "timeline.json").read_text())["traceEvents"]
+    wait = sum(e["dur"] for e in trace if e.get("cat") == "wait") / 1e6
+    last = rows[-1]
+    io = measured_this(nvme_dir, quiet=False)["io"]
+    rd, wr = _steady(rows, "ssd_read_bytes"), _steady(rows, "ssd_write_bytes")
+    bound = rd / (io["read_gbps"] * 1e9) + wr / (io["write_gbps"] * 1e9)  # one device: reads and writes share it
+    ooc = {"s_per_step": _steady(rows, "s_per_step"), "peak_rss_bytes": summary["peak_rss_bytes"],
+           "library_rss_bytes": summary["library_rss_bytes"], "ssd_read_bytes": rd, "ssd_write_bytes": wr,
+           "read_gbps": _steady(rows, "ssd_read_gbps"), "write_gbps": _steady(rows, "ssd_write_gbps"),
+           "stall_pct": 100 * wait / last["s_per_step"], "io_bound_s": bound,
+           "losses": [r["loss"] for r in rows], "timeline": str(run / "timeline.png")}
+    result["outofcore"] = ooc
+    result["measured_io"] = {"read_gbps": io["read_gbps"], "write_gbps": io["write_gbps"], "dir": io["dir"]}
+    (work_dir / "bench_train.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def report(r: dict) -> str:
+    o = r["outofcore"]
+    lines = [f"bench train {r['model']}: {r['steps']} steps (steady = all but the first)"]
+    if r["inmemory"]:
+        m = r["inmemory"]
+        same = "identical" if m["losses"] == o["losses"] else "DIFFERENT"
+        lines.append(f"  in memory:    {m['s_per_step']:.2f} s/step, peak RSS {fmt_bytes(m['peak_rss_bytes'])}")
+        lines.append(f"  out-of-core:  {o['s_per_step']:.2f} s/step, peak RSS {fmt_bytes(o['peak_rss_bytes'])} "
+                     f"(--cpu-mem {r['cpu_mem']} beyond the libraries' {fmt_bytes(o['library_rss_bytes'])})")
+        lines.append(f"  ratio out-of-core / in-memory: {o['s_per_step'] / m['s_per_step']:.2f}x; losses {same}")
+    else:
+        lines.append(f"  in memory: not run ({r['inmemory_skipped']})")
+        lines.append(f"  out-of-core:  {o['s_per_step']:.2f} s/step, peak RSS {fmt_bytes(o['peak_rss_bytes'])}")
+    io = r["measured_io"]
+    lines.append(f"  SSD per step: read {fmt_bytes(o['ssd_read_bytes'])}, write {fmt_bytes(o['ssd_write_bytes'])}; "
+                 f"achieved {o['read_gbps']:.2f} / {o['write_gbps']:.2f} GB/s against measured "
+                 f"{io['read_gbps']:.2f} / {io['write_gbps']:.2f} GB/s (bench io, {io['dir']})")
+    lines.append(f"  I/O bound (bytes / measured bandwidth): {o['io_bound_s']:.2f} s; step / bound = "
+                 f"{o['s_per_step'] / o['io_bound_s']:.2f}x")
+    lines.append(f"  compute waited on I/O {o['stall_pct']:.0f}% of the last step; timeline {o['timeline']}")
+    return "\n".join(lines)
+
+
+def main_args(args) -> int:
+    extra = list(args.finetune_args or [])
+    r = bench_train(args.model, args.data, args.cpu_mem, args.steps, args.work, extra, nvme=args.nvme)
+    print(report(r))
+    return 0
+
+
+__all__ = ["bench_train", "report", "main_args"]
