@@ -61,7 +61,7 @@ def text(p: Plan) -> str:
         lines.append(f"  predicted: decode {e['decode_tokens_per_s']:,.1f} tokens/s, time to first token "
                      f"{_t(e['ttft_s'])}, {p.tokens_per_s:,.1f} generated tokens/s over whole requests")
     c = p.cost
-    lines.append(f"  cost: hardware {_usd(c['hardware_usd'])}, {_usd(c['usd_per_hour'])}/hour, "
+    lines.append(f"  cost: hardware {_usd(c['hardware_usd'])}, {_usd(c['usd_per_hour'])} per hour, "
                  f"{_usd(c['usd_per_million_tokens'])} per million {'trained' if t['kind'] == 'finetune' else 'generated'} tokens"
                  + (f" ({c['note']})" if c.get("note") else ""))
     lines.append("  assumptions: " + "; ".join(p.assumptions))
