@@ -133,6 +133,16 @@ def _cmd_bench(args) -> int:
     from .plan.command import bench_text, run_bench
     from .units import parse_bytes
 
+    if args.what == "train":
+        import shlex
+
+        from .train.bench_train import bench_train, report
+        if not args.model or not args.data:
+            raise ValueError("bench train needs MODEL and --data FILE")
+        r = bench_train(args.model, args.data, args.cpu_mem, args.steps, args.work,
+                        shlex.split(args.finetune_args or ""), nvme=None if args.nvme == "." else args.nvme)
+        print(report(r))
+        return 0
     res = run_bench(args.what, args.nvme, size=parse_bytes(args.size, "--size"))
     print(bench_text(args.what, res))
     return 0
@@ -163,8 +173,17 @@ def _add_plan_verbs(sub) -> None:
     q.add_argument("--nvme", default=None, metavar="DIR", help="with --hardware this: the NVMe directory to measure")
     q.set_defaults(fn=_cmd_plan)
 
-    q = sub.add_parser("bench", help="measure this machine for the planner (cached)")
-    q.add_argument("what", choices=("io", "compute"), help="io: NVMe read/write and host memory; compute: matmul, AdamW")
+    q = sub.add_parser("bench", help="measure this machine (io, compute), or a training step in memory vs out-of-core")
+    q.add_argument("what", choices=("io", "compute", "train"),
+                   help="io: NVMe read/write and host memory; compute: matmul, AdamW; train: MODEL in memory and "
+                        "out-of-core side by side")
+    q.add_argument("model", nargs="?", help="train: the model directory")
+    q.add_argument("--data", help="train: the training data")
+    q.add_argument("--cpu-mem", default="4GiB", help="train: the out-of-core run's budget")
+    q.add_argument("--steps", type=int, default=3, help="train: steps of each run (the first is warm-up)")
+    q.add_argument("--work", default="runs/bench-train", help="train: where both runs write")
+    q.add_argument("--finetune-args", default="", help="train: more finetune options for both runs, e.g. "
+                                                      "'--seq-len 1024 --batch-size 4'")
     q.add_argument("--nvme", default=".", metavar="DIR", help="directory on the drive to measure (io)")
     q.add_argument("--size", default="2GiB", help="bytes to write and read back (io)")
     q.set_defaults(fn=_cmd_bench)
