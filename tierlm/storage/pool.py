@@ -65,55 +65,45 @@ class HostBufferPool:
         return self._used + self._free_bytes
 
     def acquire(self, nbytes: int, timeout: float | None = None) -> Buffer:
+        """A buffer of at least `nbytes`, waiting while the pool is full."""
         size = round_up(max(int(nbytes), 1))
         if size > self.capacity:
             raise BudgetError(
                 f"{self.name}: one buffer of {fmt_bytes(size)} is larger than the whole pool "
                 f"({fmt_bytes(self.capacity)}); raise --cpu-mem")
         with self._cv:
-            while True:
-                free = self._free.get(size)
-                if free:
-                    t = free.pop()
-                    self._free_bytes -= size
-                    break
-                if self._used + size <= self.capacity:
-                    self._evict_until(self.capacity - self._used - size)
-                    t = None
-                    break
+            while (t := self._reserve(size)) is False:
                 if not self._cv.wait(timeout):
                     raise BudgetError(
                         f"{self.name}: timed out waiting for {fmt_bytes(size)} "
                         f"({fmt_bytes(self._used)} of {fmt_bytes(self.capacity)} in use)")
-            self._used += size
-            self.peak_used = max(self.peak_used, self._used)
-        if t is None:
-            # Allocate outside the lock: first-touching gigabytes takes a while.
-            try:
-                t = aligned_empty(size, pin=self.pin)
-            except Exception:
-                with self._cv:
-                    self._used -= size
-                    self._cv.notify_all()
-                raise
-        return Buffer(t, self)
+        return self._buffer(t, size)
 
     def try_acquire(self, nbytes: int) -> Buffer | None:
         """Like acquire, but None instead of waiting when the pool is full (for look-ahead)."""
         size = round_up(max(int(nbytes), 1))
         with self._cv:
-            free = self._free.get(size)
-            if free:
-                t = free.pop()
-                self._free_bytes -= size
-            elif self._used + size <= self.capacity:
-                self._evict_until(self.capacity - self._used - size)
-                t = None
-            else:
-                return None
-            self._used += size
-            self.peak_used = max(self.peak_used, self._used)
+            t = self._reserve(size)
+        return None if t is False else self._buffer(t, size)
+
+    def _reserve(self, size: int):
+        """Under the lock: a cached buffer of this size, None (room to allocate one), or False (full)."""
+        free = self._free.get(size)
+        if free:
+            t = free.pop()
+            self._free_bytes -= size
+        elif self._used + size <= self.capacity:
+            self._evict_until(self.capacity - self._used - size)
+            t = None
+        else:
+            return False
+        self._used += size
+        self.peak_used = max(self.peak_used, self._used)
+        return t
+
+    def _buffer(self, t, size: int) -> Buffer:
         if t is None:
+            # Allocate outside the lock: first-touching gigabytes takes a while.
             try:
                 t = aligned_empty(size, pin=self.pin)
             except Exception:
