@@ -109,9 +109,9 @@ def logits_bytes(config, tokens: int, dtype: torch.dtype) -> int:
 
 
 # Memory the process needs beyond what the split names: the compute kernels' caches and scratch
-# for the model's real shapes (oneDNN primitives, ~15 MiB measured on a 512-wide llama) and the
+# for the model's real shapes (oneDNN primitives, ~15 MiB measured on a 512-wide llama), and the
 # allocator's slack between steps.
-RUNTIME_RESERVE = 16 << 20
+RUNTIME_RESERVE = 24 << 20
 
 
 def plan_split(budget: int, baseline: int, max_block_weight: int, max_block_grad: int,

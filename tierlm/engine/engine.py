@@ -91,7 +91,7 @@ class Engine:
         root.mkdir(parents=True, exist_ok=True)
         self.root = root
         B.trim()
-        self.library_rss = library_rss if library_rss is not None else B.library_baseline(self.config)
+        self.library_rss = library_rss if library_rss is not None else B.library_baseline(self.config, self.dtype)
         baseline = B.current_rss() - self.library_rss
         self.split = self._plan_budget(max(baseline, 0))
         self.window_pool = HostBufferPool(self.split.window, name="weight window")

@@ -80,6 +80,26 @@ class Timeline:
         path.write_text(json.dumps({"traceEvents": ev, "displayTimeUnit": "ms"}))
         return path
 
+    @classmethod
+    def from_chrome(cls, path) -> "Timeline":
+        """The timeline a Chrome trace written by save_chrome describes."""
+        tl = cls()
+        tl.origin = 0.0
+        for e in json.loads(Path(path).read_text())["traceEvents"]:
+            if e.get("ph") == "X":
+                t0 = e["ts"] / 1e6
+                tl.events.append((e["cat"], e["name"], t0, t0 + e["dur"] / 1e6, e["args"].get("bytes", 0),
+                                  e["args"].get("thread", "")))
+        return tl
+
+    def save_png_in_child(self, json_path, png_path, title: str = "") -> None:
+        """Draw the PNG in a short-lived process: matplotlib (~40 MiB) must not count against the
+        training process's memory budget."""
+        import subprocess
+        import sys
+        subprocess.run([sys.executable, "-m", "tierlm.engine.timeline", str(json_path), str(png_path), title],
+                       check=True)
+
     def save_png(self, path, title: str = "") -> Path:
         import matplotlib
         matplotlib.use("Agg")
@@ -103,3 +123,8 @@ class Timeline:
         fig.savefig(path, dpi=110)
         plt.close(fig)
         return path
+
+
+if __name__ == "__main__":
+    import sys
+    Timeline.from_chrome(sys.argv[1]).save_png(sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "")

@@ -80,7 +80,8 @@ def _save_timeline(tl, out: Path, step: int, dt: float, progress) -> None:
     tl.stop()
     tl.save_chrome(out / "timeline.json")
     busy = tl.lanes_busy_s()
-    tl.save_png(out / "timeline.png", title=f"step {step}: {dt:.2f} s, compute waited {tl.stall_s():.2f} s on I/O")
+    tl.save_png_in_child(out / "timeline.json", out / "timeline.png",
+                         title=f"step {step}: {dt:.2f} s, compute waited {tl.stall_s():.2f} s on I/O")
     progress.bar.write(f"timeline of step {step}: {out / 'timeline.json'} (Perfetto), {out / 'timeline.png'}; "
                        f"busy: " + ", ".join(f"{k} {v / dt:.0%}" for k, v in busy.items())
                        + f"; compute stalled {tl.stall_s() / dt:.0%} of the step")
