@@ -56,9 +56,10 @@ def run_reference(model, data, *, lr, wd, clip, accum, warmup, precision, impl="
 
 
 def run_engine(model_dir, tmp_path, data, *, lr, wd, clip, accum, warmup, precision, impl="fused",
-               activations="auto", shard_elems=None):
+               activations="auto", shard_elems=None, state_cache=True):
     optim = AdamWConfig(lr=lr, weight_decay=wd, max_grad_norm=clip, impl=impl)
     kw = dict(shard_elems=shard_elems) if shard_elems else {}
+    kw["state_cache"] = state_cache
     cfg = EngineConfig(nvme_dir=str(tmp_path / f"nvme-{precision}-{activations}"), cpu_mem="1GiB",
                        precision=precision, grad_accum=accum, activations=activations, optim=optim,
                        tokens_per_micro_batch=data[0].numel(), **kw)
@@ -85,13 +86,14 @@ def assert_same(ref: dict, got: dict):
         assert torch.equal(got[n], t), f"{n}: max diff {(got[n].float() - t.float()).abs().max().item()}"
 
 
+@pytest.mark.parametrize("state_cache", [True, False], ids=["state-in-ram", "state-on-disk"])
 @pytest.mark.parametrize("clip", [None, 0.5, 100.0], ids=["noclip", "clip-triggers", "clip-never"])
-def test_fp32_equals_torch_adamw(make_model_dir, tmp_path, clip):
+def test_fp32_equals_torch_adamw(make_model_dir, tmp_path, clip, state_cache):
     model_dir, model = make_model_dir("llama")
     data = batches(STEPS)
     kw = dict(lr=1e-2, wd=0.1, clip=clip, accum=1, warmup=2, precision="fp32")
     ref_model, ref_master, ref_losses, ref_norms = run_reference(model, data, **kw)
-    masters, _, losses, results = run_engine(model_dir, tmp_path, data, **kw)
+    masters, _, losses, results = run_engine(model_dir, tmp_path, data, state_cache=state_cache, **kw)
     assert losses == ref_losses
     assert_same(ref_master, masters)
     if clip is not None:
@@ -110,13 +112,14 @@ def test_fp32_gradient_accumulation(make_model_dir, tmp_path):
     assert_same(ref_master, masters)
 
 
+@pytest.mark.parametrize("state_cache", [True, False], ids=["state-in-ram", "state-on-disk"])
 @pytest.mark.parametrize("accum", [1, 2])
-def test_bf16_equals_mixed_precision_loop(make_model_dir, tmp_path, accum):
+def test_bf16_equals_mixed_precision_loop(make_model_dir, tmp_path, accum, state_cache):
     model_dir, model = make_model_dir("llama")
     data = batches(4 * accum)
     kw = dict(lr=5e-3, wd=0.1, clip=1.0, accum=accum, warmup=1, precision="bf16")
     ref_model, ref_master, ref_losses, _ = run_reference(model, data, **kw)
-    masters, weights, losses, _ = run_engine(model_dir, tmp_path, data, **kw)
+    masters, weights, losses, _ = run_engine(model_dir, tmp_path, data, state_cache=state_cache, **kw)
     assert losses == ref_losses
     assert_same(ref_master, masters)
     assert_same({n: p.detach() for n, p in ref_model.named_parameters()}, weights)
@@ -175,8 +178,10 @@ def test_corrupted_state_file_is_named_not_used(make_model_dir, tmp_path):
     from tierlm.storage import CorruptionError
 
     model_dir, _ = make_model_dir("llama")
+    # Without the state cache every step reads the state from disk (with it, the damage would be
+    # found on the next resume instead, which tests/train/test_reliability.py covers).
     eng = Engine.from_pretrained(model_dir, EngineConfig(nvme_dir=str(tmp_path / "nvme"), cpu_mem="1GiB",
-                                                         optim=AdamWConfig(lr=1e-3)))
+                                                         optim=AdamWConfig(lr=1e-3), state_cache=False))
     try:
         x = batches(1)[0]
         eng.backward(eng.forward(x, labels=x).loss)
@@ -189,3 +194,24 @@ def test_corrupted_state_file_is_named_not_used(make_model_dir, tmp_path):
             eng.backward(eng.forward(x, labels=x).loss)
     finally:
         eng.close()
+
+
+def test_state_cache_saves_the_optimizer_reads(make_model_dir, tmp_path):
+    model_dir, _ = make_model_dir("llama")
+    data = batches(3)
+    reads = {}
+    for cache in (True, False):
+        eng = Engine.from_pretrained(model_dir, EngineConfig(
+            nvme_dir=str(tmp_path / f"nvme-{cache}"), cpu_mem="1GiB", precision="fp32", state_cache=cache,
+            optim=AdamWConfig(lr=1e-3)))
+        try:
+            for x in data:
+                eng.backward(eng.forward(x, labels=x).loss)
+                eng.step()
+            reads[cache] = eng.store.stats.snapshot()["bytes_read"]
+            n = sum(i.numel for i in eng.infos.values())
+        finally:
+            eng.close()
+    # Steps 2 and 3 find master, m and v (12 bytes a parameter) in RAM; step 1 reads the master
+    # from disk either way (the moments start at zero).
+    assert reads[False] - reads[True] == 2 * 12 * n

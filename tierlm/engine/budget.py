@@ -86,9 +86,10 @@ class Split:
     grads: int           # gradients in flight between backward and the optimizer
     activations: int     # allowance for saved activations
     compute: int         # one block's transient compute plus logits
+    state_cache: int = 0  # optimizer state kept resident between steps (what activations leave)
 
     def describe(self) -> str:
-        parts = ["baseline", "window", "optimizer", "grads", "activations", "compute"]
+        parts = ["baseline", "window", "optimizer", "grads", "activations", "compute", "state_cache"]
         return ", ".join(f"{p} {fmt_bytes(getattr(self, p))}" for p in parts)
 
 
@@ -140,5 +141,8 @@ def plan_split(budget: int, baseline: int, max_block_weight: int, max_block_grad
         window = 2 * max_block_weight + int(f * (window - 2 * max_block_weight))
         optimizer = optimizer_item + int(f * (optimizer - optimizer_item))
         grads = max_block_grad + int(f * (grads - max_block_grad))
-    acts = budget - baseline - window - optimizer - grads - compute
-    return Split(budget, baseline, window, optimizer, grads, max(acts, 0), compute)
+    acts = max(budget - baseline - window - optimizer - grads - compute, 0)
+    # What keeping every layer's activations does not need keeps optimizer state resident instead.
+    keep_all = n_layers * layer_act
+    cache = max(acts - keep_all, 0)
+    return Split(budget, baseline, window, optimizer, grads, acts - cache, compute, cache)

@@ -49,6 +49,7 @@ class EngineConfig:
     shard_elems: int | None = None   # optimizer shard size; None: from the budget (<= 4M elements)
     io_threads: int = 4
     direct_io: bool | None = None    # None: where the file system allows it
+    state_cache: bool = True         # keep optimizer state in RAM between steps where the budget has room
     optim: AdamWConfig = field(default_factory=AdamWConfig)
     tokens_per_micro_batch: int = 2048  # for the budget check; the trainer sets batch * seq_len
 
@@ -96,6 +97,8 @@ class Engine:
         self.split = self._plan_budget(max(baseline, 0))
         self.window_pool = HostBufferPool(self.split.window, name="weight window")
         self.opt_pool = HostBufferPool(self.split.optimizer, name="optimizer buffers")
+        self.cache_pool = HostBufferPool(self.split.state_cache, name="optimizer state cache") \
+            if self.split.state_cache > 0 and cfg.state_cache else None
         self.store = TensorStore(root, self.opt_pool, io_threads=cfg.io_threads,
                                  direct_io=cfg.direct_io, on_event=on_event)
         self.fallbacks: list[str] = []  # committed states passed over on resume, and why
@@ -104,7 +107,8 @@ class Engine:
         backward_order = [n for blk in reversed(self.blocks) for n in blk.owns]
         self.optimizer = OutOfCoreAdamW(
             self.store, self.opt_pool, self.infos, backward_order, self.names, cfg.optim,
-            weight_dtype, self.state["optim"], max_pending_grad_bytes=self.split.grads, on_event=on_event)
+            weight_dtype, self.state["optim"], max_pending_grad_bytes=self.split.grads, on_event=on_event,
+            state_cache=self.cache_pool)
         wkind = "master" if weight_dtype is None else "w"
         self.window = WeightWindow(self.store, self.window_pool, self.infos, self.dtype,
                                    lambda n, k: key(wkind, n, k, self.optimizer.slots[n]))

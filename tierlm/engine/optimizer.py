@@ -58,12 +58,13 @@ class OptimizerError(RuntimeError):
 class _Item:
     """One (parameter, shard) of work, with its buffers once prepared."""
 
-    __slots__ = ("name", "shard", "a", "b", "bufs", "reads", "_left", "_lock")
+    __slots__ = ("name", "shard", "a", "b", "bufs", "reads", "keep", "_left", "_lock")
 
     def __init__(self, name: str, shard: int, a: int, b: int):
         self.name, self.shard, self.a, self.b = name, shard, a, b
         self.bufs: dict = {}
         self.reads: list[Future] = []
+        self.keep: set[str] = set()  # buffers from the state cache: they stay resident after the step
         self._lock = threading.Lock()
 
     def release(self) -> None:
@@ -93,11 +94,14 @@ class OutOfCoreAdamW:
     def __init__(self, store: TensorStore, pool: HostBufferPool, infos: dict[str, ParamInfo],
                  order: list[str], canonical: list[str], cfg: AdamWConfig,
                  weight_dtype: torch.dtype | None, state: dict, lookahead: int = 4,
-                 max_pending_grad_bytes: int = 1 << 62, on_event=None):
+                 max_pending_grad_bytes: int = 1 << 62, on_event=None,
+                 state_cache: HostBufferPool | None = None):
         """order: parameter names in the order backward produces them (block by block);
         canonical: the order of `model.parameters()` (the order torch's clipping stacks norms in);
         weight_dtype: dtype of the working weights, or None when they are the fp32 master (full fp32);
-        state: the persisted optimizer state dict ({'slots', 'steps'}) - mutated on commit."""
+        state: the persisted optimizer state dict ({'slots', 'steps'}) - mutated on commit;
+        state_cache: RAM for master/m/v shards kept resident between steps (their reads are skipped;
+        their writes still happen, every step is still durable)."""
         self.store, self.pool, self.infos, self.cfg = store, pool, infos, cfg
         self.order, self.canonical = order, canonical
         self.weight_dtype = weight_dtype
@@ -118,6 +122,10 @@ class OutOfCoreAdamW:
         self._taken: set[str] = set()
         self._closing = False
         self._predicted: list[str] = list(order)
+        self.state_cache = state_cache
+        self._resident: dict[tuple, dict] = {}  # (name, shard) -> {tag: Buffer}: the committed state
+        self._staged: dict[tuple, dict] = {}    # this step's new state, resident once committed
+        self.cache_hits = 0
         self._arrival: list[str] = list(order)
         self.lr = cfg.lr
 
@@ -186,10 +194,17 @@ class OutOfCoreAdamW:
             self.slots[n] = 1 - self.slots[n]
             self.steps[n] += 1
         self._updated.clear()
+        self._resident.update(self._staged)
+        self._staged = {}
 
     def discard(self) -> None:
-        """Forget this step's speculative writes (a non-finite step): the old slot stays current."""
+        """Forget this step's speculative writes (a non-finite step): the old slot stays current,
+        and the cached copies that held this step's values are dropped (the disk has the state)."""
         self._updated.clear()
+        for bufs in self._staged.values():
+            for b in bufs.values():
+                b.release()
+        self._staged = {}
 
     def close(self) -> None:
         self._exec.shutdown(wait=True)
@@ -246,6 +261,8 @@ class OutOfCoreAdamW:
                     for f in it.reads:
                         f.result()
                     ws = self._process(it, mode, micro, clip)
+                    if it.keep:
+                        self._stage(it)
                     it.release_after(ws)
                     for f in writes:
                         if f.done():
@@ -264,6 +281,14 @@ class OutOfCoreAdamW:
             self._arrival = arrival
             seen = set(arrival)
             self._predicted = arrival + [n for n in self._predicted if n not in seen]
+
+    def _stage(self, it: _Item) -> None:
+        """This step's new master/m/v of a cached shard stay in RAM (a redo replaces them)."""
+        old = self._staged.pop((it.name, it.shard), None)
+        for b in (old or {}).values():
+            b.release()
+        self._staged[(it.name, it.shard)] = {t: it.bufs.pop(t) for t in it.keep}
+        it.keep = set()
 
     def _new_item(self, name: str, k: int) -> _Item:
         a, b = self.infos[name].shards[k]
@@ -312,7 +337,24 @@ class OutOfCoreAdamW:
             saved_dtype = getattr(torch, self.store.record(key("grad", it.name, it.shard)).dtype)
             if saved_dtype != torch.float32:
                 need.append("gl")  # the saved gradient in its own (low) precision
+        if mode == "redo":  # the speculative values cached for this shard are not the state
+            for b in (self._staged.pop((it.name, it.shard), None) or {}).values():
+                b.release()
+        cached = self._resident.pop((it.name, it.shard), None) if mode == "update" else None
+        if cached:
+            it.bufs.update(cached)
+            it.keep = set(cached)
+            self.cache_hits += 1
+        elif mode in ("update", "redo") and self.state_cache is not None:
+            for tag in ("master", "m", "v"):
+                buf = self.state_cache.try_acquire(f32)
+                if buf is None:
+                    break
+                it.bufs[tag] = buf
+                it.keep.add(tag)
         for tag in need:
+            if tag in it.bufs:
+                continue
             size = nbytes(self.weight_dtype, n) if tag == "w" else \
                 nbytes(saved_dtype, n) if tag == "gl" else f32
             if not self._acquire(it, tag, size, blocking):
@@ -320,7 +362,7 @@ class OutOfCoreAdamW:
                 return False
         slot = self.slots[it.name]
         view = lambda tag: it.bufs[tag].view(torch.float32, (n,))
-        if mode in ("update", "redo"):
+        if mode in ("update", "redo") and not cached:
             it.reads.append(self.store.read_into(key("master", it.name, it.shard, slot), view("master"), True))
             if self.steps[it.name] > 0:
                 it.reads.append(self.store.read_into(key("m", it.name, it.shard, slot), view("m"), True))
