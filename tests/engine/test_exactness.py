@@ -202,16 +202,25 @@ def test_state_cache_saves_the_optimizer_reads(make_model_dir, tmp_path):
     reads = {}
     for cache in (True, False):
         eng = Engine.from_pretrained(model_dir, EngineConfig(
-            nvme_dir=str(tmp_path / f"nvme-{cache}"), cpu_mem="1GiB", precision="fp32", state_cache=cache,
+            nvme_dir=str(tmp_path / f"nvme-{cache}"), cpu_mem="1GiB", precision="bf16", state_cache=cache,
             optim=AdamWConfig(lr=1e-3)))
+        counted = {"bytes": 0}
+        read_into = eng.store.read_into
+
+        def counting(key, out, *a, **kw):
+            if key.split("/")[0].rstrip("01") in ("master", "m", "v"):  # the optimizer's state
+                counted["bytes"] += out.numel() * out.element_size()
+            return read_into(key, out, *a, **kw)
+        eng.store.read_into = counting
         try:
             for x in data:
                 eng.backward(eng.forward(x, labels=x).loss)
                 eng.step()
-            reads[cache] = eng.store.stats.snapshot()["bytes_read"]
+            reads[cache] = counted["bytes"]
             n = sum(i.numel for i in eng.infos.values())
         finally:
             eng.close()
-    # Steps 2 and 3 find master, m and v (12 bytes a parameter) in RAM; step 1 reads the master
-    # from disk either way (the moments start at zero).
-    assert reads[False] - reads[True] == 2 * 12 * n
+    # Without the cache: the master each step (4 bytes a parameter) and m, v from step 2 on (8).
+    assert reads[False] == (3 * 4 + 2 * 8) * n
+    # With it, only step 1 reads the master; steps 2 and 3 find master, m and v in RAM.
+    assert reads[True] == 4 * n

@@ -110,9 +110,10 @@ def logits_bytes(config, tokens: int, dtype: torch.dtype) -> int:
 
 
 # Memory the process needs beyond what the split names: the compute kernels' caches and scratch
-# for the model's real shapes (oneDNN primitives, ~15 MiB measured on a 512-wide llama), and the
-# allocator's slack between steps.
-RUNTIME_RESERVE = 24 << 20
+# for the model's real shapes (oneDNN primitives, ~15 MiB measured on a 512-wide llama's forward
+# and backward), and the allocator's slack. Forward-only work (inference) needs the smaller one.
+RUNTIME_RESERVE = 16 << 20
+TRAINING_RESERVE = 24 << 20
 
 
 def plan_split(budget: int, baseline: int, max_block_weight: int, max_block_grad: int,
@@ -121,7 +122,7 @@ def plan_split(budget: int, baseline: int, max_block_weight: int, max_block_grad
     window = (prefetch + 2) * max_block_weight
     optimizer = 4 * optimizer_item
     grads = 2 * max_block_grad
-    compute = 2 * layer_act + logits + RUNTIME_RESERVE
+    compute = 2 * layer_act + logits + TRAINING_RESERVE
     floor = baseline + 2 * max_block_weight + optimizer_item + max_block_grad + n_layers * layer_input + compute
     if floor > budget:
         raise BudgetError(
