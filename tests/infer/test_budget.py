@@ -11,23 +11,11 @@ from tierlm.hf.init import init_model
 from tierlm.hf.presets import make_config, param_count
 from tierlm.units import parse_bytes
 
+from ..memory import library_peak
+
 BUDGET = "40MiB"
 SHAPE = {"layers": 20, "hidden": 512, "heads": 8, "kv_heads": 4, "intermediate": 1408, "vocab": 4096,
          "initializer_range": 0.2}
-PEAK = "int([l for l in open('/proc/self/status') if l.startswith('VmHWM:')][0].split()[1]) * 1024"
-
-
-def _library_peak() -> int:
-    """Peak RSS of a fresh process with torch, transformers and the llama code, after one tiny
-    bf16 forward and backward: the libraries' own footprint, which the budget does not count."""
-    code = ("import torch, transformers\n"
-            "from transformers import LlamaConfig, AutoModelForCausalLM\n"
-            "m = AutoModelForCausalLM.from_config(LlamaConfig(hidden_size=64, intermediate_size=128, "
-            "num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)).bfloat16()\n"
-            "ids = torch.randint(0, 512, (1, 8)); m(input_ids=ids, labels=ids).loss.backward()\n"
-            f"print({PEAK})")
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
-    return int(out.stdout.split()[-1])
 
 
 def _generate(model, out, budget, *extra):
@@ -45,7 +33,7 @@ def test_model_3x_budget_streams_under_budget_with_resident_tokens(tmp_path):
     budget = parse_bytes(BUDGET)
     assert weights >= 3 * budget
     model = init_model(tmp_path / "model", config, dtype="bfloat16")  # a layer at a time: small
-    libraries = _library_peak()
+    libraries = library_peak()
     streamed, log = _generate(model, tmp_path / "s.json", BUDGET, "--nvme", str(tmp_path / "nvme"),
                               "--prefetch", "1", "--step-tokens", "32")
     place = streamed["placement"]

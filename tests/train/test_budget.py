@@ -8,25 +8,10 @@ import pytest
 from tierlm.hf.presets import make_config, param_count
 from tierlm.units import parse_bytes
 
+from ..memory import library_peak
+
 BUDGET = "96MiB"
 SHAPE = {"layers": 8, "hidden": 512, "heads": 8, "kv_heads": 4, "intermediate": 1408, "vocab": 4096}
-
-# The kernel's high-water mark of the process's own memory map. (ru_maxrss is carried across exec,
-# so a child of this large pytest process would report pytest's size as its own.)
-PEAK = "int([l for l in open('/proc/self/status') if l.startswith('VmHWM:')][0].split()[1]) * 1024"
-
-
-def _library_peak() -> int:
-    """Peak RSS of a fresh process that imports torch, transformers and the llama model code and
-    runs one tiny bf16 forward/backward (what the libraries cost before any model data)."""
-    code = ("import torch, transformers\n"
-            "from transformers import LlamaConfig, AutoModelForCausalLM\n"
-            "m = AutoModelForCausalLM.from_config(LlamaConfig(hidden_size=64, intermediate_size=128, "
-            "num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)).bfloat16()\n"
-            "ids = torch.randint(0, 512, (1, 8)); m(input_ids=ids, labels=ids).loss.backward()\n"
-            f"print({PEAK})")
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
-    return int(out.stdout.split()[-1])
 
 
 @pytest.mark.slow
@@ -41,7 +26,7 @@ def test_training_state_4x_budget_stays_under_budget(tmp_path):
     data = tmp_path / "data.txt"
     data.write_text("\n".join(f"line {i}: the quick brown fox jumps over the lazy dog." for i in range(400)))
 
-    libraries = _library_peak()
+    libraries = library_peak()
     run = subprocess.run([sys.executable, "-m", "tierlm", "finetune", str(model), "--data", str(data),
                           "--output", str(tmp_path / "run"), "--cpu-mem", BUDGET, "--seq-len", "64",
                           "--steps", "3", "--lr", "1e-3"], capture_output=True, text=True)

@@ -1,0 +1,20 @@
+"""Measuring the memory promises from outside the process that makes them."""
+import subprocess
+import sys
+
+# The kernel's high-water mark of a process's own memory map. (ru_maxrss is carried across exec,
+# so a child of this large pytest process would report pytest's size as its own.)
+PEAK = "int([l for l in open('/proc/self/status') if l.startswith('VmHWM:')][0].split()[1]) * 1024"
+
+
+def library_peak() -> int:
+    """Peak RSS of a fresh process with torch, transformers and the llama code, after one tiny
+    bf16 forward and backward: the libraries' own footprint, which `--cpu-mem` does not count."""
+    code = ("import torch, transformers\n"
+            "from transformers import LlamaConfig, AutoModelForCausalLM\n"
+            "m = AutoModelForCausalLM.from_config(LlamaConfig(hidden_size=64, intermediate_size=128, "
+            "num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)).bfloat16()\n"
+            "ids = torch.randint(0, 512, (1, 8)); m(input_ids=ids, labels=ids).loss.backward()\n"
+            f"print({PEAK})")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    return int(out.stdout.split()[-1])
