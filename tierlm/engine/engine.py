@@ -12,21 +12,18 @@ AdamW the moment backward produces them; nothing of the model is resident beyond
 """
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from ..storage import HostBufferPool, TensorStore
+from ..faults import fault
+from ..storage import CorruptionError, HostBufferPool, StorageError, TensorStore
 from ..units import fmt_bytes, parse_bytes
 from . import budget as B
-from ..storage import CorruptionError, StorageError
-from ..faults import fault
 from . import commit as C
 from .block_fn import ParamRefHooks, wrap_layer
 from .layout import key, make_param_info, nbytes
@@ -487,7 +484,7 @@ class Engine:
         self.store.close()
 
 
-__all__ = ["Engine", "EngineConfig", "AdamWConfig", "asdict", "fmt_bytes"]
+__all__ = ["Engine", "EngineConfig", "AdamWConfig"]
 
 
 def _fingerprint_diff(old: dict, new: dict) -> str:

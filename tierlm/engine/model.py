@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 
 

@@ -20,7 +20,7 @@ import crc32c
 import torch
 
 from ..faults import fault
-from .aligned import ALIGN, as_bytes, is_aligned, round_up, supports_direct_io
+from .aligned import as_bytes, is_aligned, round_up, supports_direct_io
 from .pool import Buffer, HostBufferPool
 
 
