@@ -22,7 +22,7 @@ from torch import nn
 
 from ..faults import fault
 from ..storage import CorruptionError, HostBufferPool, StorageError, TensorStore
-from ..units import fmt_bytes, parse_bytes
+from ..units import parse_bytes
 from . import budget as B
 from . import commit as C
 from .block_fn import ParamRefHooks, wrap_layer
