@@ -62,12 +62,15 @@ class EngineConfig:
 
 class Engine:
     def __init__(self, model: nn.Module, source, cfg: EngineConfig, resume: bool = False, overwrite: bool = False,
-                 library_rss: int | None = None):
+                 library_rss: int | None = None, dist=None):
         """model: an HF causal LM whose parameters may be on `meta` (see from_pretrained);
         source(name, out_fp32) fills the fp32 initial value of a parameter (used unless resuming);
         library_rss: RSS of the libraries alone (budget.library_baseline); what the process holds
-        beyond it counts against cfg.cpu_mem. Default: measured now."""
+        beyond it counts against cfg.cpu_mem. Default: measured now;
+        dist: a data-parallel rank (tierlm.dist.Dist) or None for one process: the optimizer state
+        of the parameters this rank owns lives in cfg.nvme_dir, the working weights of all."""
         self.cfg = cfg
+        self.dist = dist
         self.config = model.config
         self.dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
         self.training = True
@@ -99,16 +102,21 @@ class Engine:
         self.store = TensorStore(root, self.opt_pool, io_threads=cfg.io_threads,
                                  direct_io=cfg.direct_io, on_event=on_event)
         self.fallbacks: list[str] = []  # committed states passed over on resume, and why
+        if dist is not None:
+            from ..dist.state import attach
+            attach(self, resume, overwrite)  # ownership; on resume, this rank's share of the state
         self.state = self._load_or_import(source, resume, overwrite)
         weight_dtype = None if self.dtype == torch.float32 else self.dtype
         backward_order = [n for blk in reversed(self.blocks) for n in blk.owns]
         self.optimizer = OutOfCoreAdamW(
-            self.store, self.opt_pool, self.infos, backward_order, self.names, cfg.optim,
-            weight_dtype, self.state["optim"], max_pending_grad_bytes=self.split.grads, on_event=on_event,
-            state_cache=self.cache_pool)
-        wkind = "master" if weight_dtype is None else "w"
+            self.store, self.opt_pool, self.infos, [n for n in backward_order if self._owned(n)], self.names,
+            cfg.optim, weight_dtype, self.state["optim"], max_pending_grad_bytes=self.split.grads,
+            on_event=on_event, state_cache=self.cache_pool, dist=dist)
+        if dist is not None:
+            from ..dist.grads import GradReducer
+            self.reducer = GradReducer(dist, backward_order, self.optimizer, self.split.grads)
         self.window = WeightWindow(self.store, self.window_pool, self.infos, self.dtype,
-                                   lambda n, k: key(wkind, n, k, self.optimizer.slots[n]))
+                                   lambda n, k: key(self._wkind(n), n, k, self.optimizer.slots[n]))
         self.micro = 0
         self.lr = cfg.optim.lr
         self._held_head: list[str] = []
@@ -206,7 +214,10 @@ class Engine:
                 "params": {n: list(i.shape) for n, i in self.infos.items()}}
 
     def _load_or_import(self, source, resume: bool, overwrite: bool) -> dict:
-        candidates = C.list_manifests(self.root) + C.list_checkpoints(self.root)
+        if self.dist is not None:
+            candidates = self.dist_candidates  # the step every rank committed (tierlm.dist.state)
+        else:
+            candidates = C.list_manifests(self.root) + C.list_checkpoints(self.root)
         if resume and candidates:
             return self._resume(candidates)
         if candidates and not overwrite:
@@ -220,14 +231,17 @@ class Engine:
             m.unlink()
         state = {"format": 1, "fingerprint": self._fingerprint(), "step": 0,
                  "optim": {"slots": {n: 0 for n in self.infos}, "steps": {n: 0 for n in self.infos}}}
+        if self.dist is not None:
+            state["dist"] = self.dist.describe()
         for name, info in self.infos.items():
             master = torch.empty(info.shape, dtype=torch.float32)
             source(name, master)
             flat = master.reshape(-1)
             futs = []
             for k, (a, b) in enumerate(info.shards):
-                futs.append(self.store.write(key("master", name, k, 0), flat[a:b]))
-                if self.dtype != torch.float32:
+                if self._owned(name):
+                    futs.append(self.store.write(key("master", name, k, 0), flat[a:b]))
+                if self._wkind(name) == "w":
                     futs.append(self.store.write(key("w", name, k, 0), flat[a:b].to(self.dtype)))
             for f in futs:
                 f.result()
@@ -267,7 +281,8 @@ class Engine:
         keys = []
         for n, info in self.infos.items():
             s = slots[n]
-            kinds = ["master"] + (["m", "v"] if steps[n] > 0 else []) + (["w"] if self.dtype != torch.float32 else [])
+            kinds = (["master"] + (["m", "v"] if steps[n] > 0 else [])) if self._owned(n) else []
+            kinds += ["w"] if self._wkind(n) == "w" else []
             keys += [key(kind, n, k, s) for kind in kinds for k in range(len(info.shards))]
         return keys
 
@@ -278,7 +293,13 @@ class Engine:
         current = {k: records[k] for k in self._current_keys()}
         fault("commit.fsync")
         C.sync_fs(self.root)
+        if self.dist is not None:
+            self.dist.agree(what="commit")  # every rank's files are durable: the step may commit
         C.write_manifest(self.root, dict(self.state, records=current))
+        if self.dist is not None:
+            # No rank may overwrite the fallback's files (the next step's writes) before every
+            # rank's manifest is durable: a crash between leaves all ranks one common state.
+            self.dist.agree(what="commit")
         C.prune(self.root)
 
     def checkpoint(self, name: str) -> Path:
@@ -385,10 +406,15 @@ class Engine:
             raise RuntimeError(f"backward called {self.micro + 1} times for grad_accum="
                                f"{self.cfg.grad_accum}; call step() after each {self.cfg.grad_accum}")
         self.optimizer.begin_micro(self.micro, self.cfg.grad_accum, self.lr)
+        if self.dist is not None:
+            self.reducer.begin()
         try:
             (loss / self.cfg.grad_accum).backward()
         finally:
             self._drop_head()
+            if self.dist is not None:
+                with self.timeline.span("wait", "gradient reduce"):
+                    self.reducer.flush()
             with self.timeline.span("wait", "optimizer"):
                 self.optimizer.end_micro()
         self.micro += 1
@@ -400,6 +426,10 @@ class Engine:
         self.micro = 0
         with self.timeline.span("wait", "clip redo" if self.cfg.optim.max_grad_norm else "finish"):
             self._result = self.optimizer.finish_step()
+        if self.dist is not None and self._result.finite:
+            from ..dist.grads import share_weights
+            with self.timeline.span("wait", "weights from owners"):
+                share_weights(self, self.optimizer.stepped)
         return self._result
 
     def commit(self) -> None:
@@ -428,15 +458,25 @@ class Engine:
     def _on_grad(self, name: str, p: nn.Parameter) -> None:
         g = p.grad
         p.grad = None
-        self.optimizer.grad_ready(name, g)
+        if self.dist is not None:
+            self.reducer.grad(name, g)  # summed over the ranks into the owner's optimizer
+        else:
+            self.optimizer.grad_ready(name, g)
+
+    def _owned(self, name: str) -> bool:
+        """Does this process hold the parameter's master weights and moments?"""
+        return self.dist is None or self.dist.owns(name)
+
+    def _wkind(self, name: str) -> str:
+        """The store kind of the working weights: fp32 runs use the master where it is here."""
+        return "master" if self.dtype == torch.float32 and self._owned(name) else "w"
 
     # ---- export ------------------------------------------------------------------------
     def weights(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The current working weights of one parameter, read from the store (a copy)."""
         info = self.infos[name]
-        wkind = "master" if self.dtype == torch.float32 else "w"
         out = torch.empty(info.numel, dtype=self.dtype)
-        futs = [self.store.read_into(key(wkind, name, k, self.optimizer.slots[name]), out[a:b])
+        futs = [self.store.read_into(key(self._wkind(name), name, k, self.optimizer.slots[name]), out[a:b])
                 for k, (a, b) in enumerate(info.shards)]
         for f in futs:
             f.result()

@@ -95,13 +95,15 @@ class OutOfCoreAdamW:
                  order: list[str], canonical: list[str], cfg: AdamWConfig,
                  weight_dtype: torch.dtype | None, state: dict, lookahead: int = 4,
                  max_pending_grad_bytes: int = 1 << 62, on_event=None,
-                 state_cache: HostBufferPool | None = None):
+                 state_cache: HostBufferPool | None = None, dist=None):
         """order: parameter names in the order backward produces them (block by block);
         canonical: the order of `model.parameters()` (the order torch's clipping stacks norms in);
         weight_dtype: dtype of the working weights, or None when they are the fp32 master (full fp32);
         state: the persisted optimizer state dict ({'slots', 'steps'}) - mutated on commit;
         state_cache: RAM for master/m/v shards kept resident between steps (their reads are skipped;
-        their writes still happen, every step is still durable)."""
+        their writes still happen, every step is still durable);
+        dist: a data-parallel rank (tierlm.dist) or None: `order` then lists only the parameters this
+        rank owns, and the clipping norm gathers every owner's norms."""
         self.store, self.pool, self.infos, self.cfg = store, pool, infos, cfg
         self.order, self.canonical = order, canonical
         self.weight_dtype = weight_dtype
@@ -128,6 +130,7 @@ class OutOfCoreAdamW:
         self.cache_hits = 0
         self._arrival: list[str] = list(order)
         self.lr = cfg.lr
+        self.dist = dist
 
     # ---- called from the compute thread ----------------------------------------------
     def begin_micro(self, micro: int, n_micro: int, lr: float) -> None:
@@ -175,7 +178,12 @@ class OutOfCoreAdamW:
 
     def finish_step(self) -> StepResult:
         """After the last micro-batch: global norm, and the clip redo when torch would clip."""
-        norms = [self._norms[n] for n in self.canonical if n in self._norms]
+        per_param = self._norms
+        if self.dist is not None:
+            from ..dist.grads import gather_norms
+            per_param = gather_norms(self.dist, self._norms, self.canonical)
+        self.stepped = [n for n in self.canonical if n in per_param]  # on every rank alike
+        norms = [per_param[n] for n in self.stepped]
         total = torch.linalg.vector_norm(torch.stack(norms), 2) if norms else torch.tensor(0.0)
         finite = bool(torch.isfinite(total))
         coef = 1.0
@@ -196,6 +204,13 @@ class OutOfCoreAdamW:
         self._updated.clear()
         self._resident.update(self._staged)
         self._staged = {}
+
+    def mark_updated(self, name: str) -> None:
+        """Data parallelism: another rank updated `name` and its new weights are in our new slot."""
+        self._updated.add(name)
+
+    def updated(self) -> set[str]:
+        return set(self._updated)
 
     def discard(self) -> None:
         """Forget this step's speculative writes (a non-finite step): the old slot stays current,
