@@ -34,12 +34,22 @@ def _cmd_finetune(args) -> int:
     from .train.finetune import FinetuneConfig, finetune
 
     cfg = C.from_args(FinetuneConfig, args)
+    from .dist import in_torchrun
+    if in_torchrun():
+        from .dist.launch import check_not_nested, resume_after_restart
+        check_not_nested(cfg)
+        resume_after_restart(cfg)
+    elif cfg.nproc is not None:
+        from .dist.launch import launch
+        from .train.finetune import _resolve
+        return launch(_resolve(cfg))
     if cfg.max_restarts > 0:
         from .train.finetune import _resolve
         from .train.supervise import supervise
         return supervise(_resolve(cfg))
     summary = finetune(cfg)
-    _print_summary(summary)
+    if summary.get("final_model"):  # data parallelism: rank 0 reports for all
+        _print_summary(summary)
     return 0
 
 

@@ -60,6 +60,10 @@ class FinetuneConfig:
     max_bad_steps: int = option(5, help="stop after this many consecutive steps with non-finite loss or "
                                 "gradients (each such step is skipped, the state left as it was)")
     allow_config_change: bool = option(False, help="resume although options that change results differ from the run's")
+    nproc: int | None = option(None, help="data parallelism: run N ranks on this machine under torchrun "
+                               "(--batch-size is the global batch, split across them)")
+    dist_timeout: float = option(300.0, help="seconds a rank waits for the others before the job fails "
+                                 "(a dead or stuck rank)")
 
 
 def _resolve(cfg: FinetuneConfig) -> FinetuneConfig:
@@ -103,14 +107,19 @@ def finetune(cfg: FinetuneConfig | None = None, **options) -> dict:
     cfg = _resolve(cfg)
     out = Path(cfg.output)
     out.mkdir(parents=True, exist_ok=True)
-    lock = RunLock(out)
+    from ..dist import from_env
+    dist = from_env(cfg.dist_timeout)
+    lock = RunLock(out) if dist is None or dist.rank == 0 else None
     try:
-        return _run(cfg, out)
+        return _run(cfg, out, dist)
     finally:
-        lock.release()
+        if lock:
+            lock.release()
+        if dist:
+            dist.close()
 
 
-def _run(cfg: FinetuneConfig, out: Path) -> dict:
+def _run(cfg: FinetuneConfig, out: Path, dist=None) -> dict:
     from transformers import AutoConfig
 
     from ..engine.budget import library_baseline
@@ -132,18 +141,31 @@ def _run(cfg: FinetuneConfig, out: Path) -> dict:
     batches = Batches(dataset, cfg.batch_size, seed=cfg.seed)
     total = cfg.steps if cfg.steps is not None else \
         max(1, math.floor(cfg.epochs * batches.batches_per_epoch / cfg.grad_accum))
+    wbytes = 2 if cfg.precision == "bf16" else 4
     per_param = 2 * (12 + (2 if cfg.precision == "bf16" else 0)) + 4  # two slots, saved gradients
-    check_nvme(cfg.nvme, per_param * param_count(hf_config))
+    nvme = cfg.nvme
+    if dist is not None:
+        from ..dist.state import rank_dir
+        nvme = str(rank_dir(cfg.nvme, dist.rank))
+        per_param = (per_param + dist.world - 1) // dist.world + 2 * wbytes  # a share + all weights
+    elif (Path(cfg.nvme) / "rank0").is_dir() and any((Path(cfg.nvme) / "rank0").glob("manifest-*.json")):
+        raise ValueError(f"--nvme {cfg.nvme} holds a data-parallel run's state (rank folders); continue it "
+                         f"with --nproc N --resume auto (any N, 1 included), or choose another --nvme")
+    check_nvme(nvme, per_param * param_count(hf_config))
 
     optim = AdamWConfig(lr=cfg.lr, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps,
                         weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm, impl=cfg.optim_impl)
-    ecfg = EngineConfig(nvme_dir=cfg.nvme, cpu_mem=cfg.cpu_mem, precision=cfg.precision,
+    ecfg = EngineConfig(nvme_dir=nvme, cpu_mem=cfg.cpu_mem, precision=cfg.precision,
                         grad_accum=cfg.grad_accum, activations=cfg.activations, prefetch=cfg.prefetch,
                         direct_io=cfg.direct_io, optim=optim,
                         tokens_per_micro_batch=cfg.batch_size * cfg.seq_len)
     engine = Engine.from_pretrained(cfg.model, ecfg, resume=cfg.resume == "auto", overwrite=cfg.overwrite,
-                                    library_rss=library_rss)
+                                    library_rss=library_rss, dist=dist)
+    lead = dist is None or dist.rank == 0  # prints progress, writes the metrics, summary and final model
+    if dist is not None:
+        dist.same_on_all(engine.state["step"], "step to resume from")
     settings = {k: v for k, v in to_dict(cfg).items() if k in RESULT_OPTIONS}
+    metrics_name = "metrics.jsonl" if dist is None or dist.rank == 0 else f"metrics-rank{dist.rank}.jsonl"
     trainer = engine.state.get("trainer")
     start = engine.state["step"]
     for fb in engine.fallbacks:
@@ -156,16 +178,21 @@ def _run(cfg: FinetuneConfig, out: Path) -> dict:
                              + "; ".join(diff) + ". Use the run's options, or --allow-config-change")
         batches.load_state_dict(trainer["data"])
         set_rng_state(trainer["rng"])
-        truncate_metrics(out / "metrics.jsonl", start)
-        print(f"resumed at step {start} from {engine.root}", file=sys.stderr)
+        truncate_metrics(out / metrics_name, start)
+        if lead:
+            print(f"resumed at step {start} from {engine.root}", file=sys.stderr)
     else:
         torch.manual_seed(cfg.seed)
-    (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
-    progress = Progress(total, start, engine, cfg, out / "metrics.jsonl", dataset.summary(), fresh=not trainer)
+    if lead:
+        (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
+        progress = Progress(total, start, engine, cfg, out / metrics_name, dataset.summary(), fresh=not trainer)
+    else:
+        from ..dist.progress import RankProgress
+        progress = RankProgress(total, start, engine, cfg, out / metrics_name, fresh=not trainer)
     bad_streak = trainer["bad_streak"] if trainer else 0
     try:
         for step in range(start, total):
-            if cfg.timeline_step and step + 1 == cfg.timeline_step:
+            if cfg.timeline_step and lead and step + 1 == cfg.timeline_step:
                 engine.timeline.start()
             t0 = time.perf_counter()
             io0 = engine.store.stats.snapshot()
@@ -174,12 +201,21 @@ def _run(cfg: FinetuneConfig, out: Path) -> dict:
             losses, tokens = [], 0
             for _ in range(cfg.grad_accum):
                 ids, labels = next(batches)
+                tokens += ids.numel()
+                weight = 1.0
+                if dist is not None:  # this rank's rows of the global batch
+                    from ..dist.data import split_batch
+                    ids, labels, weight = split_batch(dist, ids, labels)
                 loss = engine.forward(ids, labels=labels).loss
+                if dist is not None:
+                    loss = loss * weight
                 if fault("loss") == "nan":
                     loss = loss * float("nan")
                 engine.backward(loss)
                 losses.append(loss.item())
-                tokens += ids.numel()
+            if dist is not None:
+                from ..dist.data import global_losses
+                losses = global_losses(dist, losses)
             res = engine.finish()
             bad_streak = 0 if res.finite else bad_streak + 1
             engine.state["trainer"] = {"settings": settings, "data": batches.state_dict(),
@@ -198,6 +234,8 @@ def _run(cfg: FinetuneConfig, out: Path) -> dict:
             if cfg.save_every and (step + 1) % cfg.save_every == 0:
                 engine.checkpoint(f"step-{step + 1:08d}")
         progress.close()
+        if not lead:
+            return dict(progress.summary(None), final_model=None)
         save_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(cfg.save_dtype or "", None)
         final = engine.save_pretrained(out / "final", dtype=save_dtype)
         summary = progress.summary(final)
