@@ -1,5 +1,6 @@
 """Launching torchrun from the tests: the checkout under test goes on PYTHONPATH, from any directory."""
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,12 +17,23 @@ def env(**extra) -> dict:
     return e
 
 
+def run(cmd, timeout, **extra) -> subprocess.CompletedProcess:
+    """Run in a session of its own, so a timeout also ends the ranks torchrun started."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(**extra),
+                         cwd=ROOT, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        raise AssertionError(f"timed out after {timeout} s: {cmd}\n{err[-3000:]}") from None
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
 def torchrun(nproc: int, *args, timeout=180, **extra) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "--monitor-interval=0.2", *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env(**extra), timeout=timeout, cwd=ROOT)
+    return run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                "--monitor-interval=0.2", *map(str, args)], timeout, **extra)
 
 
 def tierlm_cli(*args, timeout=180, **extra) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tierlm", *map(str, args)], capture_output=True, text=True,
-                          env=env(**extra), timeout=timeout, cwd=ROOT)
+    return run([sys.executable, "-m", "tierlm", *map(str, args)], timeout, **extra)

@@ -84,12 +84,28 @@ def from_env(timeout_s: float = 300.0) -> Dist | None:
     if not in_torchrun():
         return None
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    import faulthandler
+    import signal
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints where a stuck rank waits
     if timeout_s <= 0:
         raise ValueError(f"--dist-timeout must be positive seconds, got {timeout_s}")
     _fault_only_on_chosen_rank(rank)
     if world > 1 and not td.is_initialized():
-        td.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+        timeout = timedelta(seconds=timeout_s)
+        td.init_process_group("gloo", store=_attempt_store(rank, world, timeout), rank=rank,
+                              world_size=world, timeout=timeout)
     return Dist(rank, world, timeout_s)
+
+
+def _attempt_store(rank: int, world: int, timeout: timedelta):
+    """The rendezvous store under a prefix of its own per torchrun attempt: a restart reuses the
+    agent's store, where the dead attempt's gloo addresses would otherwise still be found (the
+    restarted ranks then wait on peers that no longer exist)."""
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = td.TCPStore(host, port, world, is_master=not agent and rank == 0, timeout=timeout,
+                        multi_tenant=not agent)
+    return td.PrefixStore(f"tierlm/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def _fault_only_on_chosen_rank(rank: int) -> None:
