@@ -32,7 +32,10 @@ def launch(cfg) -> int:
     try:
         torchrun(args)
     except ChildFailedError as e:
-        failures = "; ".join(f"rank {f.global_rank}: exit code {f.exitcode}" for f in e.failures.values())
+        codes = {rank: f.exitcode for rank, f in e.failures.items()}
+        if set(codes.values()) == {2}:
+            return 2  # bad input, already explained by the ranks
+        failures = "; ".join(f"rank {r}: exit code {c}" for r, c in sorted(codes.items()))
         print(f"tierlm finetune: a rank failed ({failures}); the committed state in {cfg.nvme} is intact: "
               f"run again with --resume auto (any --nproc)", file=sys.stderr)
         return 1
