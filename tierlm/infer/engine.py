@@ -23,6 +23,7 @@ from ..engine import budget as B
 from ..storage import BudgetError, HostBufferPool
 from ..storage.aligned import round_up
 from ..units import fmt_bytes, parse_bytes
+from .gemv import use_gemv
 from .kvcache import SlotKVCache, kv_bytes, kv_geometry
 from .weights import LayerStream, PieceStore, fingerprint, plan_pieces
 
@@ -43,6 +44,7 @@ class InferConfig:
     resident_layers: int | None = None  # None: as many as fit; fewer forces streaming
     io_threads: int = 4
     direct_io: bool | None = None
+    threads: int | None = None       # compute threads (torch.set_num_threads); None: torch's default
 
     def __post_init__(self):
         self.cpu_mem = parse_bytes(self.cpu_mem, "--cpu-mem")
@@ -57,6 +59,8 @@ class InferConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.prefetch < 0:
             raise ValueError("--prefetch must be >= 0")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"--threads must be >= 1 (compute threads), got {self.threads}")
 
     @property
     def quant(self) -> str | None:
@@ -145,6 +149,10 @@ class InferenceEngine:
         self.flop_params = total - self.model.get_input_embeddings().weight.numel() + \
             config.vocab_size * config.hidden_size
         self.pieces = plan_pieces(self.model, self.blocks, self.dtype, cfg.quant)
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        if self.dtype == torch.bfloat16:
+            use_gemv(self.model)  # after plan_pieces: the quantised linears are QLinear already
         layer_idx = [b.index for b in self.blocks if b.kind == "layer"]
         fixed = sum(round_up(p.nbytes) for b in self.blocks if b.kind != "layer" for p in self.pieces[b.index])
         lbytes = max(sum(round_up(p.nbytes) for p in self.pieces[i]) for i in layer_idx)
