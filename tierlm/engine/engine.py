@@ -28,7 +28,8 @@ from . import commit as C
 from .block_fn import ParamRefHooks, wrap_layer
 from .layout import key, make_param_info, nbytes
 from .model import discover_blocks, empty_model, module_param_slots
-from .optimizer import AdamWConfig, OutOfCoreAdamW, StepResult
+from .optimizer import AdamWConfig, OutOfCoreAdamW, StepResult, shard_buffer_bytes
+from .state_quant import check_mode
 from .timeline import Timeline
 from .weights import WeightWindow
 
@@ -47,6 +48,7 @@ class EngineConfig:
     io_threads: int = 4
     direct_io: bool | None = None    # None: where the file system allows it
     state_cache: bool = True         # keep optimizer state in RAM between steps where the budget has room
+    optim_states: str = "fp32"       # fp32 | bf16 | int8: how Adam's m and v are stored (state_quant)
     optim: AdamWConfig = field(default_factory=AdamWConfig)
     tokens_per_micro_batch: int = 2048  # for the budget check; the trainer sets batch * seq_len
 
@@ -58,6 +60,7 @@ class EngineConfig:
             raise ValueError(f"activations must be auto, keep or recompute, got {self.activations!r}")
         if self.grad_accum < 1:
             raise ValueError("grad_accum must be >= 1")
+        check_mode(self.optim_states)
 
 
 class Engine:
@@ -105,7 +108,7 @@ class Engine:
         self.optimizer = OutOfCoreAdamW(
             self.store, self.opt_pool, self.infos, backward_order, self.names, cfg.optim,
             weight_dtype, self.state["optim"], max_pending_grad_bytes=self.split.grads, on_event=on_event,
-            state_cache=self.cache_pool)
+            state_cache=self.cache_pool, optim_states=cfg.optim_states)
         wkind = "master" if weight_dtype is None else "w"
         self.window = WeightWindow(self.store, self.window_pool, self.infos, self.dtype,
                                    lambda n, k: key(wkind, n, k, self.optimizer.slots[n]))
@@ -192,7 +195,7 @@ class Engine:
         max_w = max(block_bytes(b, self.dtype) for b in self.blocks)
         max_g = max(sum(nbytes(self.dtype, self.infos[n].numel) for n in b.owns) for b in self.blocks)
         shard = min(self.shard_elems, max(i.numel for i in self.infos.values()))
-        item = shard * (16 + (2 if self.dtype != torch.float32 else 0))
+        item = shard_buffer_bytes(shard, None if self.dtype == torch.float32 else self.dtype, self.cfg.optim_states)
         tokens = self.cfg.tokens_per_micro_batch
         act = B.layer_activation_bytes(self.config, tokens, self.dtype)
         inp = tokens * self.config.hidden_size * torch.empty((), dtype=self.dtype).element_size()
@@ -203,6 +206,8 @@ class Engine:
     def _fingerprint(self) -> dict:
         return {"model_type": self.config.model_type, "precision": self.cfg.precision,
                 "shard_elems": self.shard_elems,
+                # only when not fp32: states committed before the option existed still resume
+                **({"optim_states": self.cfg.optim_states} if self.cfg.optim_states != "fp32" else {}),
                 "params": {n: list(i.shape) for n, i in self.infos.items()}}
 
     def _load_or_import(self, source, resume: bool, overwrite: bool) -> dict:
@@ -244,8 +249,8 @@ class Engine:
             try:
                 content = C.read_manifest(m)
                 if content.get("fingerprint") != self._fingerprint():
-                    raise ValueError(f"{m}: the state there belongs to another model, precision or shard "
-                                     f"size ({_fingerprint_diff(content.get('fingerprint') or {}, self._fingerprint())}); "
+                    raise ValueError(f"{m}: the state there belongs to another model, precision, shard "
+                                     f"size or optimizer-state format ({_fingerprint_diff(content.get('fingerprint') or {}, self._fingerprint())}); "
                                      f"point --nvme at a new directory or start over with --overwrite")
                 if m not in live:
                     C.restore_files(self.root, m)
