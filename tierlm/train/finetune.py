@@ -40,6 +40,9 @@ class FinetuneConfig:
     eps: float = option(1e-8, help="AdamW epsilon")
     max_grad_norm: float | None = option(1.0, help="clip the global gradient norm to this (exact); 0 disables")
     optim_impl: str = option("fused", help="torch AdamW kernel the update uses", choices=("fused", "foreach", "single"))
+    optim_states: str = option("fp32", help="how AdamW's m and v are stored on the SSD: fp32, bf16, or int8 (block-wise "
+                               "8-bit quantisation): 12, 8 or ~6 bytes a parameter of optimizer state each way per "
+                               "step, at a small cost in quality (docs/benchmarks.md)", choices=("fp32", "bf16", "int8"))
     activations: str = option("auto", help="keep activations in RAM, recompute them, or auto (keep while the budget allows)",
                               choices=("auto", "keep", "recompute"))
     prefetch: int = option(2, help="layers read ahead of the one computing")
@@ -132,14 +135,16 @@ def _run(cfg: FinetuneConfig, out: Path) -> dict:
     batches = Batches(dataset, cfg.batch_size, seed=cfg.seed)
     total = cfg.steps if cfg.steps is not None else \
         max(1, math.floor(cfg.epochs * batches.batches_per_epoch / cfg.grad_accum))
-    per_param = 2 * (12 + (2 if cfg.precision == "bf16" else 0)) + 4  # two slots, saved gradients
-    check_nvme(cfg.nvme, per_param * param_count(hf_config))
+    from ..engine.state_quant import moment_bytes_per_param
+    # two slots of master, m, v and weights, and the saved gradients
+    per_param = 2 * (4 + moment_bytes_per_param(cfg.optim_states) + (2 if cfg.precision == "bf16" else 0)) + 4
+    check_nvme(cfg.nvme, int(per_param * param_count(hf_config)))
 
     optim = AdamWConfig(lr=cfg.lr, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps,
                         weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm, impl=cfg.optim_impl)
     ecfg = EngineConfig(nvme_dir=cfg.nvme, cpu_mem=cfg.cpu_mem, precision=cfg.precision,
                         grad_accum=cfg.grad_accum, activations=cfg.activations, prefetch=cfg.prefetch,
-                        direct_io=cfg.direct_io, optim=optim,
+                        direct_io=cfg.direct_io, optim=optim, optim_states=cfg.optim_states,
                         tokens_per_micro_batch=cfg.batch_size * cfg.seq_len)
     engine = Engine.from_pretrained(cfg.model, ecfg, resume=cfg.resume == "auto", overwrite=cfg.overwrite,
                                     library_rss=library_rss)
