@@ -115,6 +115,51 @@ def bench_compute(seconds_per_dtype: float = 2.0, n: int = 2048) -> dict:
     return {"matmul_tflops": out, "matmul_n": n, "adamw_elems_per_s": k / t, "threads": torch.get_num_threads()}
 
 
+# A decoder layer unrelated to any model benchmarked (llama-style, hidden 768, 12 heads of 64, 4 KV
+# heads, SwiGLU 2048), timed at two token counts: the slope between them is the rate a real layer's
+# forward + backward reaches, without its fixed per-layer cost (which `overhead.py` measures).
+REF_LAYER = dict(hidden_size=768, intermediate_size=2048, num_attention_heads=12, num_key_value_heads=4,
+                 vocab_size=128, num_hidden_layers=1)
+REF_TOKENS = (256, 2048)
+REF_SEQ = 256
+
+
+def layer_train_flops(layer_params: int, tokens: int, seq: int, q_dim: int) -> float:
+    """Forward + backward of one layer: 6 x parameters x tokens + 3 x causal attention (the planner's count)."""
+    return 6.0 * layer_params * tokens + 3 * 4.0 * (seq / 2) * q_dim * tokens
+
+
+def bench_layer(dtype: torch.dtype = torch.bfloat16, repeats: int = 5) -> dict:
+    """Marginal FLOP/s of a decoder layer's forward + backward between REF_TOKENS (several rows of
+    REF_SEQ), in `dtype`: matmuls at the layer's real shapes plus the norms, rotary embedding,
+    attention and activation functions around them."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **REF_LAYER)).to(dtype)
+    layer, h = model.model.layers[0], REF_LAYER["hidden_size"]
+    n = sum(p.numel() for p in layer.parameters())
+    out = {}
+    for tokens in REF_TOKENS:
+        rows = tokens // REF_SEQ
+        x = torch.randn(rows, REF_SEQ, h, dtype=dtype, requires_grad=True)
+        pos = torch.arange(REF_SEQ)[None].expand(rows, -1)
+        pe = model.model.rotary_emb(x, pos)
+
+        def step():
+            y = layer(x, position_embeddings=pe, attention_mask=None, position_ids=pos)
+            (y[0] if isinstance(y, tuple) else y).float().sum().backward()
+        step()
+        out[tokens] = (_best(step, repeats), layer_train_flops(n, tokens, REF_SEQ, h))
+    (t1, f1), (t2, f2) = out[REF_TOKENS[0]], out[REF_TOKENS[1]]
+    # On a busy machine the small shape can take as long as the large one (every kernel waits for a
+    # descheduled thread); the slope is then meaningless and the large shape's average rate is used.
+    marginal = t2 > 1.5 * t1
+    rate = (f2 - f1) / (t2 - t1) if marginal else f2 / t2
+    return {"layer_tflops": rate / 1e12, "layer_ref": {**REF_LAYER, "tokens": list(REF_TOKENS), "seq": REF_SEQ,
+                                                      "seconds": [t1, t2], "marginal": marginal}}
+
+
 def machine() -> dict:
     return {"cores": psutil.cpu_count(logical=False) or os.cpu_count(), "logical_cpus": os.cpu_count(),
             "ram_bytes": psutil.virtual_memory().total, "torch": torch.__version__,
