@@ -79,6 +79,18 @@ def test_edge_cases():
         EngineConfig(nvme_dir="x", optim_states="fp8")
 
 
+def test_finetune_option():
+    from tierlm.config import ConfigError, build
+    from tierlm.train.finetune import FinetuneConfig
+    from tierlm.train.rundir import RESULT_OPTIONS
+
+    assert build(FinetuneConfig, {"model": "m", "data": "d", "optim_states": "int8"}).optim_states == "int8"
+    assert build(FinetuneConfig, {"model": "m", "data": "d"}).optim_states == "fp32"
+    with pytest.raises(ConfigError, match="optim_states: 'int9' is not one of fp32, bf16, int8"):
+        build(FinetuneConfig, {"model": "m", "data": "d", "optim_states": "int9"})
+    assert "optim_states" in RESULT_OPTIONS  # a resumed run must keep its format
+
+
 def test_bf16_mode_rounds_to_nearest():
     x = torch.tensor([1.0 + 2 ** -9, 1.0 + 3 * 2 ** -9, -3e-5, 0.0])
     stored = torch.empty(4, dtype=torch.bfloat16)
