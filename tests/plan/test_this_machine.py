@@ -19,7 +19,7 @@ def measurements(overhead=True):
     comp = {"matmul_tflops": {"float32": 0.1, "bfloat16": 0.3, "float16": 0.1}, "adamw_elems_per_s": 1e9,
             "matmul_n": 2048, "threads": 2}
     if overhead:
-        comp.update(layer_tflops=0.1, overhead=OVERHEAD)
+        comp.update(layer_tflops={"512": 0.05, "2048": 0.2}, gemv_gbps=1.0, overhead=OVERHEAD)
     return {"io": {"dir": "/x", "direct_io": True, "read_gbps": 0.8, "write_gbps": 1.0, "mem_gbps": 10.0,
                    "free_bytes": 100 << 30, "block_bytes": 16 << 20, "inflight": 4, "bytes": 1 << 30, "note": None},
             "compute": comp,
@@ -88,7 +88,7 @@ def test_decode_streamed_reads_every_layer_from_the_ssd(shape):
     s, _ = shape
     hw = hardware_from_measurements(measurements())
     ram = plan(s, hw, Task(kind="serve", batch=1, seq_len=16, new_tokens=8, cpu_mem=1 << 30))
-    streamed = plan(s, hw, Task(kind="serve", batch=1, seq_len=16, new_tokens=8, cpu_mem=92 << 20))
+    streamed = plan(s, hw, Task(kind="serve", batch=1, seq_len=16, new_tokens=8, cpu_mem=28 << 20))
     assert ram.placement["weights"]["nvme"] == 0
     assert streamed.placement["weights"]["nvme"] == s.layers * s.layer_params * 2
     assert streamed.extra["decode_tokens_per_s"] < ram.extra["decode_tokens_per_s"]
@@ -99,3 +99,10 @@ def test_decode_streamed_reads_every_layer_from_the_ssd(shape):
 def test_bad_activation_policy_names_the_choices():
     with pytest.raises(ValueError, match="use auto, keep, swap or recompute"):
         Task(activations="offload").validate()
+
+
+def test_layer_rate_interpolates_by_width_and_clamps():
+    r = C.rates(hardware_from_measurements(measurements()), C.Efficiency())
+    assert r.layer_rate(512) == pytest.approx(0.05e12) and r.layer_rate(256) == pytest.approx(0.05e12)
+    assert r.layer_rate(1024) == pytest.approx(0.1e12)  # halfway in log width: the geometric mean
+    assert r.layer_rate(8192) == pytest.approx(0.2e12)

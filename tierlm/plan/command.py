@@ -25,7 +25,8 @@ def hardware_from_measurements(m: dict, spec: str = "this") -> Hardware:
     measured = {"matmul_tflops": comp["matmul_tflops"], "adamw_elems_per_s": comp["adamw_elems_per_s"],
                 "mem_gbps": io["mem_gbps"], "nvme": io, "when": mach["when"],
                 # absent in caches written before `bench compute` measured them: the plan says so
-                "layer_tflops": comp.get("layer_tflops"), "overhead": comp.get("overhead")}
+                "layer_tflops": comp.get("layer_tflops"), "gemv_gbps": comp.get("gemv_gbps"),
+                "overhead": comp.get("overhead")}
     hw = Hardware(spec, cpu, mach["ram_bytes"], None, drive, 1, measured=measured)
     if not io.get("direct_io", True):
         hw.notes.append(io.get("note") or "measured without direct I/O")
@@ -37,7 +38,7 @@ def measured_this(nvme: str | None, quiet: bool = False) -> dict:
     data = cache.load()
     if "io" not in data or (nvme and Path(data["io"]["dir"]) != Path(nvme).resolve()):
         run_bench("io", nvme or ".", quiet=quiet)
-    if "compute" not in data or "overhead" not in data["compute"]:
+    if "compute" not in data:
         run_bench("compute", None, quiet=quiet)
     return cache.load()
 
@@ -55,6 +56,7 @@ def run_bench(what: str, nvme: str | None, size: int = 2 << 30, quiet: bool = Fa
         say("bench compute: matmul per dtype, a decoder layer, the AdamW kernel, the engine's fixed costs ...")
         res = measure.bench_compute()
         res.update(measure.bench_layer())
+        res.update(measure.bench_gemv())
         # The commit's syncfs is part of the overhead: measure on the drive the runs use.
         where = nvme if nvme and nvme != "." else cache.load().get("io", {}).get("dir", ".")
         res["overhead"] = bench_overhead(where)
@@ -73,7 +75,8 @@ def bench_text(what: str, res: dict) -> str:
     mm = ", ".join(f"{k} {v:.3f}" for k, v in res["matmul_tflops"].items())
     o = res["overhead"]
     return (f"matmul TFLOPS ({res['matmul_n']}^3, {res['threads']} threads): {mm}; decoder layer fwd+bwd "
-            f"{res['layer_tflops']:.3f} TFLOPS (bf16, marginal); AdamW (fused) {res['adamw_elems_per_s'] / 1e9:.2f} "
+            + ", ".join(f"{v:.3f} at hidden {k}" for k, v in res["layer_tflops"].items())
+            + f" TFLOPS (bf16); batch-1 decode matmul {res['gemv_gbps']:.2f} GB/s of weights; AdamW (fused) {res['adamw_elems_per_s'] / 1e9:.2f} "
             f"G elements/s; engine overhead: training {o['train_per_step_s'] * 1e3:.0f} ms/step + "
             f"{o['train_per_layer_s'] * 1e3:.0f} ms/layer, decode in RAM {o['decode_resident_per_step_s'] * 1e3:.1f} ms + "
             f"{o['decode_resident_per_layer_s'] * 1e3:.1f} ms/layer, streamed {o['decode_streamed_per_step_s'] * 1e3:.1f} ms + "

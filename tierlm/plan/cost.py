@@ -6,6 +6,7 @@ so a reader can check every number the plan prints.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from types import SimpleNamespace
 
@@ -80,8 +81,22 @@ class Rates:
     # measured only (`tierlm bench compute`): a decoder layer's forward + backward FLOP/s on the CPU,
     # and the engine's fixed costs per step and per layer (overhead.py); zero on catalog hardware,
     # where a real model's large layers make them negligible against the step.
-    layer_flops: float = 0.0
+    layer_flops: dict | None = None   # {hidden: FLOP/s} of the reference layers
+    gemv: float = 0.0                 # weight bytes/s of a batch-1 decode matmul
     overhead: dict | None = None
+
+    def layer_rate(self, hidden: int) -> float:
+        """A layer's forward + backward FLOP/s at this width: log-log between the measured widths,
+        clamped outside them; 0 when not measured."""
+        if not self.layer_flops:
+            return 0.0
+        pts = sorted((int(h), v) for h, v in self.layer_flops.items())
+        if hidden <= pts[0][0] or len(pts) == 1:
+            return pts[0][1]
+        if hidden >= pts[-1][0]:
+            return pts[-1][1]
+        (h0, r0), (h1, r1) = next((a, b) for a, b in zip(pts, pts[1:]) if a[0] <= hidden <= b[0])
+        return r0 * (r1 / r0) ** (math.log(hidden / h0) / math.log(h1 / h0))
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -101,8 +116,11 @@ def rates(hw: Hardware, eff: Efficiency, precision: str = "bf16") -> Rates:
         dram = hw.cpu.mem_gbps * GB * eff.memory
         rd, wr = hw.nvme_read_gbps * GB * eff.nvme, hw.nvme_write_gbps * GB * eff.nvme
     g = hw.gpu
-    layer = (m.get("layer_tflops") or 0.0) * 1e12 if m is not None and precision == "bf16" else 0.0
-    return Rates(layer_flops=layer, overhead=m.get("overhead") if m is not None else None,
+    bf16 = m is not None and precision == "bf16"
+    layer = m.get("layer_tflops") if bf16 else None
+    return Rates(layer_flops={h: v * 1e12 for h, v in layer.items()} if isinstance(layer, dict) else None,
+                 gemv=(m.get("gemv_gbps") or 0.0) * GB if bf16 else 0.0,
+                 overhead=m.get("overhead") if m is not None else None,
                  compute_flops=(g.tflops * 1e12 * eff.gpu_compute) if g else cpu_flops, cpu_flops=cpu_flops,
                  adam_elems=adam, dram=dram, link=g.link_gbps * GB * eff.link if g else 0.0,
                  gpu_mem=g.mem_gbps * GB * eff.memory if g else 0.0, ssd_read=rd, ssd_write=wr,

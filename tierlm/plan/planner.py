@@ -110,6 +110,10 @@ def _assumptions(eff: C.Efficiency, hw: Hardware, lifetime_years: float, usd_per
         a.append(f"CPU optimizer: {C.ADAM_ELEMS_PER_CORE:.0e} AdamW elements/s per core (assumption)")
     else:
         a.append("rates: measured by `tierlm bench` on this machine (" + hw.measured.get("when", "?") + ")")
+        if not hw.measured.get("overhead"):
+            a.append("no decoder-layer rate or engine fixed costs in the measurements (cached by an older "
+                     "`tierlm bench compute`): the large-GEMM rate is used and fixed costs are left out; run "
+                     "`tierlm bench compute` again")
     a.append(f"overlap: step = busiest device + (sum of the others) / layers; SSD reads and writes share the drives")
     a.append(f"cost: hardware over {lifetime_years:g} years at 100% use + TDP power at ${usd_per_kwh}/kWh")
     return a
@@ -241,6 +245,9 @@ def _engine_split(s: ModelShape, task: Task, T: int, act: int, p: Plan):
 # The engine's process baseline beyond the libraries (Python and transformers objects, the model's
 # module tree; 63 MiB in every run of docs/planner.md) and its default prefetch depth.
 ENGINE_BASELINE = 64 << 20
+# The inference engine's process baseline beyond its libraries: 12 KiB in docs/planner.md's runs
+# (its library baseline is read after the model skeleton is built).
+INFER_BASELINE = 0
 ENGINE_PREFETCH = 2
 # Layers whose weights are still in the window when backward starts, so backward does not read them
 # again: the window holds prefetch + 2 blocks and the head and the computing layer take two.
@@ -271,12 +278,12 @@ def _finetune_times(s, task, r: C.Rates, T, resident, k_ram, n_ssd, n_rec, act, 
     # without a GPU, activations kept in RAM are written and read back once.
     dram = ssd_r + ssd_w + h2d + d2h + P * C.OPT_DRAM_PER_PARAM + (0 if gpu else 2 * k_ram * act)
     compute = flops / r.compute_flops
-    if not gpu and r.layer_flops:
+    if not gpu and r.layer_rate(s.hidden):
         # Measured CPU: a real layer's rate, not a large GEMM's, plus the engine's fixed costs per
         # layer (recomputed layers pay the recompute profile's) and per step, all on the same cores.
         o = r.overhead or {}
         n_keep = L - n_rec
-        compute = (flops / r.layer_flops + o.get("train_per_step_s", 0.0)
+        compute = (flops / r.layer_rate(s.hidden) + o.get("train_per_step_s", 0.0)
                    + n_keep * o.get("train_per_layer_s", 0.0) + n_rec * o.get("train_per_layer_recompute_s", 0.0))
     res = {"compute": compute, "optimizer": P / r.adam_elems, "memory": dram / r.dram,
            "link_h2d": h2d / r.link if gpu else 0.0, "link_d2h": d2h / r.link if gpu else 0.0,
@@ -332,7 +339,12 @@ def _serve(p: Plan, s: ModelShape, hw: Hardware, task: Task, r: C.Rates) -> None
             continue
         flops_tok = 2.0 * s.matmul_params * B + C.attention_fwd_flops(s, Sp + N / 2, B)
         comp = r.compute_flops if site == "gpu" else r.cpu_flops
-        res = {"compute": flops_tok / comp,
+        t_comp = flops_tok / comp
+        if site == "cpu" and r.gemv:
+            # Measured CPU: one token's matmuls run at the measured matrix-vector rate; more rows
+            # of a batch add at the large-GEMM rate.
+            t_comp = s.matmul_params * C.W_BYTES / r.gemv + (B - 1) * flops_tok / B / comp
+        res = {"compute": t_comp,
                "memory": ((in_ram if site == "cpu" else 0) + from_ssd + (kv if kv_where == "ram" else 0)) / r.dram,
                "gpu_memory": ((on_gpu + (kv if kv_where == "gpu" else 0)) / r.gpu_mem) if site == "gpu" else 0.0,
                "link_h2d": ((W - on_gpu) + (kv if kv_where == "ram" else 0)) / r.link if site == "gpu" else 0.0,
@@ -380,7 +392,7 @@ def _infer_resident_layers(s: ModelShape, task: Task, p: Plan) -> int | None:
     cfg = InferConfig(cpu_mem=task.cpu_mem, max_batch=task.batch, max_seq_len=max_len)
     kv = task.batch * (max_len + 1) * C.kv_bytes_per_token(s)
     try:
-        return plan_placement(cfg, ENGINE_BASELINE, (s.embed_params + s.head_params) * C.W_BYTES,
+        return plan_placement(cfg, INFER_BASELINE, (s.embed_params + s.head_params) * C.W_BYTES,
                               s.layer_params * C.W_BYTES, s.layers, kv,
                               scratch_bytes(C.hf_like_config(s), cfg, max_len, torch.bfloat16)).resident
     except BudgetError as e:
