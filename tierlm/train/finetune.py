@@ -43,8 +43,10 @@ class FinetuneConfig:
     optim_states: str = option("fp32", help="how AdamW's m and v are stored on the SSD: fp32, bf16, or int8 (block-wise "
                                "8-bit quantisation): 12, 8 or ~6 bytes a parameter of optimizer state each way per "
                                "step, at a small cost in quality (docs/benchmarks.md)", choices=("fp32", "bf16", "int8"))
-    activations: str = option("auto", help="keep activations in RAM, recompute them, or auto (keep while the budget allows)",
-                              choices=("auto", "keep", "recompute"))
+    activations: str = option("auto", help="per decoder layer: keep saved activations in RAM, swap them to the NVMe "
+                              "store (swap) or a host buffer pool (swap-host), or recompute them in backward; auto: "
+                              "the planner chooses from a profiled step (plan.json); or one policy per layer, "
+                              "comma-separated")
     prefetch: int = option(2, help="layers read ahead of the one computing")
     seed: int = option(0, help="seed for data order and dropout")
     save_dtype: str | None = option(None, help="dtype of the saved model (default: the compute dtype)", choices=("bf16", "fp32"))
@@ -145,7 +147,8 @@ def _run(cfg: FinetuneConfig, out: Path) -> dict:
     ecfg = EngineConfig(nvme_dir=cfg.nvme, cpu_mem=cfg.cpu_mem, precision=cfg.precision,
                         grad_accum=cfg.grad_accum, activations=cfg.activations, prefetch=cfg.prefetch,
                         direct_io=cfg.direct_io, optim=optim, optim_states=cfg.optim_states,
-                        tokens_per_micro_batch=cfg.batch_size * cfg.seq_len)
+                        tokens_per_micro_batch=cfg.batch_size * cfg.seq_len, micro_batch_size=cfg.batch_size,
+                        plan_path=str(out / "plan.json"))
     engine = Engine.from_pretrained(cfg.model, ecfg, resume=cfg.resume == "auto", overwrite=cfg.overwrite,
                                     library_rss=library_rss)
     settings = {k: v for k, v in to_dict(cfg).items() if k in RESULT_OPTIONS}
