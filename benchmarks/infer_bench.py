@@ -1,17 +1,21 @@
 """Inference benchmarks, side by side in one process (numbers for docs/inference.md).
 
-    python benchmarks/infer_bench.py --preset tinyllama-1.1b --tokens 32          # in RAM, bf16 + int8 vs HF
-    python benchmarks/infer_bench.py --layers 16 --hidden 1024 --stream-budget 200MiB --batches 1 8 32
+    flock /tmp/tierlm-bench.lock python benchmarks/infer_bench.py --preset tinyllama-1.1b --tokens 16
+    flock /tmp/tierlm-bench.lock python benchmarks/infer_bench.py --layers 16 --hidden 1024 \
+        --stream-budget 200MiB --batches 1 8 32
 
 In RAM: decode tokens/s at batch 1 against the memory roofline (measured read bandwidth / bytes
-read per token) for each weight format, and against transformers.generate on the same model.
-Streamed (--stream-budget): tokens/s at each batch against the SSD roofline (SSD bandwidth /
-streamed bytes per forward x batch). Prefill: tokens/s and GFLOP/s against the measured matmul rate.
+read per token) for each weight format and each --threads count, and transformers.generate on the
+same model at the same thread count (the speed-up). Streamed (--stream-budget): tokens/s at each
+batch against the SSD roofline (SSD bandwidth / streamed bytes per forward x batch). Prefill:
+tokens/s and GFLOP/s against the measured bf16 matmul rate. The rates are measured again at the
+start of the run (not the cached ones), and the last lines are a markdown table of the ratios.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -34,55 +38,103 @@ class _Tok:
         return ""
 
 
-def run(model, weights, batch, tokens, prompt_len, cpu_mem, nvme, rates, resident_layers=None):
+def _prompt(n):
+    return [(7 * i) % 200 + 3 for i in range(n)]
+
+
+def run(model, weights, batch, tokens, prompt_len, cpu_mem, nvme, rates, threads):
+    """One engine; a measured generation per thread count. Returns a result per thread count."""
     cfg = InferConfig(cpu_mem=cpu_mem, weights=weights, max_batch=batch, max_seq_len=prompt_len + tokens,
-                      nvme_dir=str(nvme), resident_layers=resident_layers, step_tokens=max(256, prompt_len))
+                      nvme_dir=str(nvme), step_tokens=max(256, prompt_len))
     eng = InferenceEngine(model, cfg)
     b = Batcher(eng, _Tok(), [])
-    prompt = [(7 * i) % 200 + 3 for i in range(prompt_len)]
-    # warm-up: the kernels' first calls and, streamed, the window's buffers
-    b.submit(Request(prompt[:8], SamplingParams(max_tokens=2, ignore_eos=True)))
-    b.run_until_idle()
-    b.stats.__init__()
-    for _ in range(batch):
-        b.submit(Request(list(prompt), SamplingParams(max_tokens=tokens, ignore_eos=True)))
-    b.run_until_idle()
-    s = b.stats
-    dec_s, dec_tok = s.s["decode"], s.tokens["decode"]
-    per_fwd = eng.ram_weight_bytes()
-    out = {"weights": weights, "batch": batch, "placement": eng.placement.describe(),
-           "prefill_tok_s": s.tokens["prefill"] / s.s["prefill"],
-           "prefill_gflops": 2 * eng.flop_params * s.tokens["prefill"] / s.s["prefill"] / 1e9,
-           "decode_tok_s": dec_tok / dec_s,
-           "decode_ram_gbps": s.ram["decode"] / dec_s / 1e9, "decode_ssd_gbps": s.ssd["decode"] / dec_s / 1e9,
-           "bytes_per_forward": per_fwd, "kv_gbps": s.kv["decode"] / dec_s / 1e9}
-    steps = s.steps["decode"]
-    if eng.stream:
-        streamed = s.ssd["decode"] / max(steps, 1)
-        out["ssd_roofline_tok_s"] = rates["ssd_gbps"] * 1e9 / streamed * batch if streamed else None
-        out["ssd_share"] = s.ssd["decode"] / (rates["ssd_gbps"] * 1e9) / dec_s
-    out["mem_roofline_tok_s"] = rates["mem_gbps"] * 1e9 / (per_fwd + s.kv["decode"] / max(steps, 1)) * batch
-    out["mem_share"] = (s.ram["decode"] + s.kv["decode"]) / (rates["mem_gbps"] * 1e9) / dec_s
-    out["stall_s"] = eng.stream.stall_s if eng.stream else 0.0
+    outs = []
+    for th in threads:
+        torch.set_num_threads(th)
+        # warm-up: the kernels' first calls at this thread count and, streamed, the window's buffers
+        b.submit(Request(_prompt(8), SamplingParams(max_tokens=2, ignore_eos=True)))
+        b.run_until_idle()
+        b.stats.__init__()
+        if eng.stream:
+            eng.stream.stall_s = 0.0
+        for _ in range(batch):
+            b.submit(Request(_prompt(prompt_len), SamplingParams(max_tokens=tokens, ignore_eos=True)))
+        b.run_until_idle()
+        s = b.stats
+        dec_s, steps = s.s["decode"], max(s.steps["decode"], 1)
+        per_fwd = eng.ram_weight_bytes()
+        kv_step = s.kv["decode"] / steps
+        out = {"weights": weights, "batch": batch, "threads": th, "placement": eng.placement.describe(),
+               "prefill_tok_s": s.tokens["prefill"] / s.s["prefill"],
+               "prefill_gflops": 2 * eng.flop_params * s.tokens["prefill"] / s.s["prefill"] / 1e9,
+               "decode_tok_s": s.tokens["decode"] / dec_s,
+               "decode_ram_gbps": (s.ram["decode"] + s.kv["decode"]) / dec_s / 1e9,
+               "decode_ssd_gbps": s.ssd["decode"] / dec_s / 1e9,
+               "bytes_per_forward": per_fwd + kv_step}
+        out["mem_roofline_tok_s"] = rates["mem_gbps"] * 1e9 / (per_fwd + kv_step) * batch
+        out["mem_share"] = out["decode_tok_s"] / out["mem_roofline_tok_s"]
+        if eng.stream:
+            streamed = s.ssd["decode"] / steps
+            out["ssd_bytes_per_forward"] = streamed
+            out["ssd_roofline_tok_s"] = rates["ssd_gbps"] * 1e9 / streamed * batch if streamed else None
+            out["ssd_share"] = out["decode_tok_s"] / out["ssd_roofline_tok_s"] if streamed else None
+            out["stall_s"] = eng.stream.stall_s
+        outs.append(out)
+        print(json.dumps(out), flush=True)
     eng.close()
-    return out
+    return outs
 
 
-def hf_generate(model, tokens, prompt_len):
+def hf_generate(model, tokens, prompt_len, threads):
     from transformers import AutoModelForCausalLM
 
     m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).eval()
-    ids = torch.tensor([[(7 * i) % 200 + 3 for i in range(prompt_len)]])
+    ids = torch.tensor([_prompt(prompt_len)])
     kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
-    m.generate(ids[:, :8], max_new_tokens=2, **kw)
-    t = time.perf_counter()
-    m.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
-    t1 = time.perf_counter() - t
-    t = time.perf_counter()
-    m.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, **kw)
-    tn = time.perf_counter() - t
+    outs = []
+    for th in threads:
+        torch.set_num_threads(th)
+        m.generate(ids[:, :8], max_new_tokens=2, **kw)
+        t = time.perf_counter()
+        m.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+        t1 = time.perf_counter() - t
+        t = time.perf_counter()
+        m.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, **kw)
+        tn = time.perf_counter() - t
+        out = {"weights": "transformers.generate bf16", "threads": th, "hf_ttft_s": t1,
+               "prefill_tok_s": prompt_len / t1, "decode_tok_s": (tokens - 1) / (tn - t1)}
+        outs.append(out)
+        print(json.dumps(out), flush=True)
     del m
-    return {"hf_ttft_s": t1, "hf_decode_tok_s": (tokens - 1) / (tn - t1)}
+    return outs
+
+
+def table_ram(results, rates):
+    hf = {r["threads"]: r["decode_tok_s"] for r in results if r["weights"].startswith("transformers")}
+    mm = rates["matmul_bf16_gflops"]
+    rows = ["| weights | threads | GB read / token | decode tok/s | roofline tok/s | share | vs transformers.generate "
+            "| prefill tok/s | prefill GFLOP/s (share of bf16 matmul) |", "|" + "---|" * 9]
+    for r in results:
+        if r["weights"].startswith("transformers"):
+            rows.append(f"| {r['weights']} | {r['threads']} | | {r['decode_tok_s']:.2f} | | | 1.00x | "
+                        f"{r['prefill_tok_s']:.1f} | |")
+            continue
+        sp = f"{r['decode_tok_s'] / hf[r['threads']]:.2f}x" if r["threads"] in hf else ""
+        rows.append(f"| {r['weights']} | {r['threads']} | {r['bytes_per_forward'] / 1e9:.2f} | {r['decode_tok_s']:.2f} "
+                    f"| {r['mem_roofline_tok_s']:.2f} | {100 * r['mem_share']:.0f}% | {sp} | {r['prefill_tok_s']:.1f} "
+                    f"| {r['prefill_gflops']:.0f} ({100 * r['prefill_gflops'] / mm:.0f}%) |")
+    return rows
+
+
+def table_stream(results):
+    rows = ["| batch | SSD MB / forward | decode tok/s | SSD roofline tok/s | share | stall s |", "|---|---|---|---|---|---|"]
+    for r in results:
+        if "ssd_bytes_per_forward" not in r:
+            rows.append(f"| {r['batch']} | nothing streamed: {r['placement']} (lower --stream-budget) | | | | |")
+            continue
+        rows.append(f"| {r['batch']} | {r['ssd_bytes_per_forward'] / 1e6:.0f} | {r['decode_tok_s']:.2f} | "
+                    f"{r['ssd_roofline_tok_s']:.2f} | {100 * r['ssd_share']:.0f}% | {r['stall_s']:.1f} |")
+    return rows
 
 
 def main():
@@ -91,10 +143,11 @@ def main():
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--hidden", type=int, default=None)
     p.add_argument("--dir", default=None, help="where the model and stores go (default: a temp dir)")
-    p.add_argument("--tokens", type=int, default=32)
-    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--tokens", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--formats", nargs="*", default=["bf16", "int8", "int4"])
-    p.add_argument("--stream-budget", default=None, help="also run streamed under this --cpu-mem")
+    p.add_argument("--threads", nargs="*", type=int, default=[os.cpu_count(), 1])
+    p.add_argument("--stream-budget", default=None, help="run streamed under this --cpu-mem instead")
     p.add_argument("--batches", nargs="*", type=int, default=[1, 8, 32])
     p.add_argument("--no-hf", action="store_true")
     a = p.parse_args()
@@ -107,23 +160,25 @@ def main():
         init_model(model, config, dtype="bfloat16", tokenizer=False)
         print(f"created {model} ({param_count(config) / 1e9:.2f}B parameters) in {time.perf_counter() - t:.0f} s",
               file=sys.stderr)
-    rates = machine_rates(str(root / "nvme"))
+    print(json.dumps({"load_before": os.getloadavg()}), flush=True)
+    rates = machine_rates(str(root / "nvme"), fresh=True)
     print(json.dumps({"rates": rates}), flush=True)
     results = []
     if not a.stream_budget:
         for w in a.formats:
-            r = run(model, w, 1, a.tokens, a.prompt_len, "20GiB", root / f"nvme-{w}", rates)
-            results.append(r)
-            print(json.dumps(r), flush=True)
+            results += run(model, w, 1, a.tokens, a.prompt_len, "20GiB", root / f"nvme-{w}", rates, a.threads)
         if not a.no_hf:
-            r = hf_generate(model, a.tokens, a.prompt_len)
-            results.append(r)
-            print(json.dumps(r), flush=True)
+            results += hf_generate(model, a.tokens, a.prompt_len, a.threads)
+        rows = table_ram(results, rates)
     else:
         for bsz in a.batches:
-            r = run(model, "bf16", bsz, a.tokens, a.prompt_len, a.stream_budget, root / "nvme-stream", rates)
-            results.append(r)
-            print(json.dumps(r), flush=True)
+            results += run(model, "bf16", bsz, a.tokens, a.prompt_len, a.stream_budget, root / "nvme-stream",
+                           rates, a.threads[:1])
+        rows = table_stream(results)
+    print(json.dumps({"load_after": os.getloadavg()}), flush=True)
+    print(f"\nrates: memory {rates['mem_gbps']:.1f} GB/s (by threads {rates.get('mem_gbps_by_threads')}), "
+          f"bf16 matmul {rates['matmul_bf16_gflops']:.0f} GFLOP/s, SSD {rates.get('ssd_gbps', 0):.2f} GB/s")
+    print("\n".join(rows))
     return results
 
 

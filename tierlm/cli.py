@@ -169,7 +169,8 @@ def _add_plan_verbs(sub) -> None:
     q.add_argument("--batch", type=int, default=1, help="sequences per step (finetune) or concurrent requests (serve)")
     q.add_argument("--seq-len", type=int, default=1024, help="training sequence length, or prompt length when serving")
     q.add_argument("--tokens", type=int, default=256, help="serve: tokens generated per request")
-    q.add_argument("--activations", choices=("auto", "keep", "recompute"), default="auto")
+    q.add_argument("--activations", choices=("auto", "keep", "swap", "recompute"), default="auto",
+                   help="saved activations: auto (the fastest split), keep in RAM, swap to NVMe, recompute")
     q.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
     q.add_argument("--cpu-mem", default=None, metavar="SIZE", help="RAM the run may use (default: the machine's less a reserve)")
     q.add_argument("--no-state-cache", action="store_true",
@@ -185,7 +186,8 @@ def _add_plan_verbs(sub) -> None:
 
     q = sub.add_parser("bench", help="measure this machine (io, compute), or a training step in memory vs out-of-core")
     q.add_argument("what", choices=("io", "compute", "train"),
-                   help="io: NVMe read/write and host memory; compute: matmul, AdamW; train: MODEL in memory and "
+                   help="io: NVMe read/write and host memory; compute: matmul, a decoder layer, AdamW and the "
+                        "engine's fixed costs per step and layer (on --nvme); train: MODEL in memory and "
                         "out-of-core side by side")
     q.add_argument("model", nargs="?", help="train: the model directory")
     q.add_argument("--data", help="train: the training data")

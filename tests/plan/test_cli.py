@@ -49,6 +49,7 @@ def test_plan_on_this_machine_uses_measurements(measured, capsys, make_model_dir
     assert main(["plan", str(d), "--hardware", "this", "--batch", "2", "--seq-len", "32", "--no-state-cache"]) == 0
     out = capsys.readouterr().out
     assert "measured by `tierlm bench`" in out and "cost: hardware n/a" in out
+    assert "run `tierlm bench compute` again" in out  # an old cache: said, not silently re-measured
 
 
 def test_bad_hardware_is_a_usage_error(capsys):
@@ -74,3 +75,17 @@ def test_bench_runs_small_and_caches(tmp_path, monkeypatch, capsys):
     assert cache.load()["compute"]["adamw_elems_per_s"] > 0
     assert main(["bench", "io", "--nvme", str(tmp_path / "nvme2"), "--size", "8MiB"]) == 0
     assert "read" in capsys.readouterr().out and (tmp_path / "nvme2" / "tierlm-bench.json").is_file()
+
+
+def test_overhead_splits_per_step_and_per_layer(tmp_path, monkeypatch):
+    """Slope and intercept of two depths (the engine runs themselves are the benchmark, not the test)."""
+    from tierlm.bench import overhead
+
+    monkeypatch.setattr(overhead, "_train_step_s", lambda n, root, steps, acts: 0.1 + n * (0.02 if acts == "keep" else 0.03))
+    monkeypatch.setattr(overhead, "_decode_step_s", lambda n, root, steps, stream: 0.001 + n * (0.004 if stream else 0.0005))
+    o = overhead.bench_overhead(tmp_path)
+    assert o["train_per_layer_s"] == pytest.approx(0.02) and o["train_per_step_s"] == pytest.approx(0.1)
+    assert o["train_per_layer_recompute_s"] == pytest.approx(0.03)
+    assert o["decode_streamed_per_layer_s"] == pytest.approx(0.004)
+    assert o["decode_resident_per_step_s"] == pytest.approx(0.001)
+    assert not list(tmp_path.iterdir())  # its scratch directory is removed

@@ -115,6 +115,62 @@ def bench_compute(seconds_per_dtype: float = 2.0, n: int = 2048) -> dict:
     return {"matmul_tflops": out, "matmul_n": n, "adamw_elems_per_s": k / t, "threads": torch.get_num_threads()}
 
 
+# Decoder layers unrelated to any model benchmarked (llama-style, heads of 64, a quarter as many KV
+# heads, SwiGLU 8/3 x hidden), at two widths: a CPU layer's FLOP rate grows with its matrices, so the
+# planner interpolates between them by width (log-log), and clamps outside.
+REF_HIDDEN = (512, 2048)
+REF_TOKENS = 2048
+REF_SEQ = 256
+
+
+def ref_layer_config(hidden: int) -> dict:
+    return dict(hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 64 * 64, num_attention_heads=hidden // 64,
+                num_key_value_heads=max(1, hidden // 256), vocab_size=128, num_hidden_layers=1)
+
+
+def layer_train_flops(layer_params: int, tokens: int, seq: int, q_dim: int) -> float:
+    """Forward + backward of one layer: 6 x parameters x tokens + 3 x causal attention (the planner's count)."""
+    return 6.0 * layer_params * tokens + 3 * 4.0 * (seq / 2) * q_dim * tokens
+
+
+def bench_layer(dtype: torch.dtype = torch.bfloat16, repeats: int = 2, widths: tuple[int, ...] = REF_HIDDEN,
+                tokens: int = REF_TOKENS) -> dict:
+    """FLOP/s of a decoder layer's forward + backward at `tokens` (rows of REF_SEQ), per width, in
+    `dtype`: the matmuls at real shapes plus the norms, rotary embedding, attention and activation
+    functions around them."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = {}
+    for hidden in widths:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **ref_layer_config(hidden))).to(dtype)
+        layer = model.model.layers[0]
+        n = sum(p.numel() for p in layer.parameters())
+        rows = max(1, tokens // REF_SEQ)
+        x = torch.randn(rows, REF_SEQ, hidden, dtype=dtype, requires_grad=True)
+        pos = torch.arange(REF_SEQ)[None].expand(rows, -1)
+        pe = model.model.rotary_emb(x, pos)
+
+        def step():
+            y = layer(x, position_embeddings=pe, attention_mask=None, position_ids=pos)
+            (y[0] if isinstance(y, tuple) else y).float().sum().backward()
+        step()
+        t = _best(step, repeats)
+        out[str(hidden)] = layer_train_flops(n, rows * REF_SEQ, REF_SEQ, hidden) / t / 1e12
+        del model, layer, x
+    return {"layer_tflops": out, "layer_tokens": tokens}
+
+
+def bench_gemv(dtype: torch.dtype = torch.bfloat16, hidden: int = 2048, repeats: int = 20) -> dict:
+    """Weight bytes/s of one token through a linear layer (hidden x 8/3 hidden): what a batch-1 decode
+    step's matmuls run at, far below the large-GEMM rate on a CPU."""
+    w = torch.randn(hidden * 8 // 3 // 64 * 64, hidden).to(dtype)
+    x = torch.randn(1, hidden).to(dtype)
+    torch.nn.functional.linear(x, w)
+    t = _best(lambda: torch.nn.functional.linear(x, w), repeats)
+    return {"gemv_gbps": w.numel() * w.element_size() / t / GB, "gemv_shape": list(w.shape)}
+
+
 def machine() -> dict:
     return {"cores": psutil.cpu_count(logical=False) or os.cpu_count(), "logical_cpus": os.cpu_count(),
             "ram_bytes": psutil.virtual_memory().total, "torch": torch.__version__,

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .activations import Handle
+
 
 class ParamRef:
     __slots__ = ("param", "size", "stride", "rel_offset")
@@ -25,14 +27,24 @@ class ParamRef:
 class ParamRefHooks(torch.autograd.graph.saved_tensors_hooks):
     """Saved-tensor hooks that replace views of streamed parameters by references.
 
-    `activations` (optional) is called with every other saved tensor and returns what to keep
-    (the tensor itself, or a handle it knows how to unpack); it is where activation policies plug in.
+    Every other saved tensor is an activation: counted (by distinct storage, since autograd often
+    saves several views of one tensor), and handed to the swapper when the layer being run swaps.
     """
 
-    def __init__(self):
+    def __init__(self, swapper=None):
         self.by_storage: dict[int, nn.Parameter] = {}
+        self.swapper = swapper
         self.saved_bytes = 0  # activation bytes packed since the last reset (measured, per block)
+        self._seen: dict[int, object] | None = None  # data_ptr -> storage while counting a block
         super().__init__(self._pack, self._unpack)
+
+    def begin_count(self) -> None:
+        self.saved_bytes = 0
+        self._seen = {}  # storages held while counting, so an address is not reused and recounted
+
+    def end_count(self) -> int:
+        self._seen = None
+        return self.saved_bytes
 
     def track(self, param: nn.Parameter) -> None:
         self.by_storage[param.data.untyped_storage().data_ptr()] = param
@@ -45,11 +57,17 @@ class ParamRefHooks(torch.autograd.graph.saved_tensors_hooks):
             p = self.by_storage.get(t.untyped_storage().data_ptr())
             if p is not None:
                 return ParamRef(p, t)
-            self.saved_bytes += t.numel() * t.element_size()
+            st = t.untyped_storage()
+            if self._seen is not None and st.data_ptr() not in self._seen:
+                self._seen[st.data_ptr()] = st
+                self.saved_bytes += st.nbytes()
+            if self.swapper is not None and self.swapper.active:
+                return self.swapper.pack(t)
         return t
 
-    @staticmethod
-    def _unpack(x):
+    def _unpack(self, x):
+        if isinstance(x, Handle):
+            return self.swapper.unpack(x)
         if isinstance(x, ParamRef):
             d = x.param.data
             if d.numel() > 1 and 0 in d.stride():

@@ -21,18 +21,20 @@ import torch
 from torch import nn
 
 from ..faults import fault
-from ..storage import CorruptionError, HostBufferPool, StorageError, TensorStore
+from ..storage import BudgetError, CorruptionError, HostBufferPool, StorageError, TensorStore
 from ..units import parse_bytes
 from . import budget as B
 from . import commit as C
+from .act_engine import ActivationPlanner
 from .block_fn import ParamRefHooks, wrap_layer
 from .layout import key, make_param_info, nbytes
 from .model import discover_blocks, empty_model, module_param_slots
-from .optimizer import AdamWConfig, OutOfCoreAdamW, StepResult
+from .optimizer import AdamWConfig, OutOfCoreAdamW, StepResult, shard_buffer_bytes
+from .state_quant import check_mode
 from .timeline import Timeline
 from .weights import WeightWindow
 
-_MANAGED = ("w0", "w1", "master0", "master1", "m0", "m1", "v0", "v1", "grad", "gacc", "checkpoints")
+_MANAGED = ("act", "w0", "w1", "master0", "master1", "m0", "m1", "v0", "v1", "grad", "gacc", "checkpoints")
 
 
 @dataclass
@@ -41,23 +43,30 @@ class EngineConfig:
     cpu_mem: int | str = "4GiB"
     precision: str = "bf16"          # bf16: bf16 compute, fp32 master; fp32: everything fp32
     grad_accum: int = 1
-    activations: str = "auto"        # auto | keep | recompute
+    activations: str = "auto"        # auto | keep | swap | swap-host | recompute, or one per layer, comma-separated
     prefetch: int = 2                # blocks read ahead of the one computing
     shard_elems: int | None = None   # optimizer shard size; None: from the budget (<= 4M elements)
     io_threads: int = 4
     direct_io: bool | None = None    # None: where the file system allows it
     state_cache: bool = True         # keep optimizer state in RAM between steps where the budget has room
+    optim_states: str = "fp32"       # fp32 | bf16 | int8: how Adam's m and v are stored (state_quant)
     optim: AdamWConfig = field(default_factory=AdamWConfig)
     tokens_per_micro_batch: int = 2048  # for the budget check; the trainer sets batch * seq_len
+    micro_batch_size: int = 1        # sequences per micro-batch (to name the longest --seq-len that fits)
+    plan_path: str | None = None     # where the activation planner writes plan.json
 
     def __post_init__(self):
         self.cpu_mem = parse_bytes(self.cpu_mem, "cpu_mem")
         if self.precision not in ("bf16", "fp32"):
             raise ValueError(f"precision must be 'bf16' or 'fp32', got {self.precision!r}")
-        if self.activations not in ("auto", "keep", "recompute"):
-            raise ValueError(f"activations must be auto, keep or recompute, got {self.activations!r}")
+        pols = self.activations.split(",")
+        allowed = ("keep", "swap", "swap-host", "recompute")
+        if not (pols == ["auto"] or all(p in allowed for p in pols)):
+            raise ValueError(f"--activations must be auto, keep, swap, swap-host or recompute, or one of the "
+                             f"last four per decoder layer separated by commas; got {self.activations!r}")
         if self.grad_accum < 1:
             raise ValueError("grad_accum must be >= 1")
+        check_mode(self.optim_states)
 
 
 class Engine:
@@ -108,10 +117,12 @@ class Engine:
         self.state = self._load_or_import(source, resume, overwrite)
         weight_dtype = None if self.dtype == torch.float32 else self.dtype
         backward_order = [n for blk in reversed(self.blocks) for n in blk.owns]
+        self.acts = ActivationPlanner(self, on_event)
+        self.hooks.swapper = self.acts.swapper
         self.optimizer = OutOfCoreAdamW(
             self.store, self.opt_pool, self.infos, [n for n in backward_order if self._owned(n)], self.names,
             cfg.optim, weight_dtype, self.state["optim"], max_pending_grad_bytes=self.split.grads,
-            on_event=on_event, state_cache=self.cache_pool, dist=dist)
+            on_event=on_event, state_cache=self.cache_pool, optim_states=cfg.optim_states, dist=dist)
         if dist is not None:
             from ..dist.grads import GradReducer
             self.reducer = GradReducer(dist, backward_order, self.optimizer, self.split.grads)
@@ -121,9 +132,6 @@ class Engine:
         self.lr = cfg.optim.lr
         self._held_head: list[str] = []
         self._pins: dict[str, int] = {}
-        self._policy: dict[int, str] = {}
-        self._act_bytes = 0       # activations kept in this micro-batch (measured)
-        self.last_layer_act = 0   # measured saved bytes of the last kept layer
 
     # ---- construction ----------------------------------------------------------------
     @classmethod
@@ -200,17 +208,40 @@ class Engine:
         max_w = max(block_bytes(b, self.dtype) for b in self.blocks)
         max_g = max(sum(nbytes(self.dtype, self.infos[n].numel) for n in b.owns) for b in self.blocks)
         shard = min(self.shard_elems, max(i.numel for i in self.infos.values()))
-        item = shard * (16 + (2 if self.dtype != torch.float32 else 0))
-        tokens = self.cfg.tokens_per_micro_batch
-        act = B.layer_activation_bytes(self.config, tokens, self.dtype)
-        inp = tokens * self.config.hidden_size * torch.empty((), dtype=self.dtype).element_size()
+        item = shard_buffer_bytes(shard, None if self.dtype == torch.float32 else self.dtype, self.cfg.optim_states)
         n_layers = sum(b.kind == "layer" for b in self.blocks)
-        return B.plan_split(self.cfg.cpu_mem, baseline, max_w, max_g, item, act, inp, n_layers,
-                            B.logits_bytes(self.config, tokens, self.dtype), self.cfg.prefetch)
+
+        def split(tokens: int) -> B.Split:
+            act = B.layer_activation_bytes(self.config, tokens, self.dtype)
+            inp = tokens * self.config.hidden_size * torch.empty((), dtype=self.dtype).element_size()
+            return B.plan_split(self.cfg.cpu_mem, baseline, max_w, max_g, item, act, inp, n_layers,
+                                B.logits_bytes(self.config, tokens, self.dtype), self.cfg.prefetch)
+        try:
+            return split(self.cfg.tokens_per_micro_batch)
+        except BudgetError as e:
+            # Under every activation policy the layer inputs, one layer's activations and the
+            # logits stay: name the longest sequence that fits, if any does.
+            lo, hi = 0, self.cfg.tokens_per_micro_batch
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                try:
+                    split(mid)
+                    lo = mid
+                except BudgetError:
+                    hi = mid
+            bsz = max(self.cfg.micro_batch_size, 1)
+            if lo >= bsz:
+                hint = (f" Whatever the activation policy (keep, swap, recompute), the longest micro-batch that fits "
+                        f"is {lo} tokens: --seq-len {lo // bsz} at --batch-size {bsz}.")
+            else:
+                hint = " Not even a one-token micro-batch fits: the budget is below the weights' working set."
+            raise BudgetError(str(e) + hint) from None
 
     def _fingerprint(self) -> dict:
         return {"model_type": self.config.model_type, "precision": self.cfg.precision,
                 "shard_elems": self.shard_elems,
+                # only when not fp32: states committed before the option existed still resume
+                **({"optim_states": self.cfg.optim_states} if self.cfg.optim_states != "fp32" else {}),
                 "params": {n: list(i.shape) for n, i in self.infos.items()}}
 
     def _load_or_import(self, source, resume: bool, overwrite: bool) -> dict:
@@ -258,8 +289,8 @@ class Engine:
             try:
                 content = C.read_manifest(m)
                 if content.get("fingerprint") != self._fingerprint():
-                    raise ValueError(f"{m}: the state there belongs to another model, precision or shard "
-                                     f"size ({_fingerprint_diff(content.get('fingerprint') or {}, self._fingerprint())}); "
+                    raise ValueError(f"{m}: the state there belongs to another model, precision, shard "
+                                     f"size or optimizer-state format ({_fingerprint_diff(content.get('fingerprint') or {}, self._fingerprint())}); "
                                      f"point --nvme at a new directory or start over with --overwrite")
                 if m not in live:
                     C.restore_files(self.root, m)
@@ -308,8 +339,10 @@ class Engine:
 
     # ---- weights in and out of the modules ---------------------------------------------
     def _load(self, names) -> None:
+        t0 = time.perf_counter()
         with self.timeline.span("wait", "weights"):
             tensors = self.window.acquire(names)
+        self.acts.waited(time.perf_counter() - t0)
         for n, t in tensors.items():
             self._pins[n] = self._pins.get(n, 0) + 1
             if self._pins[n] == 1:
@@ -353,44 +386,38 @@ class Engine:
         fault("forward.layer")
         self._prefetch_from(blk.index, +1)
         self._load(blk.uses)
-        self.hooks.saved_bytes = 0
+        self.hooks.begin_count()
+        self.acts.forward_begin(blk)
         self._t_compute = time.perf_counter()
 
     def block_forward_end(self, blk) -> None:
-        self.timeline.event("compute", f"fwd {blk.name}", self._t_compute, time.perf_counter())
+        t1 = time.perf_counter()
+        self.timeline.event("compute", f"fwd {blk.name}", self._t_compute, t1)
+        self.acts.forward_end(blk, t1 - self._t_compute, self.hooks.end_count())
         self._unload(blk.uses)
-        if self._policy.get(blk.index) == "keep":
-            self.last_layer_act = self.hooks.saved_bytes
-            self._act_bytes += self.hooks.saved_bytes
 
     def block_backward_begin(self, blk) -> None:
         fault("backward.layer")
         self._drop_head()  # the head's backward is over once a layer's starts
         self._load(blk.uses)
         self._prefetch_from(blk.index, -1)
+        self.acts.backward_begin(blk)
+        self.hooks.begin_count()
         self._t_compute = time.perf_counter()
 
     def block_backward_end(self, blk) -> None:
-        self.timeline.event("compute", f"bwd {blk.name}", self._t_compute, time.perf_counter())
+        t1 = time.perf_counter()
+        self.timeline.event("compute", f"bwd {blk.name}", self._t_compute, t1)
+        self.acts.backward_end(blk, t1 - self._t_compute, self.hooks.end_count())
         self._unload(blk.uses)
 
     def policy_for(self, blk) -> str:
-        """keep a layer's activations while the allowance has room for them (measured on the
-        layers already run), recompute the rest from their inputs."""
-        if self.cfg.activations != "auto":
-            pol = self.cfg.activations
-        else:
-            est = self.last_layer_act or B.layer_activation_bytes(
-                self.config, self.cfg.tokens_per_micro_batch, self.dtype)
-            pol = "keep" if self._act_bytes + est <= self.split.activations else "recompute"
-        self._policy[blk.index] = pol
-        return pol
+        return self.acts.policy_for(blk)
 
     # ---- training API ------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, **kwargs):
         """The HF model's forward (returns its output, `.loss` when labels are given)."""
-        self._policy = {}
-        self._act_bytes = 0
+        self.acts.micro_begin()
         self._drop_head()
         self._prefetch_from(-1, +1)
         with self.hooks:
@@ -405,6 +432,7 @@ class Engine:
         if self.micro >= self.cfg.grad_accum:
             raise RuntimeError(f"backward called {self.micro + 1} times for grad_accum="
                                f"{self.cfg.grad_accum}; call step() after each {self.cfg.grad_accum}")
+        self.acts.backward_phase()
         self.optimizer.begin_micro(self.micro, self.cfg.grad_accum, self.lr)
         if self.dist is not None:
             self.reducer.begin()
@@ -412,11 +440,14 @@ class Engine:
             (loss / self.cfg.grad_accum).backward()
         finally:
             self._drop_head()
+            t0 = time.perf_counter()
             if self.dist is not None:
                 with self.timeline.span("wait", "gradient reduce"):
                     self.reducer.flush()
             with self.timeline.span("wait", "optimizer"):
                 self.optimizer.end_micro()
+            self.acts.waited(time.perf_counter() - t0)
+            self.acts.backward_done()
         self.micro += 1
 
     def finish(self) -> StepResult:
@@ -424,8 +455,10 @@ class Engine:
         if self.micro != self.cfg.grad_accum:
             raise RuntimeError(f"step() after {self.micro} of {self.cfg.grad_accum} backward calls")
         self.micro = 0
+        t0 = time.perf_counter()
         with self.timeline.span("wait", "clip redo" if self.cfg.optim.max_grad_norm else "finish"):
             self._result = self.optimizer.finish_step()
+        self.acts.waited(time.perf_counter() - t0)
         if self.dist is not None and self._result.finite:
             from ..dist.grads import share_weights
             with self.timeline.span("wait", "weights from owners"):
@@ -444,6 +477,7 @@ class Engine:
         self.state["step"] += 1
         self._write_manifest()
         B.trim()  # between steps, hand the freed heap back (activations are small tensors)
+        self.acts.step_done()
         self._prefetch_from(-1, +1)
 
     def step(self) -> StepResult:
@@ -520,6 +554,7 @@ class Engine:
                 "pools": {"window": self.window_pool.peak_used, "optimizer": self.opt_pool.peak_used}}
 
     def close(self) -> None:
+        self.acts.close()
         self.optimizer.close()
         self.store.close()
 

@@ -10,6 +10,12 @@ other slot plus the new working weights. The result is exactly `torch.optim.Adam
 - exact global-norm clipping: the update is speculative (clip factor 1) into the new slot; at the end
   of the step the total norm is known, and only when torch would scale the gradients (factor < 1)
   the update is redone from the untouched old slot with the saved gradients times that factor.
+
+With `optim_states` bf16 or int8 the store holds Adam's m and v compressed (see state_quant): a
+shard's moments are decoded to fp32 buffers, the same kernel runs, and the new moments are encoded
+again before they are written (and before a cached copy is kept: the next step sees exactly what
+the disk holds). The master weights stay fp32. The result is then exactly that of torch's AdamW
+with the same encode/decode around each step; the fp32 mode does not touch the moments.
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ from torch.optim.adamw import adamw
 
 from ..faults import fault
 from ..storage import HostBufferPool, TensorStore
+from . import state_quant as SQ
 from .layout import ParamInfo, key, nbytes
 
 
@@ -95,13 +102,14 @@ class OutOfCoreAdamW:
                  order: list[str], canonical: list[str], cfg: AdamWConfig,
                  weight_dtype: torch.dtype | None, state: dict, lookahead: int = 4,
                  max_pending_grad_bytes: int = 1 << 62, on_event=None,
-                 state_cache: HostBufferPool | None = None, dist=None):
+                 state_cache: HostBufferPool | None = None, optim_states: str = "fp32", dist=None):
         """order: parameter names in the order backward produces them (block by block);
         canonical: the order of `model.parameters()` (the order torch's clipping stacks norms in);
         weight_dtype: dtype of the working weights, or None when they are the fp32 master (full fp32);
         state: the persisted optimizer state dict ({'slots', 'steps'}) - mutated on commit;
         state_cache: RAM for master/m/v shards kept resident between steps (their reads are skipped;
         their writes still happen, every step is still durable);
+        optim_states: how m and v are stored (fp32 | bf16 | int8, state_quant);
         dist: a data-parallel rank (tierlm.dist) or None: `order` then lists only the parameters this
         rank owns, and the clipping norm gathers every owner's norms."""
         self.store, self.pool, self.infos, self.cfg = store, pool, infos, cfg
@@ -130,6 +138,10 @@ class OutOfCoreAdamW:
         self.cache_hits = 0
         self._arrival: list[str] = list(order)
         self.lr = cfg.lr
+        self.states = SQ.check_mode(optim_states)
+        self.quant = optim_states != "fp32"
+        # The tags whose buffers hold the state between steps: fp32 m/v, or their stored form.
+        self.state_tags = ("master", "qm", "qv") if self.quant else ("master", "m", "v")
         self.dist = dist
 
     # ---- called from the compute thread ----------------------------------------------
@@ -340,7 +352,7 @@ class OutOfCoreAdamW:
         f32 = nbytes(torch.float32, n)
         need = []
         if mode in ("update", "redo"):
-            need += ["master", "m", "v"]
+            need += ["master", "m", "v"] + (["qm", "qv"] if self.quant else [])
             if self.weight_dtype is not None:
                 need.append("w")
         if mode == "redo" or micro > 0 or self.weight_dtype is not None:
@@ -361,17 +373,22 @@ class OutOfCoreAdamW:
             it.keep = set(cached)
             self.cache_hits += 1
         elif mode in ("update", "redo") and self.state_cache is not None:
-            for tag in ("master", "m", "v"):
-                buf = self.state_cache.try_acquire(f32)
+            got = {}
+            for tag in self.state_tags:
+                buf = self.state_cache.try_acquire(self._size(tag, n))
                 if buf is None:
                     break
-                it.bufs[tag] = buf
-                it.keep.add(tag)
+                got[tag] = buf
+            if len(got) == len(self.state_tags):
+                it.bufs.update(got)
+                it.keep = set(got)
+            else:  # a partial set would be taken for the whole state next step
+                for buf in got.values():
+                    buf.release()
         for tag in need:
             if tag in it.bufs:
                 continue
-            size = nbytes(self.weight_dtype, n) if tag == "w" else \
-                nbytes(saved_dtype, n) if tag == "gl" else f32
+            size = nbytes(saved_dtype, n) if tag == "gl" else self._size(tag, n)
             if not self._acquire(it, tag, size, blocking):
                 it.release()
                 return False
@@ -380,9 +397,10 @@ class OutOfCoreAdamW:
         if mode in ("update", "redo") and not cached:
             it.reads.append(self.store.read_into(key("master", it.name, it.shard, slot), view("master"), True))
             if self.steps[it.name] > 0:
-                it.reads.append(self.store.read_into(key("m", it.name, it.shard, slot), view("m"), True))
-                it.reads.append(self.store.read_into(key("v", it.name, it.shard, slot), view("v"), True))
-            else:
+                m, v = ("qm", "qv") if self.quant else ("m", "v")
+                it.reads.append(self.store.read_into(key("m", it.name, it.shard, slot), self._view(it, m), True))
+                it.reads.append(self.store.read_into(key("v", it.name, it.shard, slot), self._view(it, v), True))
+            elif not self.quant:  # (compressed modes start m, v at zero in _process)
                 view("m").zero_()
                 view("v").zero_()
         if mode == "redo":
@@ -391,6 +409,21 @@ class OutOfCoreAdamW:
         elif micro > 0:
             it.reads.append(self.store.read_into(key("gacc", it.name, it.shard), view("g"), True))
         return True
+
+    def _size(self, tag: str, n: int) -> int:
+        if tag == "w":
+            return nbytes(self.weight_dtype, n)
+        if tag in ("qm", "qv"):
+            return SQ.stored_nbytes(self.states, n)
+        return nbytes(torch.float32, n)
+
+    def _view(self, it: _Item, tag: str) -> torch.Tensor:
+        """A buffer as the tensor it holds: fp32, or a moment's stored form."""
+        n = it.b - it.a
+        if tag in ("qm", "qv"):
+            dt, numel = SQ.stored_spec(self.states, n)
+            return it.bufs[tag].view(dt, (numel,))
+        return it.bufs[tag].view(torch.float32, (n,))
 
     def _grad_dtype(self, it: _Item) -> torch.dtype:
         return getattr(torch, self.store.record(key("grad", it.name, it.shard)).dtype)
@@ -440,10 +473,21 @@ class OutOfCoreAdamW:
             master = it.bufs["master"].view(torch.float32, (n,))
             m = it.bufs["m"].view(torch.float32, (n,))
             v = it.bufs["v"].view(torch.float32, (n,))
+            if self.quant:
+                if self.steps[it.name] > 0:
+                    SQ.decode(self.states, self._view(it, "qm"), m, signed=True)
+                    SQ.decode(self.states, self._view(it, "qv"), v, signed=False)
+                else:
+                    m.zero_()
+                    v.zero_()
             step_t = torch.tensor(float(self.steps[it.name]))
             adamw([master], [g], [m], [v], [], [step_t], lr=self.lr, beta1=self.cfg.beta1,
                   beta2=self.cfg.beta2, weight_decay=self.cfg.weight_decay, eps=self.cfg.eps,
                   amsgrad=False, maximize=False, **self.cfg.kernel_flags())
+            if self.quant:
+                SQ.encode(self.states, m, self._view(it, "qm"), signed=True)
+                SQ.encode(self.states, v, self._view(it, "qv"), signed=False)
+                m, v = self._view(it, "qm"), self._view(it, "qv")
             new = 1 - self.slots[it.name]
             writes.append(self.store.write(key("master", it.name, it.shard, new), master))
             writes.append(self.store.write(key("m", it.name, it.shard, new), m))
@@ -481,10 +525,21 @@ class OutOfCoreAdamW:
             self._cv.notify_all()
 
 
-def total_state_bytes(infos: dict[str, ParamInfo], weight_dtype: torch.dtype | None) -> int:
-    """Bytes on NVMe per slot: fp32 master + m + v, plus working weights when not fp32."""
-    per = 12 + (torch.empty((), dtype=weight_dtype).element_size() if weight_dtype is not None else 0)
-    return sum(i.numel for i in infos.values()) * per
+def total_state_bytes(infos: dict[str, ParamInfo], weight_dtype: torch.dtype | None,
+                      optim_states: str = "fp32") -> int:
+    """Bytes on NVMe per slot: fp32 master, m and v as stored, plus working weights when not fp32."""
+    w = torch.empty((), dtype=weight_dtype).element_size() if weight_dtype is not None else 0
+    return sum(4 * i.numel + 2 * SQ.stored_nbytes(optim_states, i.shard_numel(k)) + w * i.numel
+               for i in infos.values() for k in range(len(i.shards)))
 
 
-__all__ = ["AdamWConfig", "OutOfCoreAdamW", "OptimizerError", "StepResult", "total_state_bytes", "math"]
+def shard_buffer_bytes(shard: int, weight_dtype: torch.dtype | None, optim_states: str = "fp32") -> int:
+    """The optimizer buffers of one shard in flight: fp32 master, m, v and gradient, the working
+    weights, and in a compressed mode the stored m and v beside their fp32 working copies."""
+    w = torch.empty((), dtype=weight_dtype).element_size() if weight_dtype is not None else 0
+    extra = 2 * SQ.stored_nbytes(optim_states, shard) if optim_states != "fp32" else 0
+    return shard * (16 + w) + extra
+
+
+__all__ = ["AdamWConfig", "OutOfCoreAdamW", "OptimizerError", "StepResult", "shard_buffer_bytes",
+           "total_state_bytes", "math"]

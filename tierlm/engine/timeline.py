@@ -14,9 +14,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 # Lanes in the order they are drawn.
-LANES = ("compute", "wait", "optimizer", "ssd_read", "ssd_write")
+LANES = ("compute", "wait", "optimizer", "ssd_read", "ssd_write", "act_copy", "act_write", "act_read")
 COLORS = {"compute": "#4878d0", "wait": "#d65f5f", "optimizer": "#6acc64", "ssd_read": "#ee854a",
-          "ssd_write": "#956cb4"}
+          "ssd_write": "#956cb4", "act_copy": "#8c613c", "act_write": "#dc7ec0", "act_read": "#797979"}
 
 
 class Timeline:

@@ -23,6 +23,7 @@ from ..engine import budget as B
 from ..storage import BudgetError, HostBufferPool
 from ..storage.aligned import round_up
 from ..units import fmt_bytes, parse_bytes
+from .gemv import use_gemv
 from .kvcache import SlotKVCache, kv_bytes, kv_geometry
 from .weights import LayerStream, PieceStore, fingerprint, plan_pieces
 
@@ -43,6 +44,8 @@ class InferConfig:
     resident_layers: int | None = None  # None: as many as fit; fewer forces streaming
     io_threads: int = 4
     direct_io: bool | None = None
+    threads: int | None = None       # compute threads (torch.set_num_threads); None: torch's default
+    tp: int = 1                      # tensor-parallel processes (torchrun); this one holds 1/tp of each layer
 
     def __post_init__(self):
         self.cpu_mem = parse_bytes(self.cpu_mem, "--cpu-mem")
@@ -57,6 +60,10 @@ class InferConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.prefetch < 0:
             raise ValueError("--prefetch must be >= 0")
+        if self.tp < 1:
+            raise ValueError(f"--tp must be >= 1 (processes sharing each layer), got {self.tp}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"--threads must be >= 1 (compute threads), got {self.threads}")
 
     @property
     def quant(self) -> str | None:
@@ -140,11 +147,22 @@ class InferenceEngine:
             raise ValueError(f"--max-seq-len {self.max_len} exceeds the model's {limit} positions")
         self.model = empty_model(config).eval()
         self.blocks, _ = discover_blocks(self.model)
+        self.tp = None
+        if cfg.tp > 1:  # this process keeps 1/tp of every layer's heads and MLP width
+            from ..dist.tp import TensorParallel, init
+            self.tp = TensorParallel(*init(cfg.tp))
+            self.tp.shard(self.model, [b.module for b in self.blocks if b.kind == "layer"], config)
+        cache_config = self.tp.local_config(config) if self.tp else config
         # weights a token multiplies (2 FLOPs each): everything but the embedding lookup, plus the head
         total = sum(p.numel() for p in self.model.parameters())
         self.flop_params = total - self.model.get_input_embeddings().weight.numel() + \
             config.vocab_size * config.hidden_size
         self.pieces = plan_pieces(self.model, self.blocks, self.dtype, cfg.quant)
+        tp_tag = f"-tp{self.tp.rank}of{self.tp.world}" if self.tp else ""
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        if self.dtype == torch.bfloat16:
+            use_gemv(self.model)  # after plan_pieces: the quantised linears are QLinear already
         layer_idx = [b.index for b in self.blocks if b.kind == "layer"]
         fixed = sum(round_up(p.nbytes) for b in self.blocks if b.kind != "layer" for p in self.pieces[b.index])
         lbytes = max(sum(round_up(p.nbytes) for p in self.pieces[i]) for i in layer_idx)
@@ -152,7 +170,7 @@ class InferenceEngine:
         B.trim()
         self.library_rss = library_rss if library_rss is not None else B.library_baseline(config, self.dtype)
         baseline = max(B.current_rss() - self.library_rss, 0)
-        kv = kv_bytes(config, cfg.max_batch, self.max_len, self.dtype)
+        kv = kv_bytes(cache_config, cfg.max_batch, self.max_len, self.dtype)
         self.placement = plan_placement(cfg, baseline, fixed, lbytes, len(layer_idx), kv,
                                         scratch_bytes(config, cfg, self.max_len, self.dtype))
         resident = set(layer_idx[: self.placement.resident])
@@ -164,7 +182,7 @@ class InferenceEngine:
             if name not in st:
                 raise ValueError(f"{model_dir}: the checkpoint has no tensor {name!r} that "
                                  f"{type(self.model).__name__} needs; is this the right model directory?")
-            return st.read(name)
+            return self.tp.read(name, st.read(name)) if self.tp else st.read(name)
 
         t0 = time.perf_counter()
         self.resident_bytes = 0
@@ -177,8 +195,10 @@ class InferenceEngine:
         self.store_written = 0
         if streamed:
             root = Path(cfg.nvme_dir or Path("runs") / "infer-store" / f"{self.model_dir.name}-{cfg.weights}-{cfg.dtype}")
+            if self.tp:  # each shard streams its own slices
+                root = root / tp_tag[1:]
             self.pool = HostBufferPool(self.placement.window, name="layer stream window")
-            self.store = PieceStore(root, self.pool, fingerprint(self.model_dir, self.dtype, cfg.quant),
+            self.store = PieceStore(root, self.pool, fingerprint(self.model_dir, self.dtype, f"{cfg.quant}{tp_tag}"),
                                     cfg.io_threads, cfg.direct_io)
             for i in streamed:
                 for p in self.pieces[i]:
@@ -194,7 +214,7 @@ class InferenceEngine:
         st.close()
         self.load_s = time.perf_counter() - t0
         self.streamed_bytes = sum(self.stream.layer_bytes.values()) if self.stream else 0
-        self.cache = SlotKVCache(config, cfg.max_batch, self.max_len, self.dtype)
+        self.cache = SlotKVCache(cache_config, cfg.max_batch, self.max_len, self.dtype)
         self.base = self.model.base_model
         self.head = self.model.get_output_embeddings()
         self._window, self._sliding = self._sliding_window()
@@ -214,6 +234,8 @@ class InferenceEngine:
     def step(self, tokens: list[list[int]], starts: list[int]) -> torch.Tensor:
         """Row b appends tokens[b] to KV slot b (which holds starts[b] positions); returns the
         fp32 logits of each row's last token, [rows, vocab]."""
+        if self.tp:
+            self.tp.lead_step(tokens, starts)  # rank 0 tells the other shards what to compute
         lens = [len(t) for t in tokens]
         q = max(lens)
         ids = torch.tensor([t + [t[-1]] * (q - len(t)) for t in tokens], dtype=torch.long)
@@ -232,6 +254,8 @@ class InferenceEngine:
         return self.head(h).float()
 
     def move_slot(self, src: int, dst: int, length: int) -> None:
+        if self.tp:
+            self.tp.lead_move(src, dst, length)
         self.cache.move(src, dst, length)
 
     # ---- what a step moves, for the report ----------------------------------------------
@@ -250,6 +274,10 @@ class InferenceEngine:
         return f"{self.config.model_type}, weights {w}: {self.placement.describe()}"
 
     def close(self) -> None:
+        if self.tp:
+            self.tp.lead_stop()
+            self.tp.shutdown()
+            self.tp = None
         if self.stream:
             self.stream.close()
         if self.store:

@@ -42,6 +42,7 @@ class SlotKVCache:
         self.nbytes = kv_bytes(config, slots, max_len, dtype)
         self._rows = 0
         self._write_pos: torch.Tensor | None = None
+        self._single: int | None = None
         self._kv_len = 0
         self.bytes_read = 0  # KV bytes the attention read, for the bandwidth report
 
@@ -64,6 +65,8 @@ class SlotKVCache:
         self._write_pos = torch.where(real, start + j, torch.full_like(j, self.max_len))
         self._rows = rows
         self._kv_len = max(ends)
+        # one row has no padding: its keys go to a contiguous range, a slice copy, not index_put
+        self._single = starts[0] if rows == 1 else None
         k = torch.arange(self._kv_len)[None, None, :]
         full = k <= pos[:, :, None]
         masks = full
@@ -79,11 +82,16 @@ class SlotKVCache:
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         b, h, q, d = key.shape
         kc, vc = self.k[layer_idx], self.v[layer_idx]
-        slot = torch.arange(b)[:, None, None]
-        head = torch.arange(h)[None, :, None]
-        pos = self._write_pos[:, None, :]
-        kc[slot, head, pos] = key.to(kc.dtype)
-        vc[slot, head, pos] = value.to(vc.dtype)
+        if self._single is not None and b == 1:
+            s = self._single
+            kc[0, :, s:s + q].copy_(key[0])
+            vc[0, :, s:s + q].copy_(value[0])
+        else:
+            slot = torch.arange(b)[:, None, None]
+            head = torch.arange(h)[None, :, None]
+            pos = self._write_pos[:, None, :]
+            kc[slot, head, pos] = key.to(kc.dtype)
+            vc[slot, head, pos] = value.to(vc.dtype)
         L = self._kv_len
         self.bytes_read += 2 * b * h * L * d * kc.element_size()
         return kc[:b, :, :L], vc[:b, :, :L]

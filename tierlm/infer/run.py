@@ -26,6 +26,10 @@ def add_engine_args(q, max_batch: int | None = None) -> None:
     q.add_argument("--prefetch", type=int, default=2, help="streamed layers read ahead (default: 2)")
     q.add_argument("--resident-layers", type=int, default=None,
                    help="keep at most this many decoder layers in RAM (default: as many as fit)")
+    q.add_argument("--tp", type=int, default=1, help="tensor-parallel processes sharing each layer (run under "
+                   "`torchrun --nproc-per-node N`; rank 0 prints and serves; default: 1)")
+    q.add_argument("--threads", type=int, default=None,
+                   help="compute threads (default: torch's, one per core; 1 can be faster on a busy machine)")
 
 
 def add_sampling_args(q, max_tokens: int = 128) -> None:
@@ -46,7 +50,8 @@ def infer_config(args, max_batch: int, max_seq_len: int | None) -> InferConfig:
     return InferConfig(cpu_mem=args.cpu_mem, dtype=dtype, weights=weights, nvme_dir=args.nvme,
                        max_batch=max_batch, max_seq_len=args.max_seq_len or max_seq_len,
                        step_tokens=args.step_tokens, prefetch=args.prefetch,
-                       resident_layers=args.resident_layers)
+                       resident_layers=args.resident_layers, threads=getattr(args, "threads", None),
+                       tp=getattr(args, "tp", 1))
 
 
 def sampling(args) -> SamplingParams:
@@ -64,6 +69,12 @@ def load(model_dir, cfg: InferConfig, tok=None):
     check_model_dir(model_dir)
     tok = tok or load_tokenizer(model_dir)
     eng = InferenceEngine(model_dir, cfg)
+    if eng.tp and eng.tp.rank:
+        # a tensor-parallel follower replays rank 0's steps, then the process ends: the command's
+        # output, the server and the sampling are rank 0's alone
+        eng.tp.follow(eng)
+        eng.close()
+        raise SystemExit(0)
     return eng, tok, Batcher(eng, tok, eos_ids_of(tok, model_dir))
 
 

@@ -23,7 +23,10 @@ def hardware_from_measurements(m: dict, spec: str = "this") -> Hardware:
     drive = Drive("this-nvme", io["read_gbps"], io["write_gbps"], io["free_bytes"], 0.0, 0.0,
                   f"tierlm bench io --nvme {io['dir']}, {mach['when']}")
     measured = {"matmul_tflops": comp["matmul_tflops"], "adamw_elems_per_s": comp["adamw_elems_per_s"],
-                "mem_gbps": io["mem_gbps"], "nvme": io, "when": mach["when"]}
+                "mem_gbps": io["mem_gbps"], "nvme": io, "when": mach["when"],
+                # absent in caches written before `bench compute` measured them: the plan says so
+                "layer_tflops": comp.get("layer_tflops"), "gemv_gbps": comp.get("gemv_gbps"),
+                "overhead": comp.get("overhead")}
     hw = Hardware(spec, cpu, mach["ram_bytes"], None, drive, 1, measured=measured)
     if not io.get("direct_io", True):
         hw.notes.append(io.get("note") or "measured without direct I/O")
@@ -49,8 +52,14 @@ def run_bench(what: str, nvme: str | None, size: int = 2 << 30, quiet: bool = Fa
         res = measure.bench_io(nvme, size)
         res.update(measure.bench_memory())
     else:
-        say("bench compute: matmul per dtype and the AdamW kernel ...")
+        from ..bench.overhead import bench_overhead
+        say("bench compute: matmul per dtype, a decoder layer, the AdamW kernel, the engine's fixed costs ...")
         res = measure.bench_compute()
+        res.update(measure.bench_layer())
+        res.update(measure.bench_gemv())
+        # The commit's syncfs is part of the overhead: measure on the drive the runs use.
+        where = nvme if nvme and nvme != "." else cache.load().get("io", {}).get("dir", ".")
+        res["overhead"] = bench_overhead(where)
     res_machine = measure.machine()
     path = cache.update(what, res, also_next_to=nvme if what == "io" else None)
     cache.update("machine", res_machine)
@@ -64,8 +73,14 @@ def bench_text(what: str, res: dict) -> str:
                 f"({fmt_bytes(res['block_bytes'])} blocks, {res['inflight']} in flight, direct I/O "
                 f"{'on' if res['direct_io'] else 'OFF: ' + res['note']}); host memory copy {res['mem_gbps']:.1f} GB/s")
     mm = ", ".join(f"{k} {v:.3f}" for k, v in res["matmul_tflops"].items())
-    return (f"matmul TFLOPS ({res['matmul_n']}^3, {res['threads']} threads): {mm}; "
-            f"AdamW (fused) {res['adamw_elems_per_s'] / 1e9:.2f} G elements/s")
+    o = res["overhead"]
+    return (f"matmul TFLOPS ({res['matmul_n']}^3, {res['threads']} threads): {mm}; decoder layer fwd+bwd "
+            + ", ".join(f"{v:.3f} at hidden {k}" for k, v in res["layer_tflops"].items())
+            + f" TFLOPS (bf16); batch-1 decode matmul {res['gemv_gbps']:.2f} GB/s of weights; AdamW (fused) {res['adamw_elems_per_s'] / 1e9:.2f} "
+            f"G elements/s; engine overhead: training {o['train_per_step_s'] * 1e3:.0f} ms/step + "
+            f"{o['train_per_layer_s'] * 1e3:.0f} ms/layer, decode in RAM {o['decode_resident_per_step_s'] * 1e3:.1f} ms + "
+            f"{o['decode_resident_per_layer_s'] * 1e3:.1f} ms/layer, streamed {o['decode_streamed_per_step_s'] * 1e3:.1f} ms + "
+            f"{o['decode_streamed_per_layer_s'] * 1e3:.1f} ms/layer")
 
 
 def resolve(spec: str, catalog: Catalog, nvme: str | None = None) -> Hardware:

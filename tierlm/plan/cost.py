@@ -6,7 +6,11 @@ so a reader can check every number the plan prints.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
+from types import SimpleNamespace
+
+import torch
 
 from .catalog import GB, Hardware
 from .shapes import ModelShape
@@ -74,6 +78,25 @@ class Rates:
     ram_bytes: int
     nvme_bytes: int
     measured: bool
+    # measured only (`tierlm bench compute`): a decoder layer's forward + backward FLOP/s on the CPU,
+    # and the engine's fixed costs per step and per layer (overhead.py); zero on catalog hardware,
+    # where a real model's large layers make them negligible against the step.
+    layer_flops: dict | None = None   # {hidden: FLOP/s} of the reference layers
+    gemv: float = 0.0                 # weight bytes/s of a batch-1 decode matmul
+    overhead: dict | None = None
+
+    def layer_rate(self, hidden: int) -> float:
+        """A layer's forward + backward FLOP/s at this width: log-log between the measured widths,
+        clamped outside them; 0 when not measured."""
+        if not self.layer_flops:
+            return 0.0
+        pts = sorted((int(h), v) for h, v in self.layer_flops.items())
+        if hidden <= pts[0][0] or len(pts) == 1:
+            return pts[0][1]
+        if hidden >= pts[-1][0]:
+            return pts[-1][1]
+        (h0, r0), (h1, r1) = next((a, b) for a, b in zip(pts, pts[1:]) if a[0] <= hidden <= b[0])
+        return r0 * (r1 / r0) ** (math.log(hidden / h0) / math.log(h1 / h0))
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -93,7 +116,12 @@ def rates(hw: Hardware, eff: Efficiency, precision: str = "bf16") -> Rates:
         dram = hw.cpu.mem_gbps * GB * eff.memory
         rd, wr = hw.nvme_read_gbps * GB * eff.nvme, hw.nvme_write_gbps * GB * eff.nvme
     g = hw.gpu
-    return Rates(compute_flops=(g.tflops * 1e12 * eff.gpu_compute) if g else cpu_flops, cpu_flops=cpu_flops,
+    bf16 = m is not None and precision == "bf16"
+    layer = m.get("layer_tflops") if bf16 else None
+    return Rates(layer_flops={h: v * 1e12 for h, v in layer.items()} if isinstance(layer, dict) else None,
+                 gemv=(m.get("gemv_gbps") or 0.0) * GB if bf16 else 0.0,
+                 overhead=m.get("overhead") if m is not None else None,
+                 compute_flops=(g.tflops * 1e12 * eff.gpu_compute) if g else cpu_flops, cpu_flops=cpu_flops,
                  adam_elems=adam, dram=dram, link=g.link_gbps * GB * eff.link if g else 0.0,
                  gpu_mem=g.mem_gbps * GB * eff.memory if g else 0.0, ssd_read=rd, ssd_write=wr,
                  gpu_bytes=g.memory_bytes if g else 0, ram_bytes=hw.ram_bytes, nvme_bytes=hw.nvme_bytes,
@@ -122,14 +150,32 @@ def layer_fwd_flops(s: ModelShape, tokens: int, seq_len: int) -> float:
 
 # ---- activation and working-set bytes --------------------------------------------------------------
 
-def layer_activation_bytes(s: ModelShape, tokens: int) -> int:
-    """bf16 tensors one decoder layer saves for backward, per Korthikanti et al. 2022 ("Reducing
-    Activation Recomputation in Large Transformer Models", section 4.1: 34 x s x b x h bytes for GPT)
-    without dropout masks and with a fused attention kernel (no s^2 score matrices): two norm inputs,
-    the attention input, Q, K, V, the attention output, the MLP input and 2 (GELU) or 3 (gated)
-    intermediate-wide tensors."""
-    elems = 4 * s.hidden + 2 * s.q_dim + 2 * s.kv_dim + (3 if s.gated_mlp else 2) * s.intermediate
-    return 2 * elems * tokens
+def hf_like_config(s: ModelShape) -> SimpleNamespace:
+    """The config attributes the engine's own estimates read, from a planning shape."""
+    return SimpleNamespace(hidden_size=s.hidden, intermediate_size=s.intermediate, num_attention_heads=s.heads,
+                           num_key_value_heads=s.kv_heads, vocab_size=s.vocab)
+
+
+def layer_activation_bytes(s: ModelShape, tokens: int, fused_kernels: bool = False) -> int:
+    """bf16 bytes one decoder layer saves for backward.
+
+    tierlm's engine (CPU, transformers' eager modeling code): the engine's own estimate,
+    `tierlm.engine.budget.layer_activation_bytes`, so the plan and the run's budget agree. It is what
+    autograd really saves: measured with saved_tensors_hooks on a llama layer (hidden 1024,
+    intermediate 2816, 8 KV heads), 45.4 KB a token against the engine's 47.1 KB; RMSNorm's fp32
+    upcasts, the rotary outputs and the SiLU input are saved too.
+
+    GPU plans (`fused_kernels`): the published systems the catalog is checked against (LoHan)
+    run fused norm / attention / activation kernels that save only Korthikanti et al. 2022's
+    tensors (section 4.1, without dropout masks: 2 x (4h + 2 q + 2 kv + 2 or 3 i) bytes a token,
+    31.2 KB for the layer above). The eager estimate would make GPT-3 175B at batch 16, which LoHan
+    ran on a 24 GB RTX 4090, not fit it; so the two must differ."""
+    if fused_kernels:
+        elems = 4 * s.hidden + 2 * s.q_dim + 2 * s.kv_dim + (3 if s.gated_mlp else 2) * s.intermediate
+        return 2 * elems * tokens
+    from ..engine.budget import layer_activation_bytes as engine_estimate
+
+    return engine_estimate(hf_like_config(s), tokens, torch.bfloat16)
 
 
 def layer_input_bytes(s: ModelShape, tokens: int) -> int:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+import torch
+
 from ..units import fmt_bytes
 from . import cost as C
 from .catalog import GiB, Hardware
@@ -27,7 +29,7 @@ class Task:
     batch: int = 1                   # sequences per micro-batch / concurrent requests
     seq_len: int = 1024              # training sequence, or prompt length when serving
     new_tokens: int = 256            # serve: tokens generated per request
-    activations: str = "auto"        # auto | keep | recompute
+    activations: str = "auto"        # auto | keep | swap (to NVMe) | recompute
     state_cache: bool = True         # keep optimizer state resident in RAM where it fits
     cpu_mem: int | None = None       # RAM the run may use (default: the machine's, less a reserve)
     precision: str = "bf16"
@@ -39,8 +41,8 @@ class Task:
         for name in ("batch", "seq_len", "new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        if self.activations not in ("auto", "keep", "recompute"):
-            raise ValueError(f"--activations {self.activations!r}: use auto, keep or recompute")
+        if self.activations not in ("auto", "keep", "swap", "recompute"):
+            raise ValueError(f"--activations {self.activations!r}: use auto, keep, swap or recompute")
         if self.clip not in ("on", "off", "redo"):
             raise ValueError(f"--clip {self.clip!r}: use on, off or redo")
         return self
@@ -108,6 +110,10 @@ def _assumptions(eff: C.Efficiency, hw: Hardware, lifetime_years: float, usd_per
         a.append(f"CPU optimizer: {C.ADAM_ELEMS_PER_CORE:.0e} AdamW elements/s per core (assumption)")
     else:
         a.append("rates: measured by `tierlm bench` on this machine (" + hw.measured.get("when", "?") + ")")
+        if not hw.measured.get("overhead"):
+            a.append("no decoder-layer rate or engine fixed costs in the measurements (cached by an older "
+                     "`tierlm bench compute`): the large-GEMM rate is used and fixed costs are left out; run "
+                     "`tierlm bench compute` again")
     a.append(f"overlap: step = busiest device + (sum of the others) / layers; SSD reads and writes share the drives")
     a.append(f"cost: hardware over {lifetime_years:g} years at 100% use + TDP power at ${usd_per_kwh}/kWh")
     return a
@@ -130,13 +136,13 @@ def plan(shape: ModelShape, hw: Hardware, task: Task, eff: C.Efficiency | None =
 
 def _finetune(p: Plan, s: ModelShape, hw: Hardware, task: Task, r: C.Rates) -> None:
     T, L, P = task.batch * task.seq_len, s.layers, s.params
-    act = C.layer_activation_bytes(s, T)
+    gpu = hw.gpu is not None
+    act = C.layer_activation_bytes(s, T, fused_kernels=gpu)
     working = C.compute_working_bytes(s, T)
     lw = s.layer_params * C.W_BYTES
     # The compute device's floor: the layer computing and the one prefetched, one layer's gradients,
     # one layer's saved activations (rebuilt or reloaded for its backward) and the transients.
     floor = 2 * lw + s.layer_params * C.GRAD_BYTES + act + working
-    gpu = hw.gpu is not None
     ram = _usable_ram(hw, task)
     # Host staging: with a GPU, pinned buffers for three layers of weights and two of gradients;
     # without one, RAM is the compute device and its floor is the window itself.
@@ -161,8 +167,11 @@ def _finetune(p: Plan, s: ModelShape, hw: Hardware, task: Task, r: C.Rates) -> N
     # Optimizer state resident in RAM saves 32 SSD bytes per 14 RAM bytes, more than an activation
     # byte (2 SSD bytes per byte), so it takes RAM first.
     resident = min(P, host_free // C.RAM_STATE_PER_PARAM) if task.state_cache else 0
-    if resident == P and not hw.drive:
-        pass
+    if hw.measured is not None and not gpu and task.cpu_mem is not None:
+        # This machine under --cpu-mem: the state the engine will cache is what its own budget split
+        # leaves (activations of every layer come first), not the planner's greedy order.
+        split = _engine_split(s, task, T, act, p)
+        resident = min(P, split.state_cache // C.OPT_BYTES) if split and task.state_cache else 0
     host_free -= resident * C.RAM_STATE_PER_PARAM
     on_ssd = P - resident
     if on_ssd and not hw.drive:
@@ -176,6 +185,9 @@ def _finetune(p: Plan, s: ModelShape, hw: Hardware, task: Task, r: C.Rates) -> N
     if task.activations == "recompute":
         k_dev = k_ram = rest = 0
         choices = [(0, L)]
+    elif task.activations == "swap":
+        k_dev = k_ram = rest = 0
+        choices = [(L, 0)]
     elif task.activations == "keep" or not hw.drive:
         choices = [(rest, 0)] if hw.drive else [(0, rest)]
     else:
@@ -214,20 +226,66 @@ def _finetune(p: Plan, s: ModelShape, hw: Hardware, task: Task, r: C.Rates) -> N
                "model_flops": C.train_flops(s, T, task.seq_len), "resident_params": resident}
 
 
+def _engine_split(s: ModelShape, task: Task, T: int, act: int, p: Plan):
+    """The engine's budget split (`tierlm.engine.budget.plan_split`) for this model and --cpu-mem."""
+    from ..engine import budget as B
+    from ..storage import BudgetError
+
+    block = max(s.layer_params, s.embed_params, s.head_params)
+    shard = min(B.shard_elems_for(task.cpu_mem), max(s.hidden * s.intermediate, s.vocab * s.hidden))
+    try:
+        return B.plan_split(task.cpu_mem, ENGINE_BASELINE, block * C.W_BYTES, block * C.GRAD_BYTES,
+                            shard * (C.OPT_BYTES + 4 + C.W_BYTES), act, C.layer_input_bytes(s, T), s.layers,
+                            B.logits_bytes(C.hf_like_config(s), T, torch.bfloat16), ENGINE_PREFETCH)
+    except BudgetError as e:
+        p.problems.append(str(e))
+        return None
+
+
+# The engine's process baseline beyond the libraries (Python and transformers objects, the model's
+# module tree; 63 MiB in every run of docs/planner.md) and its default prefetch depth.
+ENGINE_BASELINE = 64 << 20
+# The inference engine's process baseline beyond its libraries: 12 KiB in docs/planner.md's runs
+# (its library baseline is read after the model skeleton is built).
+INFER_BASELINE = 0
+ENGINE_PREFETCH = 2
+# Layers whose weights are still in the window when backward starts, so backward does not read them
+# again: the window holds prefetch + 2 blocks and the head and the computing layer take two.
+KEPT_AT_TURN = ENGINE_PREFETCH
+
+
 def _finetune_times(s, task, r: C.Rates, T, resident, k_ram, n_ssd, n_rec, act, gpu):
     P, L = s.params, s.layers
     flops = C.train_flops(s, T, task.seq_len) + n_rec * C.layer_fwd_flops(s, T, task.seq_len)
-    streamed = P - resident
-    # Clipping on: the gradient is saved for a redo (2 bytes written).
-    ssd_r = streamed * C.SSD_READ_PER_PARAM + n_ssd * act
-    ssd_w = streamed * (C.SSD_WRITE_PER_PARAM + (C.GRAD_BYTES if task.clip != "off" else 0)) + n_ssd * act
+    # The engine's traffic: weights read in forward, and again in backward for the layers the window
+    # no longer holds; master, m and v read unless cached in RAM; every step writes the new state
+    # and weights (a cached shard's writes are not skipped, so each step stays durable), plus the
+    # gradient saved for an exact clip redo when clipping is on.
+    # Catalog hardware is planned with the cache tierlm is designed for (LoHan's: resident state
+    # holds the weights too and is written only when evicted), which the engine does not have yet.
+    grad = C.GRAD_BYTES if task.clip != "off" else 0
+    if r.measured:
+        reread = P - min(L, KEPT_AT_TURN) * s.layer_params - s.head_params
+        ssd_r = (P + reread) * C.W_BYTES + (P - resident) * C.OPT_BYTES + n_ssd * act
+        ssd_w = P * (C.SSD_WRITE_PER_PARAM + grad) + n_ssd * act
+    else:
+        ssd_r = (P - resident) * C.SSD_READ_PER_PARAM + n_ssd * act
+        ssd_w = (P - resident) * (C.SSD_WRITE_PER_PARAM + grad) + n_ssd * act
     swapped = (k_ram + n_ssd) * act if gpu else 0
     h2d = (2 * P * C.W_BYTES + swapped) if gpu else 0
     d2h = (P * C.GRAD_BYTES + swapped) if gpu else 0
     # DRAM: every SSD and PCIe byte lands in or leaves from RAM, plus the optimizer's own passes;
     # without a GPU, activations kept in RAM are written and read back once.
     dram = ssd_r + ssd_w + h2d + d2h + P * C.OPT_DRAM_PER_PARAM + (0 if gpu else 2 * k_ram * act)
-    res = {"compute": flops / r.compute_flops, "optimizer": P / r.adam_elems, "memory": dram / r.dram,
+    compute = flops / r.compute_flops
+    if not gpu and r.layer_rate(s.hidden):
+        # Measured CPU: a real layer's rate, not a large GEMM's, plus the engine's fixed costs per
+        # layer (recomputed layers pay the recompute profile's) and per step, all on the same cores.
+        o = r.overhead or {}
+        n_keep = L - n_rec
+        compute = (flops / r.layer_rate(s.hidden) + o.get("train_per_step_s", 0.0)
+                   + n_keep * o.get("train_per_layer_s", 0.0) + n_rec * o.get("train_per_layer_recompute_s", 0.0))
+    res = {"compute": compute, "optimizer": P / r.adam_elems, "memory": dram / r.dram,
            "link_h2d": h2d / r.link if gpu else 0.0, "link_d2h": d2h / r.link if gpu else 0.0,
            # no drives: the traffic has nowhere to go, and the plan already says so in its problems
            "ssd_read": ssd_r / r.ssd_read if r.ssd_read else 0.0, "ssd_write": ssd_w / r.ssd_write if r.ssd_write else 0.0}
@@ -242,7 +300,8 @@ def _finetune_times(s, task, r: C.Rates, T, resident, k_ram, n_ssd, n_rec, act, 
         # A step that clips knows it only once backward has ended: the update is redone from the old
         # slot in a second pass (state and saved gradient read, new state written) after the pipeline,
         # with nothing to overlap it.
-        rr, rw = streamed * (C.OPT_BYTES + C.GRAD_BYTES), streamed * (C.OPT_BYTES + C.W_BYTES)
+        streamed = P if r.measured else P - resident
+        rr, rw = (P - resident) * C.OPT_BYTES + streamed * C.GRAD_BYTES, streamed * (C.OPT_BYTES + C.W_BYTES)
         res["clip_redo"] = max((rr / r.ssd_read if r.ssd_read else 0.0) + (rw / r.ssd_write if r.ssd_write else 0.0),
                                P / r.adam_elems)
         step += res["clip_redo"]
@@ -267,16 +326,25 @@ def _serve(p: Plan, s: ModelShape, hw: Hardware, task: Task, r: C.Rates) -> None
         options.append(("gpu", max(0, min(W, r.gpu_bytes - scratch - (kv if kv_on_gpu else 0)))))
     options.append(("cpu", 0))
     best = None
+    engine_resident = _infer_resident_layers(s, task, p) if hw.measured is not None and task.cpu_mem else None
     for site, on_gpu in options:
         kv_where = "gpu" if site == "gpu" and kv_on_gpu else "ram"
         ram_for_w = max(0, ram - (kv if kv_where == "ram" else 0))
         in_ram = min(W - on_gpu, ram_for_w)
+        if engine_resident is not None and site == "cpu":
+            # The inference engine's own placement under --cpu-mem: whole layers, after its window.
+            in_ram = W - (s.layers - engine_resident) * s.layer_params * C.W_BYTES
         from_ssd = W - on_gpu - in_ram
         if (from_ssd and not hw.drive) or (kv_where == "ram" and kv > ram):
             continue
         flops_tok = 2.0 * s.matmul_params * B + C.attention_fwd_flops(s, Sp + N / 2, B)
         comp = r.compute_flops if site == "gpu" else r.cpu_flops
-        res = {"compute": flops_tok / comp,
+        t_comp = flops_tok / comp
+        if site == "cpu" and r.gemv:
+            # Measured CPU: one token's matmuls run at the measured matrix-vector rate; more rows
+            # of a batch add at the large-GEMM rate.
+            t_comp = s.matmul_params * C.W_BYTES / r.gemv + (B - 1) * flops_tok / B / comp
+        res = {"compute": t_comp,
                "memory": ((in_ram if site == "cpu" else 0) + from_ssd + (kv if kv_where == "ram" else 0)) / r.dram,
                "gpu_memory": ((on_gpu + (kv if kv_where == "gpu" else 0)) / r.gpu_mem) if site == "gpu" else 0.0,
                "link_h2d": ((W - on_gpu) + (kv if kv_where == "ram" else 0)) / r.link if site == "gpu" else 0.0,
@@ -284,6 +352,13 @@ def _serve(p: Plan, s: ModelShape, hw: Hardware, task: Task, r: C.Rates) -> None
         devices = {"gpu" if site == "gpu" else "cpu": res["compute"], "dram": res["memory"],
                    "hbm": res["gpu_memory"], "pcie": res["link_h2d"], "ssd": res["ssd_read"]}
         binding, step = _combine(devices, s.layers)
+        if r.overhead and site == "cpu":
+            # The engine's fixed costs of a decode step, measured (bench compute): per step, and per
+            # layer resident or streamed (a streamed layer also waits on its read's hand-off).
+            o, streamed = r.overhead, s.layers - (engine_resident if engine_resident is not None else s.layers)
+            res["overhead"] = (o["decode_resident_per_step_s"] if not streamed else o["decode_streamed_per_step_s"]) \
+                + (s.layers - streamed) * o["decode_resident_per_layer_s"] + streamed * o["decode_streamed_per_layer_s"]
+            step += res["overhead"]
         prefill = _prefill(s, hw, r, B, Sp, on_gpu, in_ram, from_ssd)
         total = prefill + N * step
         cand = dict(site=site, weights={"gpu": on_gpu, "ram": in_ram, "nvme": from_ssd}, kv_where=kv_where,
@@ -306,6 +381,23 @@ def _serve(p: Plan, s: ModelShape, hw: Hardware, task: Task, r: C.Rates) -> None
     p.extra = {"decode_tokens_per_s": B / best["step"], "prefill_s": best["prefill"],
                "request_s": best["total"], "ttft_s": best["prefill"] + best["step"],
                "generated_tokens": B * N, "kv_cache_bytes": kv}
+
+
+def _infer_resident_layers(s: ModelShape, task: Task, p: Plan) -> int | None:
+    """Decoder layers `tierlm generate --cpu-mem` keeps in RAM (`tierlm.infer.engine.plan_placement`)."""
+    from ..infer.engine import InferConfig, plan_placement, scratch_bytes
+    from ..storage import BudgetError
+
+    max_len = task.seq_len + task.new_tokens
+    cfg = InferConfig(cpu_mem=task.cpu_mem, max_batch=task.batch, max_seq_len=max_len)
+    kv = task.batch * (max_len + 1) * C.kv_bytes_per_token(s)
+    try:
+        return plan_placement(cfg, INFER_BASELINE, (s.embed_params + s.head_params) * C.W_BYTES,
+                              s.layer_params * C.W_BYTES, s.layers, kv,
+                              scratch_bytes(C.hf_like_config(s), cfg, max_len, torch.bfloat16)).resident
+    except BudgetError as e:
+        p.problems.append(str(e))
+        return None
 
 
 def _prefill(s: ModelShape, hw: Hardware, r: C.Rates, batch: int, prompt: int, on_gpu: int, in_ram: int, from_ssd: int) -> float:

@@ -40,8 +40,13 @@ class FinetuneConfig:
     eps: float = option(1e-8, help="AdamW epsilon")
     max_grad_norm: float | None = option(1.0, help="clip the global gradient norm to this (exact); 0 disables")
     optim_impl: str = option("fused", help="torch AdamW kernel the update uses", choices=("fused", "foreach", "single"))
-    activations: str = option("auto", help="keep activations in RAM, recompute them, or auto (keep while the budget allows)",
-                              choices=("auto", "keep", "recompute"))
+    optim_states: str = option("fp32", help="how AdamW's m and v are stored on the SSD: fp32, bf16, or int8 (block-wise "
+                               "8-bit quantisation): 12, 8 or ~6 bytes a parameter of optimizer state each way per "
+                               "step, at a small cost in quality (docs/benchmarks.md)", choices=("fp32", "bf16", "int8"))
+    activations: str = option("auto", help="per decoder layer: keep saved activations in RAM, swap them to the NVMe "
+                              "store (swap) or a host buffer pool (swap-host), or recompute them in backward; auto: "
+                              "the planner chooses from a profiled step (plan.json); or one policy per layer, "
+                              "comma-separated")
     prefetch: int = option(2, help="layers read ahead of the one computing")
     seed: int = option(0, help="seed for data order and dropout")
     save_dtype: str | None = option(None, help="dtype of the saved model (default: the compute dtype)", choices=("bf16", "fp32"))
@@ -141,27 +146,30 @@ def _run(cfg: FinetuneConfig, out: Path, dist=None) -> dict:
     batches = Batches(dataset, cfg.batch_size, seed=cfg.seed)
     total = cfg.steps if cfg.steps is not None else \
         max(1, math.floor(cfg.epochs * batches.batches_per_epoch / cfg.grad_accum))
-    wbytes = 2 if cfg.precision == "bf16" else 4
-    per_param = 2 * (12 + (2 if cfg.precision == "bf16" else 0)) + 4  # two slots, saved gradients
+    from ..engine.state_quant import moment_bytes_per_param
+    # two slots of master, m, v and weights, and the saved gradients
+    wbytes = 2 if cfg.precision == "bf16" else 0
+    per_param = 2 * (4 + moment_bytes_per_param(cfg.optim_states) + wbytes) + 4
     nvme = cfg.nvme
+    lead = dist is None or dist.rank == 0  # prints progress, writes the metrics, summary and final model
     if dist is not None:
         from ..dist.state import rank_dir
         nvme = str(rank_dir(cfg.nvme, dist.rank))
-        per_param = (per_param + dist.world - 1) // dist.world + 2 * wbytes  # a share + all weights
+        per_param = per_param / dist.world + 2 * max(wbytes, 4)  # a share, and all working weights
     elif (Path(cfg.nvme) / "rank0").is_dir() and any((Path(cfg.nvme) / "rank0").glob("manifest-*.json")):
         raise ValueError(f"--nvme {cfg.nvme} holds a data-parallel run's state (rank folders); continue it "
                          f"with --nproc N --resume auto (any N, 1 included), or choose another --nvme")
-    check_nvme(nvme, per_param * param_count(hf_config))
+    check_nvme(nvme, int(per_param * param_count(hf_config)))
 
     optim = AdamWConfig(lr=cfg.lr, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps,
                         weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm, impl=cfg.optim_impl)
     ecfg = EngineConfig(nvme_dir=nvme, cpu_mem=cfg.cpu_mem, precision=cfg.precision,
                         grad_accum=cfg.grad_accum, activations=cfg.activations, prefetch=cfg.prefetch,
-                        direct_io=cfg.direct_io, optim=optim,
-                        tokens_per_micro_batch=cfg.batch_size * cfg.seq_len)
+                        direct_io=cfg.direct_io, optim=optim, optim_states=cfg.optim_states,
+                        tokens_per_micro_batch=cfg.batch_size * cfg.seq_len, micro_batch_size=cfg.batch_size,
+                        plan_path=str(out / ("plan.json" if lead else f"plan-rank{dist.rank}.json")))
     engine = Engine.from_pretrained(cfg.model, ecfg, resume=cfg.resume == "auto", overwrite=cfg.overwrite,
                                     library_rss=library_rss, dist=dist)
-    lead = dist is None or dist.rank == 0  # prints progress, writes the metrics, summary and final model
     if dist is not None:
         dist.same_on_all(engine.state["step"], "step to resume from")
     settings = {k: v for k, v in to_dict(cfg).items() if k in RESULT_OPTIONS}

@@ -19,7 +19,7 @@ from ..units import fmt_bytes
 # budgets and performance knobs, which are exact by construction, and the sample at the end).
 RESULT_OPTIONS = ("model", "data", "precision", "seq_len", "batch_size", "grad_accum", "steps", "epochs",
                   "lr", "schedule", "warmup_steps", "weight_decay", "beta1", "beta2", "eps",
-                  "max_grad_norm", "optim_impl", "seed")
+                  "max_grad_norm", "optim_impl", "optim_states", "seed")
 
 
 class RunLock:

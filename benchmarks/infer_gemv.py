@@ -1,0 +1,60 @@
+"""Which kernel reads the weights fastest at decode (M rows of activations, weights far past the caches).
+
+    flock /tmp/tierlm-bench.lock python benchmarks/infer_gemv.py
+
+Per thread count and M: GB/s of weight bytes for bf16 F.linear (what nn.Linear runs), torch.mv (what
+tierlm.infer.gemv uses at M=1) and the int8 / int4 weight-only kernels of tierlm.infer.quant, next to
+a plain read (sum) of as many bytes. Best of 5 repetitions: the machine is shared.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+from tierlm.infer.quant import QLinear
+
+
+def best(f, n=5):
+    f()
+    t_best = 1e9
+    for _ in range(n):
+        t = time.perf_counter()
+        f()
+        t_best = min(t_best, time.perf_counter() - t)
+    return t_best
+
+
+def main():
+    n, k, count = 5632, 2048, 24  # TinyLlama's MLP shape; 24 of them = 550 MB of bf16
+    torch.manual_seed(0)
+    ws = [torch.randn(n, k, dtype=torch.bfloat16) for _ in range(count)]
+    q8, q4 = [], []
+    for w in ws[: count // 2]:
+        for mode, dst in (("int8", q8), ("int4", q4)):
+            lin = QLinear(k, n, mode, 128 if mode == "int4" else 0)
+            for name, t in lin.quantize(w, None, torch.bfloat16).items():
+                setattr(lin, name, t)
+            dst.append(lin)
+    big = torch.ones(128 << 20, dtype=torch.float32)
+    numel = sum(w.numel() for w in ws)
+    print(json.dumps({"load_before": os.getloadavg()}))
+    for th in (1, os.cpu_count()):
+        torch.set_num_threads(th)
+        out = {"threads": th, "read_sum_gbps": big.numel() * 4 / best(big.sum) / 1e9}
+        for m in (1, 8):
+            a = torch.randn(m, k, dtype=torch.bfloat16)
+            out[f"M{m}_F.linear_bf16"] = numel * 2 / best(lambda: [F.linear(a, w) for w in ws]) / 1e9
+            if m == 1:
+                out["M1_mv_bf16"] = numel * 2 / best(lambda: [torch.mv(w, a[0]) for w in ws]) / 1e9
+            out[f"M{m}_int8"] = numel / 2 / best(lambda: [q(a) for q in q8]) / 1e9
+            out[f"M{m}_int4"] = numel / 4 / best(lambda: [q(a) for q in q4]) / 1e9
+        print(json.dumps({k2: round(v, 2) if isinstance(v, float) else v for k2, v in out.items()}), flush=True)
+    print(json.dumps({"load_after": os.getloadavg()}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""`--hardware this`: the plan follows today's engine (its budget split, its traffic, its measured
+fixed costs), and uses the engine's own activation estimate. Never timed."""
+import pytest
+import torch
+
+from tierlm.engine import budget as B
+from tierlm.plan import cost as C
+from tierlm.plan.command import hardware_from_measurements
+from tierlm.plan.planner import Task, plan
+from tierlm.plan.shapes import model_shape
+
+OVERHEAD = {"train_per_step_s": 0.05, "train_per_layer_s": 0.02, "train_per_step_recompute_s": 0.05,
+            "train_per_layer_recompute_s": 0.03, "decode_resident_per_step_s": 0.001,
+            "decode_resident_per_layer_s": 0.0005, "decode_streamed_per_step_s": 0.002,
+            "decode_streamed_per_layer_s": 0.004}
+
+
+def measurements(overhead=True):
+    comp = {"matmul_tflops": {"float32": 0.1, "bfloat16": 0.3, "float16": 0.1}, "adamw_elems_per_s": 1e9,
+            "matmul_n": 2048, "threads": 2}
+    if overhead:
+        comp.update(layer_tflops={"512": 0.05, "2048": 0.2}, gemv_gbps=1.0, overhead=OVERHEAD)
+    return {"io": {"dir": "/x", "direct_io": True, "read_gbps": 0.8, "write_gbps": 1.0, "mem_gbps": 10.0,
+                   "free_bytes": 100 << 30, "block_bytes": 16 << 20, "inflight": 4, "bytes": 1 << 30, "note": None},
+            "compute": comp,
+            "machine": {"cores": 2, "logical_cpus": 2, "ram_bytes": 24 << 30, "torch": "x", "when": "test"}}
+
+
+@pytest.fixture(scope="module")
+def shape(tmp_path_factory):
+    from transformers import AutoConfig
+    d = tmp_path_factory.mktemp("m")
+    AutoConfig.for_model("llama", hidden_size=256, intermediate_size=704, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=512).save_pretrained(d)
+    return model_shape(str(d)), d
+
+
+def test_activation_bytes_are_the_engines(shape):
+    s, d = shape
+    from transformers import AutoConfig
+    assert C.layer_activation_bytes(s, 4096) == B.layer_activation_bytes(AutoConfig.from_pretrained(d), 4096,
+                                                                          torch.bfloat16)
+
+
+def test_traffic_is_the_engines_write_through_cache(shape):
+    s, _ = shape
+    hw = hardware_from_measurements(measurements())
+    big = plan(s, hw, Task(batch=1, seq_len=128, activations="keep", cpu_mem=4 << 30, clip="off"))
+    assert big.extra["resident_params"] == s.params  # every shard cached: state reads skipped ...
+    reread = s.params - 2 * s.layer_params - s.head_params
+    assert big.traffic_bytes["ssd_read"] == (s.params + reread) * 2
+    assert big.traffic_bytes["ssd_write"] == s.params * 14  # ... its writes are not
+    tight = plan(s, hw, Task(batch=1, seq_len=128, activations="keep", cpu_mem=120 << 20, clip="off"))
+    assert tight.fits and tight.extra["resident_params"] < s.params
+    assert tight.traffic_bytes["ssd_read"] > big.traffic_bytes["ssd_read"]
+
+
+def test_budget_too_small_is_the_engines_explanation(shape):
+    s, _ = shape
+    p = plan(s, hardware_from_measurements(measurements()), Task(batch=1, seq_len=128, cpu_mem=8 << 20))
+    assert not p.fits and any("--cpu-mem" in m and "Raise --cpu-mem" in m for m in p.problems)
+
+
+def test_fixed_costs_add_per_step_and_per_layer(shape):
+    s, _ = shape
+    task = dict(batch=1, seq_len=128, cpu_mem=4 << 30, clip="off")
+    with_o = plan(s, hardware_from_measurements(measurements()), Task(activations="keep", **task))
+    assert with_o.resources_s["compute"] >= OVERHEAD["train_per_step_s"] + s.layers * OVERHEAD["train_per_layer_s"]
+    rec = plan(s, hardware_from_measurements(measurements()), Task(activations="recompute", **task))
+    assert rec.resources_s["compute"] > with_o.resources_s["compute"]
+    # without the measured layer rate and overheads (an old cache) the large-GEMM rate is used
+    bare = plan(s, hardware_from_measurements(measurements(overhead=False)), Task(activations="keep", **task))
+    assert bare.resources_s["compute"] < with_o.resources_s["compute"]
+
+
+def test_swap_moves_every_layer_to_nvme(shape):
+    s, _ = shape
+    hw = hardware_from_measurements(measurements())
+    keep = plan(s, hw, Task(batch=2, seq_len=128, activations="keep", cpu_mem=4 << 30, clip="off"))
+    swap = plan(s, hw, Task(batch=2, seq_len=128, activations="swap", cpu_mem=4 << 30, clip="off"))
+    act = swap.activations["per_layer_bytes"]
+    assert swap.activations["on_nvme"] == s.layers and swap.activations["in_ram"] == 0
+    assert swap.traffic_bytes["ssd_write"] - keep.traffic_bytes["ssd_write"] == s.layers * act
+    assert swap.step_s > keep.step_s
+
+
+def test_decode_streamed_reads_every_layer_from_the_ssd(shape):
+    s, _ = shape
+    hw = hardware_from_measurements(measurements())
+    ram = plan(s, hw, Task(kind="serve", batch=1, seq_len=16, new_tokens=8, cpu_mem=1 << 30))
+    streamed = plan(s, hw, Task(kind="serve", batch=1, seq_len=16, new_tokens=8, cpu_mem=28 << 20))
+    assert ram.placement["weights"]["nvme"] == 0
+    assert streamed.placement["weights"]["nvme"] == s.layers * s.layer_params * 2
+    assert streamed.extra["decode_tokens_per_s"] < ram.extra["decode_tokens_per_s"]
+    assert ram.resources_s["overhead"] == pytest.approx(
+        OVERHEAD["decode_resident_per_step_s"] + s.layers * OVERHEAD["decode_resident_per_layer_s"])
+
+
+def test_bad_activation_policy_names_the_choices():
+    with pytest.raises(ValueError, match="use auto, keep, swap or recompute"):
+        Task(activations="offload").validate()
+
+
+def test_layer_rate_interpolates_by_width_and_clamps():
+    r = C.rates(hardware_from_measurements(measurements()), C.Efficiency())
+    assert r.layer_rate(512) == pytest.approx(0.05e12) and r.layer_rate(256) == pytest.approx(0.05e12)
+    assert r.layer_rate(1024) == pytest.approx(0.1e12)  # halfway in log width: the geometric mean
+    assert r.layer_rate(8192) == pytest.approx(0.2e12)

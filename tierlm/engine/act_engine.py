@@ -1,0 +1,272 @@
+"""The engine's side of activation policies: which layer keeps, swaps or recomputes, the profile
+that the planner is fed with, and plan.json with the predicted and measured times side by side.
+
+With `--activations auto` the first step runs a plan made from estimates (activation bytes from
+the layer's shapes, FLOPs at the measured matmul rate); every step is profiled (per layer: forward
+and backward time, saved bytes; per phase: SSD bytes of weights and optimizer; time outside the
+layers), and after steps 1 and 2 the planner re-plans from the measurements (step 1 pays for
+first-touch page faults and kernel set-up, so step 2's profile is the one that stays).
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ..storage import BudgetError, HostBufferPool, TensorStore
+from ..units import fmt_bytes
+from . import act_plan as P
+from . import budget as B
+from .activations import ActivationSwapper
+
+REPLAN_AFTER = (1, 2)
+
+
+def _rates(root: Path) -> P.Rates:
+    """SSD and memory rates from `tierlm bench io`'s cache; when there are none (or they are of
+    another file system), measured briefly in a child process, whose buffers are not this run's."""
+    from ..bench import cache
+    from ..bench.measure import GB
+
+    io = cache.load().get("io") or {}
+    src = "tierlm bench io (cached)"
+    if not io.get("read_gbps") or not io.get("mem_gbps") or \
+            Path(io.get("dir", "/")).resolve().anchor != root.resolve().anchor:
+        code = ("import json, sys; from tierlm.bench.measure import bench_io, bench_memory\n"
+                "r = bench_io(sys.argv[1], size_bytes=256 << 20); r.update(bench_memory(64 << 20, 3))\n"
+                "print(json.dumps(r))")
+        out = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True, check=True)
+        io = json.loads(out.stdout.strip().splitlines()[-1])
+        src = "measured at the first step (256 MiB, a child process)"
+    return P.Rates(io["read_gbps"] * GB, io["write_gbps"] * GB, io["mem_gbps"] * GB / 2, src)
+
+
+class ActivationPlanner:
+    def __init__(self, engine, on_event):
+        self.eng = engine
+        cfg = engine.cfg
+        self.layers = [b for b in engine.blocks if b.kind == "layer"]
+        n = len(self.layers)
+        pols = cfg.activations.split(",")
+        self.auto = pols == ["auto"]
+        if not self.auto and len(pols) not in (1, n):
+            raise ValueError(f"--activations lists {len(pols)} policies for the {n} decoder layers of this model; "
+                             f"give one policy, or exactly {n} separated by commas")
+        fixed = pols * n if len(pols) == 1 else pols
+        self.policies = {b.index: ("keep" if self.auto else p) for b, p in zip(self.layers, fixed)}
+        self.est = B.layer_activation_bytes(engine.config, cfg.tokens_per_micro_batch, engine.dtype)
+        self.allowance = engine.split.activations
+        self.pool = HostBufferPool(0, name="activation swap buffers")
+        lane = {"ssd_read": "act_read", "ssd_write": "act_write"}
+        self.store = TensorStore(engine.root / "act", self.pool, io_threads=2, direct_io=cfg.direct_io,
+                                 on_event=lambda ln, *a: on_event(lane.get(ln, ln), *a))
+        self.swapper = ActivationSwapper(self.pool, self.store, on_event)
+        self.plan: P.Plan | None = None
+        self.plan_step = 0
+        self.rates: P.Rates | None = None
+        self.profile: list[P.LayerProfile] = []
+        self.history: list[dict] = []
+        self.steps_done = 0
+        if self.auto:
+            self._apply(self._initial_plan())
+        else:
+            # The user chose the policies; the pool still comes out of the activation allowance
+            # (what does not fit in the host tier goes down to NVMe).
+            n_host = sum(p == "swap-host" for p in fixed)
+            want = n_host * self.est + (self._swap_pool() if "swap" in fixed else 0)
+            self.pool.capacity = min(want, self.allowance)
+        self._reset_step()
+
+    # ---- sizes -------------------------------------------------------------------------
+    def _swap_pool(self) -> int:
+        """Staging for one layer's storages in flight plus one layer read ahead."""
+        return 2 * self.est
+
+    def _initial_plan(self) -> P.Plan:
+        cfgm = self.eng.config
+        tokens = self.eng.cfg.tokens_per_micro_batch
+        per_layer = sum(self.eng.infos[n].numel for n in self.layers[0].owns)
+        heads_dim = cfgm.hidden_size
+        flops = 2 * per_layer * tokens + 2 * tokens * tokens * heads_dim  # matmuls + causal attention
+        rate = 0.5e12  # replaced by the measured profile after the first step
+        layers = [P.LayerProfile(b.index, flops / rate, 2 * flops / rate, self.est) for b in self.layers]
+        rates = P.Rates(0.5e9, 0.5e9, 5e9, "an estimate until the first step is profiled")
+        plan = P.choose(layers, self.allowance, min(self._swap_pool(), self.allowance), rates, P.Base())
+        plan.reason = "from estimates: " + plan.reason
+        return plan
+
+    def _apply(self, plan: P.Plan) -> None:
+        self.plan = plan
+        self.policies = dict(plan.policies)
+        self.pool.capacity = plan.pool
+
+    # ---- per step ----------------------------------------------------------------------
+    def _reset_step(self) -> None:
+        self.cur: dict[int, dict] = {b.index: {"fwd": 0.0, "bwd": 0.0, "act": 0} for b in self.layers}
+        self.wait_s = 0.0
+        self.kept = 0
+        self.phase_bytes = {"read_fwd": 0, "write_fwd": 0, "read_bwd": 0, "write_bwd": 0}
+        self._mark = self.eng.store.stats.snapshot() if hasattr(self.eng, "store") else None
+        self._phase = "fwd"
+        self.t_step = None
+        self.fwd_s = self.bwd_s = 0.0
+        self.swapper.reset_stats()
+
+    def _account_io(self) -> None:
+        snap = self.eng.store.stats.snapshot()
+        if self._mark is not None:
+            self.phase_bytes[f"read_{self._phase}"] += snap["bytes_read"] - self._mark["bytes_read"]
+            self.phase_bytes[f"write_{self._phase}"] += snap["bytes_written"] - self._mark["bytes_written"]
+        self._mark = snap
+
+    def micro_begin(self) -> None:
+        self.kept = 0
+        now = time.perf_counter()
+        if self.t_step is None:
+            self.t_step = now
+        self._account_io()
+        self._phase = "fwd"
+        self._t_phase = now
+
+    def backward_phase(self) -> None:
+        now = time.perf_counter()
+        self.fwd_s += now - self._t_phase
+        self._account_io()
+        self._phase = "bwd"
+        self._t_phase = now
+
+    def backward_done(self) -> None:
+        self.bwd_s += time.perf_counter() - self._t_phase
+
+    def waited(self, s: float) -> None:
+        self.wait_s += s
+
+    def policy_for(self, blk) -> str:
+        pol = self.policies[blk.index]
+        if self.auto and pol == "keep":
+            # The plan's bytes were measured (or estimated); the allowance is a promise: a layer
+            # that would overrun it swaps (or recomputes) instead.
+            size = self.cur[blk.index]["act"] or max((p.act_bytes for p in self.profile), default=self.est)
+            if self.kept + size > self.allowance - self.pool.capacity:
+                pol = "swap" if self.pool.capacity > 0 else "recompute"
+            else:
+                self.kept += size
+        self.cur[blk.index]["pol"] = pol
+        self._calling = blk.index
+        return pol
+
+    def forward_begin(self, blk) -> None:
+        # Only the training forward that policy_for just routed (an inference forward through the
+        # same layer keeps nothing for backward).
+        calling, self._calling = getattr(self, "_calling", None), None
+        pol = self.cur[blk.index].get("pol") if calling == blk.index else None
+        if pol in ("swap", "swap-host"):
+            self.swapper.begin_forward(blk.index, "nvme" if pol == "swap" else "host")
+
+    def forward_end(self, blk, dt: float, saved: int) -> None:
+        if self.swapper.active:
+            self.swapper.end_forward()
+        rec = self.cur.get(blk.index)
+        if rec is None or "pol" not in rec:
+            return  # inference, not a training forward
+        rec["fwd"] += dt - self.swapper.take_spent(blk.index)
+        if rec["pol"] != "recompute":
+            rec["act"] = max(rec["act"], saved)
+
+    def backward_begin(self, blk) -> None:
+        self.swapper.prefetch(blk.index)
+        for j in range(blk.index - 1, blk.index - 1 - self.eng.cfg.prefetch, -1):
+            if j in self.cur:
+                self.swapper.prefetch(j)
+
+    def backward_end(self, blk, dt: float, saved: int) -> None:
+        rec = self.cur[blk.index]
+        dt -= self.swapper.take_spent(blk.index)
+        self.swapper.end_backward(blk.index)
+        if rec.get("pol") == "recompute":
+            rec["act"] = max(rec["act"], saved)
+            rec["rec"] = rec.get("rec", 0.0) + dt
+        else:
+            rec["bwd"] += dt
+
+    def step_done(self) -> None:
+        """After commit: profile the step, re-plan when it is time, log measured beside predicted."""
+        now = time.perf_counter()
+        self._account_io()
+        self.steps_done += 1
+        layers = []
+        for b in self.layers:
+            r = self.cur[b.index]
+            bwd = r["bwd"] + max(r.get("rec", 0.0) - r["fwd"], 0.0) if r.get("pol") == "recompute" else r["bwd"]
+            layers.append(P.LayerProfile(b.index, r["fwd"], bwd, r["act"]))
+        compute = sum(r["fwd"] + r["bwd"] + r.get("rec", 0.0) for r in self.cur.values())
+        step_s = now - (self.t_step or now)
+        spent = self.swapper.spent_total()
+        fixed = max(step_s - compute - self.wait_s - spent, 0.0)
+        base = P.Base(self.phase_bytes["read_fwd"], self.phase_bytes["write_fwd"],
+                      self.phase_bytes["read_bwd"], self.phase_bytes["write_bwd"], fixed)
+        measured = {"step": self.eng.state["step"], "step_s": step_s, "forward_s": self.fwd_s,
+                    "backward_s": self.bwd_s, "layer_compute_s": compute, "waits_s": self.wait_s,
+                    "swap_io_wait_s": spent, "fixed_s": fixed,
+                    "policies": {b.name: self.cur[b.index].get("pol") for b in self.layers},
+                    "swapped_bytes": dict(self.swapper.bytes_out), **self.phase_bytes}
+        self.history.append(measured)
+        if self.steps_done in REPLAN_AFTER and all(p.fwd_s > 0 for p in layers):
+            self.profile, self.base = layers, base
+            if self.rates is None:
+                self.rates = _rates(self.eng.root)
+            if self.auto:
+                plan = P.choose(layers, self.allowance, min(self._swap_pool(), self.allowance), self.rates, base)
+                self._apply(plan)
+            else:
+                used = {b.index: self.cur[b.index].get("pol") for b in self.layers}
+                self.plan = P.Plan(used, P.predict(layers, used, self.rates, base), self.allowance,
+                                   self.pool.capacity, f"--activations {self.eng.cfg.activations}")
+            self.plan_step = self.eng.state["step"]
+        self._write()
+        self._reset_step()
+
+    # ---- plan.json ---------------------------------------------------------------------
+    def _write(self) -> None:
+        path = Path(self.eng.cfg.plan_path) if self.eng.cfg.plan_path else self.eng.root / "plan.json"
+        after = [h for h in self.history if h["step"] > self.plan_step] if self.plan else []
+        names = {b.index: b.name for b in self.layers}
+        doc = {
+            "activations": self.eng.cfg.activations,
+            "budget": {"allowance_bytes": self.allowance, "allowance": fmt_bytes(self.allowance),
+                       "swap_pool_bytes": self.pool.capacity},
+            "plan": None if self.plan is None else {
+                "made_after_step": self.plan_step, "reason": self.plan.reason,
+                "layers": {names[i]: p for i, p in self.plan.policies.items()},
+                "predicted": self.plan.predicted},
+            "rates": None if self.rates is None else vars(self.rates),
+            "profile": [dict(vars(p), name=names[p.index]) for p in self.profile],
+            "base": None if not self.profile else vars(self.base),
+            "measured_since_plan": _mean(after),
+            "steps": self.history[-50:],
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+        tmp.replace(path)
+
+    def describe(self) -> str:
+        if self.plan is None:
+            return f"activations: {self.eng.cfg.activations}"
+        return f"activations: {self.plan.reason}"
+
+    def close(self) -> None:
+        self.swapper.close()
+        self.store.close()
+
+
+def _mean(rows: list[dict]) -> dict | None:
+    if not rows:
+        return None
+    keys = ("step_s", "forward_s", "backward_s", "layer_compute_s", "waits_s", "swap_io_wait_s", "fixed_s")
+    return {k: sum(r[k] for r in rows) / len(rows) for k in keys} | {"steps": len(rows)}
+
+
+__all__ = ["ActivationPlanner", "BudgetError"]

@@ -1,0 +1,119 @@
+"""The activation planner: per layer, keep, swap (to host or NVMe) or recompute, to minimise the
+predicted step time under the memory budget.
+
+The cost model is the one the engine's pipeline runs:
+    forward  = max(compute_fwd + copies,             SSD reads_fwd / read_bw + SSD writes_fwd / write_bw)
+    backward = max(compute_bwd + recompute + copies,  SSD reads_bwd / read_bw + SSD writes_bwd / write_bw)
+    step     = forward + backward + fixed (commit, head, Python: what the profile measured outside layers)
+Weights and optimizer states already move through the SSD in every step (measured in the profiled
+step); a swapped layer adds its activation bytes to the forward's writes and the backward's reads,
+a recomputed layer adds its forward time to the backward, a kept layer costs RAM.
+
+Choice: keep the layers whose recompute time per byte is highest while the allowance has room
+(the value of keeping is the time it saves per byte it holds); then, of the rest, switch layers from
+recompute to swap, most recompute time per swapped byte first, while the predicted step time falls.
+Both variants (a swap pool reserved, or none) are evaluated and the faster is taken.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class LayerProfile:
+    index: int          # block index
+    fwd_s: float
+    bwd_s: float        # backward alone (a recompute's forward excluded)
+    act_bytes: int      # saved-for-backward bytes (measured)
+
+
+@dataclass
+class Rates:
+    ssd_read: float     # bytes/s
+    ssd_write: float
+    host_copy: float    # bytes/s of a staging copy (memory bandwidth / 2)
+    source: str = ""
+
+
+@dataclass
+class Base:
+    """What a step moves and spends regardless of the activation policy (from the profile)."""
+    read_fwd: int = 0
+    write_fwd: int = 0
+    read_bwd: int = 0
+    write_bwd: int = 0
+    fixed_s: float = 0.0
+
+
+@dataclass
+class Plan:
+    policies: dict[int, str]          # block index -> keep | swap-host | swap | recompute
+    predicted: dict = field(default_factory=dict)
+    allowance: int = 0
+    pool: int = 0
+    reason: str = ""
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def predict(layers: list[LayerProfile], pol: dict[int, str], rates: Rates, base: Base) -> dict:
+    cf = sum(p.fwd_s for p in layers)
+    cb = sum(p.bwd_s for p in layers)
+    rec = sum(p.fwd_s for p in layers if pol[p.index] == "recompute")
+    swap = sum(p.act_bytes for p in layers if pol[p.index] == "swap")
+    host = sum(p.act_bytes for p in layers if pol[p.index] == "swap-host")
+    copy = (swap + host) / rates.host_copy if rates.host_copy else 0.0
+    ssd_f = base.read_fwd / rates.ssd_read + (base.write_fwd + swap) / rates.ssd_write
+    ssd_b = (base.read_bwd + swap) / rates.ssd_read + base.write_bwd / rates.ssd_write
+    fwd = max(cf + copy, ssd_f)
+    bwd = max(cb + rec + copy, ssd_b)
+    return {"step_s": fwd + bwd + base.fixed_s, "forward_s": fwd, "backward_s": bwd,
+            "compute_fwd_s": cf, "compute_bwd_s": cb, "recompute_s": rec, "copy_s": copy,
+            "ssd_fwd_s": ssd_f, "ssd_bwd_s": ssd_b, "fixed_s": base.fixed_s,
+            "swap_bytes": swap, "host_bytes": host,
+            "kept_bytes": sum(p.act_bytes for p in layers if pol[p.index] == "keep"),
+            "bound_fwd": "compute" if cf + copy >= ssd_f else "ssd",
+            "bound_bwd": "compute" if cb + rec + copy >= ssd_b else "ssd"}
+
+
+def _keep_greedy(layers, room: int) -> dict[int, str]:
+    pol = {p.index: "recompute" for p in layers}
+    for p in sorted(layers, key=lambda p: -p.fwd_s / max(p.act_bytes, 1)):
+        if p.act_bytes <= room:
+            pol[p.index] = "keep"
+            room -= p.act_bytes
+    return pol
+
+
+def choose(layers: list[LayerProfile], allowance: int, pool: int, rates: Rates, base: Base,
+           can_swap: bool = True) -> Plan:
+    """allowance: RAM for kept activations (and the swap pool, when used); pool: the swap
+    pool's size (enough for the largest layer's in-flight storages). Only NVMe is chosen: on a
+    CPU-only machine the compute memory *is* host memory, so a host tier would only add copies
+    (a GPU engine would add "swap-host" here, priced by the host link)."""
+    options = [(_keep_greedy(layers, allowance), 0)]
+    if can_swap and layers and allowance >= pool:
+        pol = _keep_greedy(layers, allowance - pool)
+        best = predict(layers, pol, rates, base)["step_s"]
+        rest = [p for p in layers if pol[p.index] == "recompute"]
+        for p in sorted(rest, key=lambda p: -p.fwd_s / max(p.act_bytes, 1)):
+            trial = {**pol, p.index: "swap"}
+            t = predict(layers, trial, rates, base)["step_s"]
+            if t <= best:
+                pol, best = trial, t
+        options.append((pol, pool))
+    scored = [(predict(layers, pol, rates, base), pol, pl) for pol, pl in options]
+    pred, pol, pl = min(scored, key=lambda x: x[0]["step_s"])
+    if not any(v in ("swap", "swap-host") for v in pol.values()):
+        pl = 0
+    counts = {k: sum(v == k for v in pol.values()) for k in ("keep", "swap", "recompute")}
+    reason = (f"keep {counts['keep']}, swap {counts['swap']}, recompute {counts['recompute']} of {len(layers)} "
+              f"layers: predicted {pred['step_s']:.2f} s/step (forward {pred['bound_fwd']}-bound, "
+              f"backward {pred['bound_bwd']}-bound)")
+    return Plan(pol, pred, allowance, pl, reason)
+
+
+def fixed_policy(layers: list[LayerProfile], policy: str, rates: Rates, base: Base) -> Plan:
+    pol = {p.index: policy for p in layers}
+    return Plan(pol, predict(layers, pol, rates, base), reason=f"--activations {policy}")
