@@ -40,6 +40,7 @@ def reference(tmp_path_factory):
     return root, model, data, root / "ref"
 
 
+@pytest.mark.slow
 def test_rank_killed_mid_step_then_resumed_on_1_then_2_ranks(reference):
     root, model, data, ref = reference
     out = root / "chain"

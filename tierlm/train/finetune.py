@@ -135,6 +135,9 @@ def _run(cfg: FinetuneConfig, out: Path, dist=None) -> dict:
     from .data import Batches, load_dataset
 
     check_model_dir(cfg.model)
+    if dist is None and any((Path(cfg.nvme) / "rank0").glob("manifest-*.json")):
+        raise ValueError(f"--nvme {cfg.nvme} holds a data-parallel run's state (rank folders); continue it "
+                         f"with --nproc N --resume auto (any N, 1 included), or choose another --nvme")
     hf_config = AutoConfig.from_pretrained(cfg.model)
     max_pos = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
     if max_pos and cfg.seq_len > max_pos:
@@ -156,9 +159,6 @@ def _run(cfg: FinetuneConfig, out: Path, dist=None) -> dict:
         from ..dist.state import rank_dir
         nvme = str(rank_dir(cfg.nvme, dist.rank))
         per_param = per_param / dist.world + 2 * max(wbytes, 4)  # a share, and all working weights
-    elif (Path(cfg.nvme) / "rank0").is_dir() and any((Path(cfg.nvme) / "rank0").glob("manifest-*.json")):
-        raise ValueError(f"--nvme {cfg.nvme} holds a data-parallel run's state (rank folders); continue it "
-                         f"with --nproc N --resume auto (any N, 1 included), or choose another --nvme")
     check_nvme(nvme, int(per_param * param_count(hf_config)))
 
     optim = AdamWConfig(lr=cfg.lr, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps,
