@@ -16,7 +16,7 @@ LR = 1e-3  # the update of a fine-tune; at 1e-2 one step moves the tiny model's 
 
 def main(model_dir, out, steps, accum, bsz, seq, clip, precision):
     dist = from_env(60)
-    from tests.dist.test_data_parallel import global_batches
+    from tests.dist.test_data_parallel import NAN_STEP, global_batches
     data = global_batches(steps * accum, bsz, seq)
     cfg = EngineConfig(nvme_dir=str(Path(out) / "nvme" / f"rank{dist.rank}"), cpu_mem="1GiB",
                        precision=precision, grad_accum=accum,
@@ -29,6 +29,8 @@ def main(model_dir, out, steps, accum, bsz, seq, clip, precision):
         for x in data[s * accum:(s + 1) * accum]:
             ids, labels, w = split_batch(dist, x, x)
             loss = eng.forward(ids, labels=labels).loss * w
+            if s == NAN_STEP and dist.rank == 1:
+                loss = loss * float("nan")  # one rank's non-finite gradients: every rank skips the step
             eng.backward(loss)
             weighted.append(loss.item())
         losses += global_losses(dist, weighted)

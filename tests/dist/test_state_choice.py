@@ -38,3 +38,30 @@ def test_ownership_is_balanced_and_deterministic():
     load = [sum(s for n, s in sizes.items() if owners[n] == r) for r in range(2)]
     assert abs(load[0] - load[1]) <= max(sizes.values())
     assert set(owners_by_bytes(sizes, 1).values()) == {0}
+
+
+def test_split_batch_weights_add_up_to_the_global_mean():
+    import torch
+    import torch.nn.functional as F
+
+    from tierlm.dist.group import Dist
+    from tierlm.dist.data import split_batch
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 50, (3, 9), generator=g)
+    labels = ids.clone()
+    labels[0, :5] = -100                  # a masked prompt: fewer label tokens in row 0
+    logits = torch.randn(3, 9, 50, generator=g)
+
+    def mean_loss(lg, lab):
+        return F.cross_entropy(lg[:, :-1].reshape(-1, 50), lab[:, 1:].reshape(-1), ignore_index=-100)
+
+    for world in (2, 4):                  # 4 ranks for 3 rows: one rank gets none
+        total = 0.0
+        for r in range(world):
+            mine, lab, w = split_batch(Dist(r, world, group=False), ids, labels)
+            rows = [i for i in range(3) if any(torch.equal(mine[j], ids[i]) for j in range(len(mine)))]
+            if w == 0:
+                continue
+            total += w * float(mean_loss(logits[rows], lab))
+        assert abs(total - float(mean_loss(logits, labels))) < 1e-5
