@@ -162,13 +162,21 @@ def bench_layer(dtype: torch.dtype = torch.bfloat16, repeats: int = 2, widths: t
 
 
 def bench_gemv(dtype: torch.dtype = torch.bfloat16, hidden: int = 2048, repeats: int = 20) -> dict:
-    """Weight bytes/s of one token through a linear layer (hidden x 8/3 hidden): what a batch-1 decode
-    step's matmuls run at, far below the large-GEMM rate on a CPU."""
-    w = torch.randn(hidden * 8 // 3 // 64 * 64, hidden).to(dtype)
+    """Weight bytes/s of one token through a linear layer (8/3 hidden x hidden) on the kernel the
+    inference engine uses for one row (`tierlm.infer.gemv` where it exists, else nn.Linear): what a
+    batch-1 decode step's matmuls run at, far below the large-GEMM rate on a CPU."""
+    lin = torch.nn.Linear(hidden, hidden * 8 // 3 // 64 * 64, bias=False).to(dtype).requires_grad_(False)
+    try:
+        from ..infer.gemv import use_gemv
+        kernel = "tierlm.infer.gemv" if use_gemv(lin) or type(lin).__name__ != "Linear" else "nn.Linear"
+    except ImportError:
+        kernel = "nn.Linear"
     x = torch.randn(1, hidden).to(dtype)
-    torch.nn.functional.linear(x, w)
-    t = _best(lambda: torch.nn.functional.linear(x, w), repeats)
-    return {"gemv_gbps": w.numel() * w.element_size() / t / GB, "gemv_shape": list(w.shape)}
+    with torch.no_grad():
+        lin(x)
+        t = _best(lambda: lin(x), repeats)
+    return {"gemv_gbps": lin.weight.numel() * lin.weight.element_size() / t / GB,
+            "gemv_shape": list(lin.weight.shape), "gemv_kernel": kernel}
 
 
 def machine() -> dict:
