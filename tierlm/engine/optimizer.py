@@ -140,6 +140,10 @@ class OutOfCoreAdamW:
         self.quant = optim_states != "fp32"
         # The tags whose buffers hold the state between steps: fp32 m/v, or their stored form.
         self.state_tags = ("master", "qm", "qv") if self.quant else ("master", "m", "v")
+        bad = [f"{n}.{k}" for n, i in infos.items() for k, (a, _) in enumerate(i.shards) if a % SQ.BLOCK]
+        if self.quant and bad:  # a block straddling two shards would be quantised differently
+            raise OptimizerError(f"--optim-states {optim_states} needs shards of a multiple of {SQ.BLOCK} "
+                                 f"elements; {bad[0]} starts off a block boundary")
 
     # ---- called from the compute thread ----------------------------------------------
     def begin_micro(self, micro: int, n_micro: int, lr: float) -> None:
