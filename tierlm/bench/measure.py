@@ -179,6 +179,16 @@ def bench_gemv(dtype: torch.dtype = torch.bfloat16, hidden: int = 2048, repeats:
             "gemv_shape": list(lin.weight.shape), "gemv_kernel": kernel}
 
 
+def bench_checksum(size_bytes: int = 64 << 20, repeats: int = 5) -> dict:
+    """CRC32C bytes/s: every byte the store reads or writes is checksummed on the CPU, on the same
+    cores as the compute when there is no GPU."""
+    import crc32c
+
+    buf = torch.randint(0, 256, (size_bytes,), dtype=torch.uint8).numpy().tobytes()
+    t = _best(lambda: crc32c.crc32c(buf), repeats)
+    return {"crc32c_gbps": size_bytes / t / GB}
+
+
 def machine() -> dict:
     return {"cores": psutil.cpu_count(logical=False) or os.cpu_count(), "logical_cpus": os.cpu_count(),
             "ram_bytes": psutil.virtual_memory().total, "torch": torch.__version__,
