@@ -1,17 +1,22 @@
-"""The planner's prediction against a measured `tierlm finetune` on this machine.
+"""The planner's prediction against measured `tierlm finetune` and `tierlm generate` on this machine.
 
-    tierlm bench io --nvme /path/on/ssd && tierlm bench compute      # rates + the engine's overheads
-    flock /tmp/tierlm-bench.lock python benchmarks/plan_vs_measured.py --work /path/on/ssd/planbench
+    flock /tmp/tierlm-bench.lock python benchmarks/plan_vs_measured.py --work /path/on/ssd/planbench \
+        --bench /path/on/ssd --activations keep,swap,recompute
 
-For each configuration (two model sizes x two batch sizes x each activation policy) it creates the
-model once, runs `tierlm finetune` for a few steps in a fresh process, and compares the measured step
-with `tierlm plan --hardware this` under the same --cpu-mem, batch, sequence length and activation
-policy (clipping off, so no step redoes its update).
+`--bench DIR` first measures the rates (`bench io` in DIR, 1 GiB, and `bench compute`: matmul, two
+reference decoder layers, the one-row decode product, AdamW, the engine's fixed costs on tiny
+models), so on a shared machine the rates and the runs see about the same load. For each
+configuration (two model sizes x two batch sizes x each activation policy) it creates the model once,
+runs `tierlm finetune` for a few steps in a fresh process, and compares the measured step with
+`tierlm plan --hardware this` under the same --cpu-mem, batch, sequence length and activation policy
+(clipping off, so no step redoes its update). Then `tierlm generate` decodes with every layer in RAM
+and with every layer streamed from the SSD, against the plan's decode tokens/s.
 
-Measured step = the wall time between consecutive steps' metrics rows (steps 2..N): it includes
-the commit (syncfs, manifest) that `s_per_step` leaves out, since the next step waits for it.
-`--reuse` compares runs already in --work without running them again (e.g. after a cost-model
-change). The models, runs and rates are the machine's own; nothing here is fitted to the runs.
+Measured step = the wall time between consecutive steps' metrics rows (steps 2..N), mean and
+fastest: it includes the commit (syncfs, manifest) that `s_per_step` leaves out, since the next step
+waits for it. Measured SSD bytes are the state store's; swapped activations go to a store of their
+own and are not in them (the prediction's are). `--reuse` compares runs already in --work without
+running them again. Nothing here is fitted to the runs.
 """
 from __future__ import annotations
 

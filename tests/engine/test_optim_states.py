@@ -9,7 +9,8 @@ from torch.optim.adamw import adamw
 from tests.engine.test_exactness import assert_same, batches
 from tierlm.engine import state_quant as SQ
 from tierlm.engine.engine import Engine, EngineConfig
-from tierlm.engine.optimizer import AdamWConfig, total_state_bytes
+from tierlm.engine.layout import ParamInfo
+from tierlm.engine.optimizer import AdamWConfig, OptimizerError, OutOfCoreAdamW, total_state_bytes
 
 
 # ---- the quantiser -----------------------------------------------------------------------
@@ -77,6 +78,9 @@ def test_edge_cases():
         SQ.quantize_blockwise(torch.zeros(4, 4), True)
     with pytest.raises(ValueError, match="optim_states must be one of fp32, bf16, int8, got 'fp8'"):
         EngineConfig(nvme_dir="x", optim_states="fp8")
+    info = ParamInfo("a", (5000,), 5000, ((0, 1024), (1024, 5000)))  # a shard off the block grid
+    with pytest.raises(OptimizerError, match="int8 needs shards of a multiple of 2048 elements; a.1"):
+        OutOfCoreAdamW(None, None, {"a": info}, ["a"], ["a"], AdamWConfig(), None, {}, optim_states="int8")
 
 
 def test_finetune_option():

@@ -19,7 +19,7 @@ def measurements(overhead=True):
     comp = {"matmul_tflops": {"float32": 0.1, "bfloat16": 0.3, "float16": 0.1}, "adamw_elems_per_s": 1e9,
             "matmul_n": 2048, "threads": 2}
     if overhead:
-        comp.update(layer_tflops={"512": 0.05, "2048": 0.2}, gemv_gbps=1.0, overhead=OVERHEAD)
+        comp.update(layer_tflops={"512": 0.05, "2048": 0.2}, gemv_gbps=1.0, crc32c_gbps=5.0, overhead=OVERHEAD)
     return {"io": {"dir": "/x", "direct_io": True, "read_gbps": 0.8, "write_gbps": 1.0, "mem_gbps": 10.0,
                    "free_bytes": 100 << 30, "block_bytes": 16 << 20, "inflight": 4, "bytes": 1 << 30, "note": None},
             "compute": comp,
@@ -50,6 +50,9 @@ def test_traffic_is_the_engines_write_through_cache(shape):
     reread = s.params - 2 * s.layer_params - s.head_params
     assert big.traffic_bytes["ssd_read"] == (s.params + reread) * 2
     assert big.traffic_bytes["ssd_write"] == s.params * 14  # ... its writes are not
+    # the store's CRC32C of every byte runs on the same two cores as the compute
+    assert big.resources_s["checksum"] == pytest.approx(
+        (big.traffic_bytes["ssd_read"] + big.traffic_bytes["ssd_write"]) / 5e9)
     tight = plan(s, hw, Task(batch=1, seq_len=128, activations="keep", cpu_mem=120 << 20, clip="off"))
     assert tight.fits and tight.extra["resident_params"] < s.params
     assert tight.traffic_bytes["ssd_read"] > big.traffic_bytes["ssd_read"]

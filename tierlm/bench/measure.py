@@ -162,13 +162,31 @@ def bench_layer(dtype: torch.dtype = torch.bfloat16, repeats: int = 2, widths: t
 
 
 def bench_gemv(dtype: torch.dtype = torch.bfloat16, hidden: int = 2048, repeats: int = 20) -> dict:
-    """Weight bytes/s of one token through a linear layer (hidden x 8/3 hidden): what a batch-1 decode
-    step's matmuls run at, far below the large-GEMM rate on a CPU."""
-    w = torch.randn(hidden * 8 // 3 // 64 * 64, hidden).to(dtype)
+    """Weight bytes/s of one token through a linear layer (8/3 hidden x hidden) on the kernel the
+    inference engine uses for one row (`tierlm.infer.gemv` where it exists, else nn.Linear): what a
+    batch-1 decode step's matmuls run at, far below the large-GEMM rate on a CPU."""
+    lin = torch.nn.Linear(hidden, hidden * 8 // 3 // 64 * 64, bias=False).to(dtype).requires_grad_(False)
+    try:
+        from ..infer.gemv import use_gemv
+        kernel = "tierlm.infer.gemv" if use_gemv(lin) or type(lin).__name__ != "Linear" else "nn.Linear"
+    except ImportError:
+        kernel = "nn.Linear"
     x = torch.randn(1, hidden).to(dtype)
-    torch.nn.functional.linear(x, w)
-    t = _best(lambda: torch.nn.functional.linear(x, w), repeats)
-    return {"gemv_gbps": w.numel() * w.element_size() / t / GB, "gemv_shape": list(w.shape)}
+    with torch.no_grad():
+        lin(x)
+        t = _best(lambda: lin(x), repeats)
+    return {"gemv_gbps": lin.weight.numel() * lin.weight.element_size() / t / GB,
+            "gemv_shape": list(lin.weight.shape), "gemv_kernel": kernel}
+
+
+def bench_checksum(size_bytes: int = 64 << 20, repeats: int = 5) -> dict:
+    """CRC32C bytes/s: every byte the store reads or writes is checksummed on the CPU, on the same
+    cores as the compute when there is no GPU."""
+    import crc32c
+
+    buf = torch.randint(0, 256, (size_bytes,), dtype=torch.uint8).numpy().tobytes()
+    t = _best(lambda: crc32c.crc32c(buf), repeats)
+    return {"crc32c_gbps": size_bytes / t / GB}
 
 
 def machine() -> dict:

@@ -65,13 +65,14 @@ class OptimizerError(RuntimeError):
 class _Item:
     """One (parameter, shard) of work, with its buffers once prepared."""
 
-    __slots__ = ("name", "shard", "a", "b", "bufs", "reads", "keep", "_left", "_lock")
+    __slots__ = ("name", "shard", "a", "b", "bufs", "reads", "keep", "cached", "_left", "_lock")
 
     def __init__(self, name: str, shard: int, a: int, b: int):
         self.name, self.shard, self.a, self.b = name, shard, a, b
         self.bufs: dict = {}
         self.reads: list[Future] = []
         self.keep: set[str] = set()  # buffers from the state cache: they stay resident after the step
+        self.cached: set[str] = set()  # of those, the ones holding the committed state (a cache hit)
         self._lock = threading.Lock()
 
     def release(self) -> None:
@@ -142,6 +143,10 @@ class OutOfCoreAdamW:
         self.quant = optim_states != "fp32"
         # The tags whose buffers hold the state between steps: fp32 m/v, or their stored form.
         self.state_tags = ("master", "qm", "qv") if self.quant else ("master", "m", "v")
+        bad = [f"{n}.{k}" for n, i in infos.items() for k, (a, _) in enumerate(i.shards) if a % SQ.BLOCK]
+        if self.quant and bad:  # a block straddling two shards would be quantised differently
+            raise OptimizerError(f"--optim-states {optim_states} needs shards of a multiple of {SQ.BLOCK} "
+                                 f"elements; {bad[0]} starts off a block boundary")
         self.dist = dist
 
     # ---- called from the compute thread ----------------------------------------------
@@ -299,7 +304,7 @@ class OutOfCoreAdamW:
             for it in prepared.values():  # read ahead for parameters that got no gradient
                 for f in it.reads:
                     f.exception()
-                it.release()
+                self._abandon(it)
             for f in writes:
                 f.exception()  # wait for every write before the step can end
         for f in writes:
@@ -321,12 +326,21 @@ class OutOfCoreAdamW:
         a, b = self.infos[name].shards[k]
         return _Item(name, k, a, b)
 
-    @staticmethod
-    def _drop_furthest(prepared: dict) -> None:
+    def _drop_furthest(self, prepared: dict) -> None:
         nk = next(reversed(prepared))
         it = prepared.pop(nk)
         for f in it.reads:
             f.exception()
+        self._abandon(it)
+
+    def _abandon(self, it: _Item) -> None:
+        """Give up a prepared item: a cache hit's state goes back to the cache (it is still the
+        committed state; releasing it would cost a re-read next step), the rest to the pools."""
+        if it.cached:
+            self._resident[(it.name, it.shard)] = {t: it.bufs.pop(t) for t in it.cached}
+            it.cached = set()
+            it.keep = set()
+            self.cache_hits -= 1
         it.release()
 
     def _next_arrival(self) -> str | None:
@@ -371,6 +385,7 @@ class OutOfCoreAdamW:
         if cached:
             it.bufs.update(cached)
             it.keep = set(cached)
+            it.cached = set(cached)
             self.cache_hits += 1
         elif mode in ("update", "redo") and self.state_cache is not None:
             got = {}
@@ -390,7 +405,7 @@ class OutOfCoreAdamW:
                 continue
             size = nbytes(saved_dtype, n) if tag == "gl" else self._size(tag, n)
             if not self._acquire(it, tag, size, blocking):
-                it.release()
+                self._abandon(it)
                 return False
         slot = self.slots[it.name]
         view = lambda tag: it.bufs[tag].view(torch.float32, (n,))

@@ -83,6 +83,7 @@ class Rates:
     # where a real model's large layers make them negligible against the step.
     layer_flops: dict | None = None   # {hidden: FLOP/s} of the reference layers
     gemv: float = 0.0                 # weight bytes/s of a batch-1 decode matmul
+    crc: float = 0.0                  # CRC32C bytes/s (the store checksums every byte on the CPU)
     overhead: dict | None = None
 
     def layer_rate(self, hidden: int) -> float:
@@ -120,6 +121,7 @@ def rates(hw: Hardware, eff: Efficiency, precision: str = "bf16") -> Rates:
     layer = m.get("layer_tflops") if bf16 else None
     return Rates(layer_flops={h: v * 1e12 for h, v in layer.items()} if isinstance(layer, dict) else None,
                  gemv=(m.get("gemv_gbps") or 0.0) * GB if bf16 else 0.0,
+                 crc=(m.get("crc32c_gbps") or 0.0) * GB if m is not None else 0.0,
                  overhead=m.get("overhead") if m is not None else None,
                  compute_flops=(g.tflops * 1e12 * eff.gpu_compute) if g else cpu_flops, cpu_flops=cpu_flops,
                  adam_elems=adam, dram=dram, link=g.link_gbps * GB * eff.link if g else 0.0,

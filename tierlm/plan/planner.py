@@ -289,10 +289,13 @@ def _finetune_times(s, task, r: C.Rates, T, resident, k_ram, n_ssd, n_rec, act, 
            "link_h2d": h2d / r.link if gpu else 0.0, "link_d2h": d2h / r.link if gpu else 0.0,
            # no drives: the traffic has nowhere to go, and the plan already says so in its problems
            "ssd_read": ssd_r / r.ssd_read if r.ssd_read else 0.0, "ssd_write": ssd_w / r.ssd_write if r.ssd_write else 0.0}
+    if r.crc:
+        # every byte through the store is checksummed by a CPU thread (CRC32C), beside the rest
+        res["checksum"] = (ssd_r + ssd_w) / r.crc
     if gpu:
-        devices = {"gpu": res["compute"], "cpu": res["optimizer"]}
+        devices = {"gpu": res["compute"], "cpu": res["optimizer"] + res.get("checksum", 0.0)}
     else:
-        devices = {"cpu": res["compute"] + res["optimizer"]}
+        devices = {"cpu": res["compute"] + res["optimizer"] + res.get("checksum", 0.0)}
     devices.update({"dram": res["memory"], "pcie": max(res["link_h2d"], res["link_d2h"]),
                     "ssd": res["ssd_read"] + res["ssd_write"]})
     _, step = _combine(devices, L)

@@ -76,8 +76,14 @@ def _bytes_under(d: Path) -> int:
 
 
 def config_diff(saved: dict, now: dict) -> list[str]:
-    return [f"{k}: {saved.get(k)!r} in the run, {now.get(k)!r} now" for k in RESULT_OPTIONS
-            if saved.get(k) != now.get(k)]
+    """Options that change results and differ. An option the saved run predates had its default
+    then (options are added with the old behaviour as their default)."""
+    from dataclasses import fields
+
+    from .finetune import FinetuneConfig
+    defaults = {f.name: f.default for f in fields(FinetuneConfig)}
+    return [f"{k}: {saved.get(k, defaults.get(k))!r} in the run, {now.get(k)!r} now" for k in RESULT_OPTIONS
+            if saved.get(k, defaults.get(k)) != now.get(k)]
 
 
 def rng_state() -> str:
