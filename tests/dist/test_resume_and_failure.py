@@ -4,7 +4,6 @@ import json
 import time
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from tierlm.engine.commit import list_manifests, read_manifest

@@ -103,7 +103,7 @@ def _take(engine, states: dict, world: int, step: int) -> Path:
         C.sync_fs(root)
         state = {k: v for k, v in contents[0].items() if k != "records"}
         state["dist"] = dist.describe()
-        records = {dst: contents_record for dst, contents_record in _records(plan, contents, ranks)}
+        records = dict(_records(plan, contents, ranks))
         mine = _write_pending(root, dict(state, records=records))
         dist.barrier()  # every rank's resharded manifest is durable: make them the state
     final = root / C.manifest_name(step)
@@ -111,7 +111,7 @@ def _take(engine, states: dict, world: int, step: int) -> Path:
         os.replace(mine, final)
         C.fsync_dir(root)
     dist.barrier()
-    for s, p in _manifests(root):
+    for _, p in _manifests(root):
         if p != final:
             p.unlink(missing_ok=True)  # newer: not committed on every rank; older: another layout
     return final
