@@ -1,9 +1,10 @@
 """The activation planner against a sweep of fixed policies, at a long sequence under a small budget.
 
-    python benchmarks/activation_sweep.py --preset qwen2.5-0.5b --layers 6 --seq-len 16384 --cpu-mem 2GiB
+    python benchmarks/activation_sweep.py --preset qwen2.5-0.5b --layers 4 --vocab 2048 --seq-len 16384 --cpu-mem 4GiB
 
-Creates the model (the preset's layer shapes; --layers keeps the first N decoder layers so a sweep
-fits in an afternoon on a small machine) and a corpus from the standard library's docstrings, then
+Creates the model (the preset's layer shapes; --layers keeps N decoder layers and --vocab shrinks
+the head, so that a sweep fits on a small machine: the head's work is the same under every policy,
+and 16K tokens of a 152K-entry vocabulary would need 10+ GB of logits) and a corpus from the standard library's docstrings, then
 runs `tierlm finetune` once per policy in a fresh process: --activations auto (the planner), swap
 (every layer to NVMe), recompute, and swap fractions in between (the first k layers swapped, the
 rest recomputed). Steps 1-2 profile (auto re-plans after each); the step time reported is the mean
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -40,7 +42,8 @@ def run(model: Path, corpus: Path, work: Path, policy: str, a) -> dict:
     summary = json.loads((out / "summary.json").read_text())
     after = plan["measured_since_plan"] or {}
     last = plan["steps"][-1]
-    return {"policy": policy, "measured_s": after.get("step_s"), "predicted_s": plan["plan"]["predicted"]["step_s"],
+    return {"policy": policy, "measured_s": after.get("step_s"), "steps_s": [round(h["step_s"], 2) for h in plan["steps"]],
+            "load": os.getloadavg(), "predicted_s": plan["plan"]["predicted"]["step_s"],
             "chosen": plan["plan"]["layers"], "reason": plan["plan"]["reason"],
             "swapped_gb": last["swapped_bytes"]["nvme"] / 1e9, "peak_rss": summary["peak_rss_bytes"],
             "acts_gb": sum(p["act_bytes"] for p in plan["profile"]) / 1e9, "wall_s": wall,
@@ -51,9 +54,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen2.5-0.5b")
     ap.add_argument("--layers", type=int, default=None, help="keep the first N decoder layers")
+    ap.add_argument("--vocab", type=int, default=None, help="a smaller vocabulary (the head is the same work under every policy)")
     ap.add_argument("--seq-len", type=int, default=16384)
     ap.add_argument("--cpu-mem", default="2GiB")
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--fractions", default="0.5", help="swap fractions between all-recompute and all-swap")
     ap.add_argument("--work", default="/tmp/tierlm-act-sweep")
     ap.add_argument("--keep", action="store_true", help="keep the work directory (it holds the model and NVMe state)")
@@ -61,12 +65,12 @@ def main() -> None:
 
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
-    over = {"layers": a.layers} if a.layers else {}
+    over = {k: v for k, v in (("layers", a.layers), ("vocab", a.vocab)) if v}
     config = make_config(None, a.preset, over)
     layers = config.num_hidden_layers
     model = work / "model"
     if not (model / "config.json").exists():
-        extra = [f"--layers={a.layers}"] if a.layers else []
+        extra = [f"--{k}={v}" for k, v in over.items()]
         subprocess.run([sys.executable, "-m", "tierlm", "init", str(model), "--preset", a.preset,
                         f"--max-positions={max(a.seq_len, 2048)}"] + extra, check=True)
     corpus = work / "corpus.txt"
@@ -86,7 +90,7 @@ def main() -> None:
             continue
         name = r["policy"] if "," not in r["policy"] else f"swap {r['policy'].count('swap')}/{layers}"
         print(f"{name:<28} {r['measured_s']:>15.2f} {r['predicted_s']:>10.2f} {r['predicted_s'] / r['measured_s']:>9.2f} "
-              f"{r['swapped_gb']:>10.2f} {r['peak_rss'] / 2**30:>12.2f}")
+              f"{r['swapped_gb']:>10.2f} {r['peak_rss'] / 2**30:>12.2f}   steps {r['steps_s']} load {r['load'][0]:.1f}")
     ok = [r for r in rows if "error" not in r]
     auto = next((r for r in ok if r["policy"] == "auto"), None)
     sweep = [r for r in ok if r["policy"] != "auto"]

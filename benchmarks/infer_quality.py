@@ -5,7 +5,7 @@ perplexity, so this script trains a small llama on text that is on every machine
 of Python's standard library, held-out modules kept aside), then scores the held-out docstrings and
 the plain-text files under /usr/share/doc with the tierlm engine in each weight format.
 
-    flock /tmp/tierlm-bench.lock python benchmarks/infer_quality.py --dir /tmp/ibench/quality --steps 300
+    flock /tmp/tierlm-bench.lock python benchmarks/infer_quality.py --dir /tmp/ibench/quality --steps 200 --batch 8
 """
 from __future__ import annotations
 
@@ -99,9 +99,9 @@ def main():
 
     p = argparse.ArgumentParser()
     p.add_argument("--dir", required=True)
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=200)
     p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--batch", type=int, default=8)
     p.add_argument("--eval-tokens", type=int, default=16384)
     a = p.parse_args()
     root = Path(a.dir)

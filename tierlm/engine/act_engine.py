@@ -84,12 +84,19 @@ class ActivationPlanner:
         """Staging for one layer's storages in flight plus one layer read ahead."""
         return 2 * self.est
 
-    def _initial_plan(self) -> P.Plan:
+    def layer_flops(self) -> float:
+        """Forward FLOPs of one decoder layer for a micro-batch: its matmuls (2 per weight per
+        token) and causal attention (QK^T and AV over half the square, per sequence)."""
         cfgm = self.eng.config
         tokens = self.eng.cfg.tokens_per_micro_batch
+        seq = tokens // max(self.eng.cfg.micro_batch_size, 1)
         per_layer = sum(self.eng.infos[n].numel for n in self.layers[0].owns)
-        heads_dim = cfgm.hidden_size
-        flops = 2 * per_layer * tokens + 2 * tokens * tokens * heads_dim  # matmuls + causal attention
+        heads = cfgm.num_attention_heads
+        head_dim = getattr(cfgm, "head_dim", None) or cfgm.hidden_size // heads
+        return 2 * per_layer * tokens + 2 * tokens * seq * heads * head_dim
+
+    def _initial_plan(self) -> P.Plan:
+        flops = self.layer_flops()
         rate = 0.5e12  # replaced by the measured profile after the first step
         layers = [P.LayerProfile(b.index, flops / rate, 2 * flops / rate, self.est) for b in self.layers]
         rates = P.Rates(0.5e9, 0.5e9, 5e9, "an estimate until the first step is profiled")
@@ -242,7 +249,10 @@ class ActivationPlanner:
                 "layers": {names[i]: p for i, p in self.plan.policies.items()},
                 "predicted": self.plan.predicted},
             "rates": None if self.rates is None else vars(self.rates),
-            "profile": [dict(vars(p), name=names[p.index]) for p in self.profile],
+            "profile": [dict(vars(p), name=names[p.index], fwd_flops=self.layer_flops(),
+                             fwd_tflops=self.layer_flops() / p.fwd_s / 1e12 if p.fwd_s else None,
+                             bwd_tflops=2 * self.layer_flops() / p.bwd_s / 1e12 if p.bwd_s else None)
+                        for p in self.profile],
             "base": None if not self.profile else vars(self.base),
             "measured_since_plan": _mean(after),
             "steps": self.history[-50:],

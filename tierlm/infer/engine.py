@@ -271,7 +271,9 @@ class InferenceEngine:
     def describe(self) -> str:
         _, kvh, hd = kv_geometry(self.config)
         w = self.cfg.quant or self.cfg.dtype
-        return f"{self.config.model_type}, weights {w}: {self.placement.describe()}"
+        tp = f"tensor-parallel rank {self.tp.rank} of {self.tp.world} (1/{self.tp.world} of each layer); " \
+            if self.tp else ""
+        return f"{self.config.model_type}, weights {w}: {tp}{self.placement.describe()}"
 
     def close(self) -> None:
         if self.tp:
