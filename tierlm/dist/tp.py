@@ -31,7 +31,15 @@ def init(tp: int) -> tuple[int, int]:
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             raise ValueError(f"--tp {tp} needs {tp} processes, one per shard: run it as "
                              f"`torchrun --nproc-per-node {tp} -m tierlm generate|serve MODEL --tp {tp}`")
-        dist.init_process_group("gloo")
+        from datetime import timedelta
+
+        from .group import _attempt_store
+        # The same rendezvous as data parallelism: a prefix per torchrun attempt, so a restarted
+        # group does not find the dead attempt's addresses.
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        timeout = timedelta(seconds=300)
+        dist.init_process_group("gloo", store=_attempt_store(rank, world, timeout), rank=rank,
+                                world_size=world, timeout=timeout)
     world = dist.get_world_size()
     if world != tp:
         raise ValueError(f"--tp {tp} but torch.distributed has {world} processes; give "
