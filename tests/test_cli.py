@@ -85,6 +85,8 @@ def test_demo_runs_and_loss_goes_down(tmp_path):
     assert "demo:" in r.stdout and "sample:" in r.stdout
     summary = json.loads((tmp_path / "demo" / "run" / "summary.json").read_text())
     assert summary["steps"] == 8 and summary["last_loss"] < summary["first_loss"]
+    # The README's promise: the fine-tune stays under the demo's --cpu-mem (160 MiB beyond the libraries).
+    assert summary["peak_rss_bytes"] - summary["library_rss_bytes"] <= 160 << 20
 
 
 def test_timeline_is_valid_and_covers_every_layer(tiny, tmp_path):

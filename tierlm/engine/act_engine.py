@@ -84,6 +84,13 @@ class ActivationPlanner:
         """Staging for one layer's storages in flight plus one layer read ahead."""
         return 2 * self.est
 
+    def _auto_pool(self) -> int:
+        """The pool the planner may reserve from the allowance; 0 (no swapping) when it cannot
+        hold one layer: storages that do not fit are written straight from their tensors, which
+        then outlive the layer beyond the budget."""
+        pool = min(self._swap_pool(), self.allowance)
+        return pool if pool >= self.est else 0
+
     def layer_flops(self) -> float:
         """Forward FLOPs of one decoder layer for a micro-batch: its matmuls (2 per weight per
         token) and causal attention (QK^T and AV over half the square, per sequence)."""
@@ -100,7 +107,8 @@ class ActivationPlanner:
         rate = 0.5e12  # replaced by the measured profile after the first step
         layers = [P.LayerProfile(b.index, flops / rate, 2 * flops / rate, self.est) for b in self.layers]
         rates = P.Rates(0.5e9, 0.5e9, 5e9, "an estimate until the first step is profiled")
-        plan = P.choose(layers, self.allowance, min(self._swap_pool(), self.allowance), rates, P.Base())
+        pool = self._auto_pool()
+        plan = P.choose(layers, self.allowance, pool, rates, P.Base(), can_swap=pool > 0)
         plan.reason = "from estimates: " + plan.reason
         return plan
 
@@ -115,7 +123,7 @@ class ActivationPlanner:
         self.wait_s = 0.0
         self.kept = 0
         self.phase_bytes = {"read_fwd": 0, "write_fwd": 0, "read_bwd": 0, "write_bwd": 0}
-        self._mark = self.eng.store.stats.snapshot() if hasattr(self.eng, "store") else None
+        self._mark = self.eng.store.stats.snapshot()
         self._phase = "fwd"
         self.t_step = None
         self.fwd_s = self.bwd_s = 0.0
@@ -123,9 +131,8 @@ class ActivationPlanner:
 
     def _account_io(self) -> None:
         snap = self.eng.store.stats.snapshot()
-        if self._mark is not None:
-            self.phase_bytes[f"read_{self._phase}"] += snap["bytes_read"] - self._mark["bytes_read"]
-            self.phase_bytes[f"write_{self._phase}"] += snap["bytes_written"] - self._mark["bytes_written"]
+        self.phase_bytes[f"read_{self._phase}"] += snap["bytes_read"] - self._mark["bytes_read"]
+        self.phase_bytes[f"write_{self._phase}"] += snap["bytes_written"] - self._mark["bytes_written"]
         self._mark = snap
 
     def micro_begin(self) -> None:
@@ -225,7 +232,8 @@ class ActivationPlanner:
             if self.rates is None:
                 self.rates = _rates(self.eng.root)
             if self.auto:
-                plan = P.choose(layers, self.allowance, min(self._swap_pool(), self.allowance), self.rates, base)
+                pool = self._auto_pool()
+                plan = P.choose(layers, self.allowance, pool, self.rates, base, can_swap=pool > 0)
                 self._apply(plan)
             else:
                 used = {b.index: self.cur[b.index].get("pol") for b in self.layers}

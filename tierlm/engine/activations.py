@@ -142,6 +142,8 @@ class ActivationSwapper:
     def _staging(self, nbytes: int, tier: str):
         """A pool buffer; for NVMe, waiting on the writes in flight while the pool is full."""
         while True:
+            # Waiting on the writes in flight (even for a storage larger than the pool, which
+            # then goes straight from its tensor) is what bounds the memory they hold.
             buf = self.pool.try_acquire(nbytes) if nbytes <= self.pool.capacity else None
             if buf is not None or tier == "host":
                 return buf
@@ -224,9 +226,6 @@ class ActivationSwapper:
 
     def spent_total(self) -> float:
         return self._spent_total + sum(self._spent.values())
-
-    def pending(self) -> int:
-        return sum(len(v) for v in self._blocks.values())
 
     def reset_stats(self) -> None:
         self.bytes_out = {"host": 0, "nvme": 0}
