@@ -16,11 +16,11 @@ def batches(n, vocab=128, bsz=2, seq=12, seed=1):
     return [torch.randint(0, vocab, (bsz, seq), generator=g) for _ in range(n)]
 
 
-def run_reference(model, data, *, lr, wd, clip, accum, warmup, precision, impl="fused"):
-    """Plain PyTorch: the model in memory, torch.optim.AdamW, LambdaLR, clip_grad_norm_.
-    bf16: bf16 model, fp32 master copies hold the AdamW state, gradients upcast and accumulated in fp32."""
+def reference_loop(model, data, *, clip, accum, precision, make_step):
+    """Plain PyTorch: the model in memory, clip_grad_norm_, and `make_step(params)`'s optimizer
+    step (called with the step index after clipping; it zeroes the gradients).
+    bf16: bf16 model, fp32 master copies hold the optimizer state, gradients upcast and accumulated in fp32."""
     model = copy.deepcopy(model)
-    sched_fn = lr_factor("cosine", warmup, len(data) // accum)
     if precision == "fp32":
         params = list(model.parameters())
     else:
@@ -29,9 +29,7 @@ def run_reference(model, data, *, lr, wd, clip, accum, warmup, precision, impl="
         params = [p.detach().clone().requires_grad_(True) for p in model.parameters()]
         for p in model.parameters():
             p.data = p.data.to(torch.bfloat16)
-    flags = {"fused": dict(fused=True), "foreach": dict(foreach=True), "single": dict(foreach=False)}[impl]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=wd, **flags)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, sched_fn)
+    step = make_step(params)
     losses, norms = [], []
     for s in range(len(data) // accum):
         for x in data[s * accum:(s + 1) * accum]:
@@ -44,15 +42,29 @@ def run_reference(model, data, *, lr, wd, clip, accum, warmup, precision, impl="
                     p.grad = None
         if clip is not None:
             norms.append(float(torch.nn.utils.clip_grad_norm_(params, clip)))
-        opt.step()
-        sched.step()
-        opt.zero_grad()
+        step(s)
         if precision == "bf16":
             with torch.no_grad():
                 for p, m in zip(model.parameters(), params):
                     p.copy_(m)
     masters = dict(zip([n for n, _ in model.named_parameters()], [p.detach() for p in params]))
     return model, masters, losses, norms
+
+
+def run_reference(model, data, *, lr, wd, clip, accum, warmup, precision, impl="fused"):
+    """The reference loop with torch.optim.AdamW and LambdaLR."""
+    flags = {"fused": dict(fused=True), "foreach": dict(foreach=True), "single": dict(foreach=False)}[impl]
+
+    def make_step(params):
+        opt = torch.optim.AdamW(params, lr=lr, weight_decay=wd, **flags)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor("cosine", warmup, len(data) // accum))
+
+        def step(s):
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        return step
+    return reference_loop(model, data, clip=clip, accum=accum, precision=precision, make_step=make_step)
 
 
 def run_engine(model_dir, tmp_path, data, *, lr, wd, clip, accum, warmup, precision, impl="fused",

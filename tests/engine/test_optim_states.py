@@ -1,12 +1,11 @@
 """--optim-states bf16|int8: the quantiser itself, and the out-of-core AdamW with compressed moments
 equal (bit for bit) to an in-memory loop that puts the same encode/decode around torch's kernel."""
-import copy
 
 import pytest
 import torch
 from torch.optim.adamw import adamw
 
-from tests.engine.test_exactness import assert_same, batches
+from tests.engine.test_exactness import assert_same, batches, reference_loop
 from tierlm.engine import state_quant as SQ
 from tierlm.engine.engine import Engine, EngineConfig
 from tierlm.engine.layout import ParamInfo
@@ -108,47 +107,29 @@ def test_bf16_mode_rounds_to_nearest():
 # ---- the engine against an in-memory reference -------------------------------------------
 
 def reference(model, data, *, mode, lr, wd, clip, accum, precision):
-    """Plain PyTorch with m, v kept only in their stored form: decode, torch's fused AdamW kernel
-    on the whole tensor, encode. bf16 precision: bf16 model, fp32 masters, fp32 accumulation."""
-    model = copy.deepcopy(model)
-    if precision == "fp32":
-        params = list(model.parameters())
-    else:
-        params = [p.detach().clone().requires_grad_(True) for p in model.parameters()]
-        for p in model.parameters():
-            p.data = p.data.to(torch.bfloat16)
-    stored = [None] * len(params)
-    losses = []
-    for s in range(len(data) // accum):
-        for x in data[s * accum:(s + 1) * accum]:
-            loss = model(input_ids=x, labels=x).loss
-            (loss / accum).backward()
-            losses.append(loss.item())
-            if precision == "bf16":
-                for p, m in zip(model.parameters(), params):
-                    m.grad = p.grad.float() if m.grad is None else m.grad + p.grad.float()
-                    p.grad = None
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(params, clip)
-        for i, p in enumerate(params):
-            flat, g = p.data.view(-1), p.grad.view(-1)
-            m, v = torch.zeros_like(flat), torch.zeros_like(flat)
-            if stored[i] is not None:
-                SQ.decode(mode, stored[i][0], m, signed=True)
-                SQ.decode(mode, stored[i][1], v, signed=False)
-            adamw([flat], [g], [m], [v], [], [torch.tensor(float(s))], lr=lr, beta1=0.9, beta2=0.999,
-                  weight_decay=wd, eps=1e-8, amsgrad=False, maximize=False, fused=True, foreach=False)
-            dt, numel = SQ.stored_spec(mode, flat.numel())
-            stored[i] = (torch.empty(numel, dtype=dt), torch.empty(numel, dtype=dt))
-            SQ.encode(mode, m, stored[i][0], signed=True)
-            SQ.encode(mode, v, stored[i][1], signed=False)
-            p.grad = None
-        if precision == "bf16":
-            with torch.no_grad():
-                for p, m in zip(model.parameters(), params):
-                    p.copy_(m)
-    names = [n for n, _ in model.named_parameters()]
-    return dict(zip(names, [p.detach() for p in params])), losses
+    """The reference loop with m, v kept only in their stored form: decode, torch's fused AdamW
+    kernel on the whole tensor, encode."""
+    def make_step(params):
+        stored = [None] * len(params)
+
+        def step(s):
+            for i, p in enumerate(params):
+                flat, g = p.data.view(-1), p.grad.view(-1)
+                m, v = torch.zeros_like(flat), torch.zeros_like(flat)
+                if stored[i] is not None:
+                    SQ.decode(mode, stored[i][0], m, signed=True)
+                    SQ.decode(mode, stored[i][1], v, signed=False)
+                adamw([flat], [g], [m], [v], [], [torch.tensor(float(s))], lr=lr, beta1=0.9, beta2=0.999,
+                      weight_decay=wd, eps=1e-8, amsgrad=False, maximize=False, fused=True, foreach=False)
+                dt, numel = SQ.stored_spec(mode, flat.numel())
+                stored[i] = (torch.empty(numel, dtype=dt), torch.empty(numel, dtype=dt))
+                SQ.encode(mode, m, stored[i][0], signed=True)
+                SQ.encode(mode, v, stored[i][1], signed=False)
+                p.grad = None
+        return step
+    _, masters, losses, _ = reference_loop(model, data, clip=clip, accum=accum, precision=precision,
+                                           make_step=make_step)
+    return masters, losses
 
 
 def engine_cfg(tmp_path, name, mode, *, lr, wd, clip, accum, precision, state_cache=True, shard_elems=None):

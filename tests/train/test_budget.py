@@ -14,24 +14,29 @@ BUDGET = "96MiB"
 SHAPE = {"layers": 8, "hidden": 512, "heads": 8, "kv_heads": 4, "intermediate": 1408, "vocab": 4096}
 
 
+def finetune_under(tmp_path, shape: dict, lines: int, budget: str, *args) -> tuple[int, dict]:
+    """`tierlm init` a llama of `shape` and fine-tune it in a subprocess under `budget`:
+    (the libraries' own peak RSS, the run's summary)."""
+    model = tmp_path / "model"
+    subprocess.run([sys.executable, "-m", "tierlm", "init", str(model), "--arch", "llama"]
+                   + [f"--{k.replace('_', '-')}={v}" for k, v in shape.items()], check=True)
+    data = tmp_path / "data.txt"
+    data.write_text("\n".join(f"line {i}: the quick brown fox jumps over the lazy dog." for i in range(lines)))
+    libraries = library_peak()
+    run = subprocess.run([sys.executable, "-m", "tierlm", "finetune", str(model), "--data", str(data),
+                          "--output", str(tmp_path / "run"), "--cpu-mem", budget, *args],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return libraries, json.loads((tmp_path / "run" / "summary.json").read_text())
+
+
 @pytest.mark.slow
 def test_training_state_4x_budget_stays_under_budget(tmp_path):
     config = make_config("llama", None, SHAPE)
     state = 16 * param_count(config)
     budget = parse_bytes(BUDGET)
     assert state >= 4 * budget
-    model = tmp_path / "model"
-    subprocess.run([sys.executable, "-m", "tierlm", "init", str(model), "--arch", "llama"]
-                   + [f"--{k.replace('_', '-')}={v}" for k, v in SHAPE.items()], check=True)
-    data = tmp_path / "data.txt"
-    data.write_text("\n".join(f"line {i}: the quick brown fox jumps over the lazy dog." for i in range(400)))
-
-    libraries = library_peak()
-    run = subprocess.run([sys.executable, "-m", "tierlm", "finetune", str(model), "--data", str(data),
-                          "--output", str(tmp_path / "run"), "--cpu-mem", BUDGET, "--seq-len", "64",
-                          "--steps", "3", "--lr", "1e-3"], capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr[-3000:]
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    libraries, summary = finetune_under(tmp_path, SHAPE, 400, BUDGET, "--seq-len", "64", "--steps", "3", "--lr", "1e-3")
     assert summary["steps"] == 3
     peak = summary["peak_rss_bytes"]  # the fine-tune's own VmHWM at the end of the run
     print(f"state {state / 2**20:.0f} MiB, budget {budget / 2**20:.0f} MiB, libraries {libraries / 2**20:.0f} MiB, "
@@ -49,22 +54,14 @@ ACT_BUDGET = "136MiB"
 def test_activations_3x_budget_swap_to_nvme_under_budget(tmp_path):
     """4096-token sequences through 20 layers save ~450 MiB of activations: swapped to the NVMe
     store layer by layer, the run stays under a 136 MiB budget (peak RSS measured)."""
-    model = tmp_path / "model"
-    subprocess.run([sys.executable, "-m", "tierlm", "init", str(model), "--arch", "llama"]
-                   + [f"--{k.replace('_', '-')}={v}" for k, v in ACT_SHAPE.items()], check=True)
-    data = tmp_path / "data.txt"
-    data.write_text("\n".join(f"line {i}: the quick brown fox jumps over the lazy dog." for i in range(3000)))
-    libraries = library_peak()
-    run = subprocess.run([sys.executable, "-m", "tierlm", "finetune", str(model), "--data", str(data),
-                          "--output", str(tmp_path / "run"), "--cpu-mem", ACT_BUDGET, "--seq-len", "4096",
-                          "--steps", "2", "--activations", "swap"], capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr[-3000:]
+    libraries, summary = finetune_under(tmp_path, ACT_SHAPE, 3000, ACT_BUDGET, "--seq-len", "4096",
+                                        "--steps", "2", "--activations", "swap")
     plan = json.loads((tmp_path / "run" / "plan.json").read_text())
     acts = sum(p["act_bytes"] for p in plan["profile"])  # measured saved bytes, every layer
     budget = parse_bytes(ACT_BUDGET)
     assert acts >= 3 * budget, f"activations {acts / 2**20:.0f} MiB are not 3x the budget"
     assert plan["steps"][-1]["swapped_bytes"]["nvme"] >= 0.9 * acts
-    peak = json.loads((tmp_path / "run" / "summary.json").read_text())["peak_rss_bytes"]
+    peak = summary["peak_rss_bytes"]
     print(f"activations {acts / 2**20:.0f} MiB, budget {budget / 2**20:.0f} MiB, "
           f"peak libraries + {(peak - libraries) / 2**20:.0f} MiB")
     assert peak <= libraries + budget
