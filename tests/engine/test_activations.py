@@ -57,11 +57,15 @@ def test_swap_for_every_architecture(make_model_dir, tmp_path, arch):
         assert torch.equal(masters[n], m), (arch, n)
 
 
-def test_auto_profiles_plans_and_logs_measured_beside_predicted(make_model_dir, tmp_path):
+def test_auto_profiles_plans_and_logs_measured_beside_predicted(make_model_dir, tmp_path, monkeypatch):
+    # Any two profiles agree: the plan is final after step 3 (steps 2 and 3 profiled), and step 4
+    # is measured against it. (Whether real timings agree is act_plan.settle's test below.)
+    monkeypatch.setattr(P, "SETTLE_TOLERANCE", float("inf"))
     model_dir, _ = make_model_dir("llama")
-    run_engine(model_dir, tmp_path, batches(6, seq=16), activations="auto", **HP)
+    run_engine(model_dir, tmp_path, batches(8, seq=16), activations="auto", **HP)
     doc = json.loads((tmp_path / "nvme-fp32-auto" / "plan.json").read_text())
-    assert doc["plan"]["made_after_step"] == 2
+    assert doc["plan"]["made_after_step"] == 3
+    assert doc["profiled_steps"] == 2 and doc["profile_settled"]
     assert set(doc["plan"]["layers"]) == {"layers.0", "layers.1", "layers.2"}
     assert all(p in ("keep", "swap", "recompute") for p in doc["plan"]["layers"].values())
     assert doc["plan"]["predicted"]["step_s"] > 0
@@ -124,3 +128,31 @@ def test_planner_mixes_swap_and_recompute_at_the_balance_point():
     for k in range(21):
         pol = {p.index: ("swap" if i < k else "recompute") for i, p in enumerate(layers)}
         assert plan.predicted["step_s"] <= P.predict(layers, pol, rates, base)["step_s"] + 1e-9
+
+
+def _prof(*totals):
+    """One two-layer profile per total layer compute (seconds), split 1:2 forward/backward."""
+    return [[P.LayerProfile(i, t / 6, t / 3, 10 + i) for i in range(2)] for t in totals]
+
+
+def test_profile_settles_when_two_steps_agree():
+    prof, final = P.settle(_prof(3.0))
+    assert not final and prof == _prof(3.0)[0]
+    # a step slowed by another process does not settle the profile
+    prof, final = P.settle(_prof(3.0, 6.0))
+    assert not final and prof == _prof(6.0)[0]
+    # two agreeing steps do: their mean per layer
+    prof, final = P.settle(_prof(3.0, 6.0, 3.1))
+    assert not final
+    prof, final = P.settle(_prof(3.0, 6.0, 3.1, 3.0))
+    assert final
+    assert [p.fwd_s for p in prof] == pytest.approx([3.05 / 6] * 2)
+    assert [p.bwd_s for p in prof] == pytest.approx([3.05 / 3] * 2)
+    assert [p.act_bytes for p in prof] == [10, 11]
+
+
+def test_profile_that_never_agrees_takes_the_median():
+    prof, final = P.settle(_prof(2.0, 4.0, 8.0, 16.0, 32.0, 64.0), max_steps=6)
+    assert final
+    assert sum(p.fwd_s + p.bwd_s for p in prof) == pytest.approx(12.0)
+    assert not P.settle(_prof(2.0, 4.0, 8.0), max_steps=6)[1]

@@ -4,8 +4,9 @@ that the planner is fed with, and plan.json with the predicted and measured time
 With `--activations auto` the first step runs a plan made from estimates (activation bytes from
 the layer's shapes, FLOPs at the measured matmul rate); every step is profiled (per layer: forward
 and backward time, saved bytes; per phase: SSD bytes of weights and optimizer; time outside the
-layers), and after steps 1 and 2 the planner re-plans from the measurements (step 1 pays for
-first-touch page faults and kernel set-up, so step 2's profile is the one that stays).
+layers), and the planner re-plans from the measurements after step 1, then after every step until
+two consecutive steps agree (step 1 pays for first-touch page faults and kernel set-up and is left
+out; one step slowed by another process must not fix the plan: `act_plan.settle`).
 """
 from __future__ import annotations
 
@@ -20,9 +21,6 @@ from ..units import fmt_bytes
 from . import act_plan as P
 from . import budget as B
 from .activations import ActivationSwapper
-
-REPLAN_AFTER = (1, 2)
-
 
 def _rates(root: Path) -> P.Rates:
     """SSD and memory rates from `tierlm bench io`'s cache; when there are none (or they are of
@@ -67,6 +65,8 @@ class ActivationPlanner:
         self.plan_step = 0
         self.rates: P.Rates | None = None
         self.profile: list[P.LayerProfile] = []
+        self.profiled: list[list[P.LayerProfile]] = []  # steps 2, 3, ... until the profile settles
+        self.settled = False
         self.history: list[dict] = []
         self.steps_done = 0
         if self.auto:
@@ -227,7 +227,10 @@ class ActivationPlanner:
                     "policies": {b.name: self.cur[b.index].get("pol") for b in self.layers},
                     "swapped_bytes": dict(self.swapper.bytes_out), **self.phase_bytes}
         self.history.append(measured)
-        if self.steps_done in REPLAN_AFTER and all(p.fwd_s > 0 for p in layers):
+        if not self.settled and all(p.fwd_s > 0 for p in layers):
+            if self.steps_done > 1:
+                self.profiled.append(layers)
+                layers, self.settled = P.settle(self.profiled)
             self.profile, self.base = layers, base
             if self.rates is None:
                 self.rates = _rates(self.eng.root)
@@ -257,6 +260,8 @@ class ActivationPlanner:
                 "layers": {names[i]: p for i, p in self.plan.policies.items()},
                 "predicted": self.plan.predicted},
             "rates": None if self.rates is None else vars(self.rates),
+            # steps after the first that the profile was taken from, and whether it is final
+            "profiled_steps": len(self.profiled), "profile_settled": self.settled,
             "profile": [dict(vars(p), name=names[p.index], fwd_flops=self.layer_flops(),
                              fwd_tflops=self.layer_flops() / p.fwd_s / 1e12 if p.fwd_s else None,
                              bwd_tflops=2 * self.layer_flops() / p.bwd_s / 1e12 if p.bwd_s else None)

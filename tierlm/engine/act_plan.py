@@ -117,3 +117,45 @@ def choose(layers: list[LayerProfile], allowance: int, pool: int, rates: Rates, 
 def fixed_policy(layers: list[LayerProfile], policy: str, rates: Rates, base: Base) -> Plan:
     pol = {p.index: policy for p in layers}
     return Plan(pol, predict(layers, pol, rates, base), reason=f"--activations {policy}")
+
+
+SETTLE_TOLERANCE = 0.10  # two profiles whose layer compute differs by less are taken to agree
+MAX_PROFILED_STEPS = 6   # after this many profiled steps the plan stays, agreed or not
+
+
+def _compute_s(layers: list[LayerProfile]) -> float:
+    return sum(p.fwd_s + p.bwd_s for p in layers)
+
+
+def settle(profiles: list[list[LayerProfile]], tolerance: float | None = None,
+           max_steps: int | None = None) -> tuple[list[LayerProfile], bool]:
+    """The profile to plan with, and whether it is final.
+
+    `profiles` are the steps profiled after the first (which pays for page faults and kernel
+    set-up), oldest first. One step disturbed by another process (a core taken away for seconds)
+    would otherwise fix the plan and its prediction for the whole run: the profile is final when
+    the last two steps agree (total layer compute within `tolerance`), and is then their mean per
+    layer; after `max_steps` it is the per-layer median of them all, agreed or not."""
+    tolerance = SETTLE_TOLERANCE if tolerance is None else tolerance
+    max_steps = MAX_PROFILED_STEPS if max_steps is None else max_steps
+    if not profiles:
+        raise ValueError("no profiled step")
+    last = profiles[-1]
+    if len(profiles) >= 2:
+        a, b = _compute_s(profiles[-2]), _compute_s(last)
+        if abs(a - b) <= tolerance * max(a, b):
+            return _combine(profiles[-2:], lambda xs: sum(xs) / len(xs)), True
+    if len(profiles) >= max_steps:
+        return _combine(profiles, _median), True
+    return last, False
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    m = len(s) // 2
+    return s[m] if len(s) % 2 else (s[m - 1] + s[m]) / 2
+
+
+def _combine(profiles: list[list[LayerProfile]], f) -> list[LayerProfile]:
+    return [LayerProfile(ps[0].index, f([p.fwd_s for p in ps]), f([p.bwd_s for p in ps]),
+                         max(p.act_bytes for p in ps)) for ps in zip(*profiles)]
