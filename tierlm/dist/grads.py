@@ -127,6 +127,7 @@ def share_weights(engine, updated: list[str]) -> None:
             if owner == dist.rank:
                 buf.release()
             else:
+                engine.window.offer(name, k, t)
                 f = store.write(key("w", name, k, new), t)
                 f.add_done_callback(lambda _f, b_=buf: b_.release())
                 pending.append(f)

@@ -122,7 +122,8 @@ class Engine:
         self.optimizer = OutOfCoreAdamW(
             self.store, self.opt_pool, self.infos, [n for n in backward_order if self._owned(n)], self.names,
             cfg.optim, weight_dtype, self.state["optim"], max_pending_grad_bytes=self.split.grads,
-            on_event=on_event, state_cache=self.cache_pool, optim_states=cfg.optim_states, dist=dist)
+            on_event=on_event, state_cache=self.cache_pool, optim_states=cfg.optim_states, dist=dist,
+            on_new_weights=lambda n, k, t: self.window.offer(n, k, t))
         if dist is not None:
             from ..dist.grads import GradReducer
             self.reducer = GradReducer(dist, backward_order, self.optimizer, self.split.grads)
@@ -469,7 +470,7 @@ class Engine:
         """Make the finished step the state (atomically). A step with non-finite gradients is not
         applied: the weights and optimizer state stay those before it; the step still counts."""
         res = self._result
-        self.window.invalidate_all()
+        self.window.invalidate_all(keep_renewed=res.finite)  # the first blocks' new weights stay
         if res.finite:
             self.optimizer.commit()
         else:

@@ -103,7 +103,8 @@ class OutOfCoreAdamW:
                  order: list[str], canonical: list[str], cfg: AdamWConfig,
                  weight_dtype: torch.dtype | None, state: dict, lookahead: int = 4,
                  max_pending_grad_bytes: int = 1 << 62, on_event=None,
-                 state_cache: HostBufferPool | None = None, optim_states: str = "fp32", dist=None):
+                 state_cache: HostBufferPool | None = None, optim_states: str = "fp32", dist=None,
+                 on_new_weights=None):
         """order: parameter names in the order backward produces them (block by block);
         canonical: the order of `model.parameters()` (the order torch's clipping stacks norms in);
         weight_dtype: dtype of the working weights, or None when they are the fp32 master (full fp32);
@@ -112,7 +113,9 @@ class OutOfCoreAdamW:
         their writes still happen, every step is still durable);
         optim_states: how m and v are stored (fp32 | bf16 | int8, state_quant);
         dist: a data-parallel rank (tierlm.dist) or None: `order` then lists only the parameters this
-        rank owns, and the clipping norm gathers every owner's norms."""
+        rank owns, and the clipping norm gathers every owner's norms;
+        on_new_weights(name, shard, tensor): the new working weights of a shard, before they are
+        written (the weight window keeps them for the next forward)."""
         self.store, self.pool, self.infos, self.cfg = store, pool, infos, cfg
         self.order, self.canonical = order, canonical
         self.weight_dtype = weight_dtype
@@ -148,6 +151,7 @@ class OutOfCoreAdamW:
             raise OptimizerError(f"--optim-states {optim_states} needs shards of a multiple of {SQ.BLOCK} "
                                  f"elements; {bad[0]} starts off a block boundary")
         self.dist = dist
+        self.on_new_weights = on_new_weights
 
     # ---- called from the compute thread ----------------------------------------------
     def begin_micro(self, micro: int, n_micro: int, lr: float) -> None:
@@ -507,10 +511,13 @@ class OutOfCoreAdamW:
             writes.append(self.store.write(key("master", it.name, it.shard, new), master))
             writes.append(self.store.write(key("m", it.name, it.shard, new), m))
             writes.append(self.store.write(key("v", it.name, it.shard, new), v))
+            w = master
             if self.weight_dtype is not None:
                 w = it.bufs["w"].view(self.weight_dtype, (n,))
                 w.copy_(master)  # the same rounding as `param.data.copy_(master)`
                 writes.append(self.store.write(key("w", it.name, it.shard, new), w))
+            if self.on_new_weights is not None:
+                self.on_new_weights(it.name, it.shard, w)
             self._updated.add(it.name)
         if self.on_event:
             self.on_event("optimizer", f"{it.name}.{it.shard}", t0, time.perf_counter(), n)

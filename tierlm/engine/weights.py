@@ -3,7 +3,10 @@
 Parameters are read from the store into the window's own pool (its capacity is the window's share
 of the `cpu` budget), prefetched ahead of use, pinned while a block runs, and evicted least recently
 used first. Forward walks blocks 0..N and backward N..0, so after forward the last blocks are still
-resident for the start of backward.
+resident for the start of backward, and after backward the first blocks are resident for the next
+forward. The optimizer hands every updated shard of working weights to `offer` before writing it:
+an entry no block is using takes the new values in place, and an entry whose every shard was
+renewed survives the commit, so the next forward does not read back what the step just wrote.
 """
 from __future__ import annotations
 
@@ -19,12 +22,13 @@ from .layout import ParamInfo, nbytes
 
 
 class _Entry:
-    __slots__ = ("buffer", "tensor", "reads", "pins", "tick")
+    __slots__ = ("buffer", "tensor", "reads", "pins", "tick", "renewed")
 
     def __init__(self, buffer: Buffer, tensor: torch.Tensor, reads: list[Future]):
         self.buffer, self.tensor, self.reads = buffer, tensor, reads
         self.pins = 0
         self.tick = None  # None: read ahead and not used yet (evicted last)
+        self.renewed: set[int] = set()  # shards overwritten with this step's new values
 
 
 class WeightWindow:
@@ -37,6 +41,8 @@ class WeightWindow:
         self._clock = itertools.count()
         self.hits = 0
         self.misses = 0
+        self.renewed_bytes = 0  # new weights taken in place (not read back from the store)
+        self.kept_bytes = 0     # bytes of entries that survived the last commit
 
     def _bytes(self, name: str) -> int:
         return nbytes(self.dtype, self.infos[name].numel)
@@ -94,6 +100,9 @@ class WeightWindow:
                     e = self._load(n, blocking=True)
                 else:
                     self.hits += 1
+                    if e.renewed:
+                        raise RuntimeError(f"{n}: a forward between the last backward of a step and "
+                                           f"step() would see a mix of old and new weights; call step() first")
                 e.pins += 1
                 got[n] = e
         out = {}
@@ -110,13 +119,34 @@ class WeightWindow:
                 e.pins -= 1
                 e.tick = next(self._clock)
 
-    def invalidate_all(self) -> None:
-        """Drop every unpinned entry: the working weights changed (a step committed)."""
+    def offer(self, name: str, shard: int, values: torch.Tensor) -> None:
+        """The step's new working weights of one shard (called before they are written). Only an
+        entry no block holds takes them: until the commit, nothing reads a parameter whose update
+        has started (backward is past its block, and a clip redo reads from the store)."""
         with self._lock:
-            for n in [n for n, e in self._entries.items() if e.pins == 0]:
-                self._drop(n)
-            if self._entries:
-                raise RuntimeError(f"weights still pinned at commit: {sorted(self._entries)}")
+            e = self._entries.get(name)
+            if e is None or e.pins:
+                return
+            for f in e.reads:
+                f.result()
+            a, b = self.infos[name].shards[shard]
+            e.tensor.view(-1)[a:b].copy_(values)
+            e.renewed.add(shard)
+            self.renewed_bytes += values.numel() * values.element_size()
+
+    def invalidate_all(self, keep_renewed: bool = True) -> None:
+        """A step committed (keep_renewed) or was dropped: keep the entries whose every shard holds
+        the new weights, drop every other unpinned one (it holds the old weights, or a mix)."""
+        with self._lock:
+            for n, e in list(self._entries.items()):
+                if e.pins == 0 and not (keep_renewed and len(e.renewed) == len(self.infos[n].shards)):
+                    self._drop(n)
+                else:
+                    e.renewed = set()
+            pinned = sorted(n for n, e in self._entries.items() if e.pins)
+            if pinned:
+                raise RuntimeError(f"weights still pinned at commit: {pinned}")
+            self.kept_bytes = sum(self._bytes(n) for n in self._entries)
 
     def resident_bytes(self) -> int:
         return self.pool.resident_bytes
