@@ -171,7 +171,8 @@ def _add_plan_verbs(sub) -> None:
     q.add_argument("--tokens", type=int, default=256, help="serve: tokens generated per request")
     q.add_argument("--activations", choices=("auto", "keep", "swap", "recompute"), default="auto",
                    help="saved activations: auto (the fastest split), keep in RAM, swap to NVMe, recompute")
-    q.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
+    q.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
+                   help="auto: bf16 on catalog hardware; on 'this', what `tierlm finetune` would measure and pick")
     q.add_argument("--cpu-mem", default=None, metavar="SIZE", help="RAM the run may use (default: the machine's less a reserve)")
     q.add_argument("--no-state-cache", action="store_true",
                    help="stream all optimizer state through the SSD even when RAM has room (today's engine)")
@@ -231,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     q = sub.add_parser("demo", help="create a small model, fine-tune it out-of-core under a tight budget, generate")
     q.add_argument("--dir", default="runs/demo", help="where the demo model, data and run go (default: runs/demo)")
-    q.add_argument("--cpu-mem", default="160MiB", help="the RAM budget (default: 160MiB)")
+    q.add_argument("--cpu-mem", default=None, help="the RAM budget (default: 160MiB in bf16, 256MiB in fp32)")
     q.add_argument("--steps", type=int, default=30, help="optimizer steps (default: 30)")
     q.set_defaults(fn=_cmd_demo)
 

@@ -40,32 +40,44 @@ def stdlib_corpus(out: Path, max_bytes: int = 3_000_000) -> Path:
     return out
 
 
-def run_demo(directory: str = "runs/demo", cpu_mem: str = "160MiB", steps: int = 30) -> dict:
+# Per compute precision (tierlm.precision: bf16 only where this CPU multiplies bf16 fast): decoder
+# layers and the budget. fp32 working weights and scratch need more RAM, so the fp32 demo takes a
+# deeper model to keep the training state well beyond the budget.
+SETUPS = {"bf16": (8, "160MiB"), "fp32": (20, "256MiB")}
+
+
+def run_demo(directory: str = "runs/demo", cpu_mem: str | None = None, steps: int = 30) -> dict:
     from .hf.init import init_model
     from .hf.presets import make_config, param_count
+    from .precision import resolve
 
     d = Path(directory)
+    precision, why = resolve("auto")
+    print(why)
+    layers, default_mem = SETUPS[precision]
+    cpu_mem = cpu_mem or default_mem
     corpus = stdlib_corpus(d / "data" / "stdlib_docstrings.txt")
     print(f"corpus: {corpus} ({fmt_bytes(corpus.stat().st_size)} of standard-library docstrings)")
-    config = make_config("llama", None, {"layers": 8, "hidden": 512, "heads": 8, "kv_heads": 4,
+    config = make_config("llama", None, {"layers": layers, "hidden": 512, "heads": 8, "kv_heads": 4,
                                          "intermediate": 1408, "vocab": 4096, "max_positions": 512})
     n = param_count(config)
     model_dir = d / "model"
     init_model(model_dir, config, seed=0, tokenizer_text=[str(corpus)], overwrite=True)
-    state = 16 * n
+    state = (16 if precision == "bf16" else 12) * n  # fp32 master, m, v (+ bf16 working weights)
     budget = parse_bytes(cpu_mem)
-    print(f"model: {model_dir}, llama, {n / 1e6:.1f}M parameters; training state {fmt_bytes(state)} "
+    print(f"model: {model_dir}, llama, {n / 1e6:.1f}M parameters; {precision} training state {fmt_bytes(state)} "
           f"= {state / budget:.1f}x the --cpu-mem budget of {fmt_bytes(budget)}")
     run = d / "run"
     shutil.rmtree(run, ignore_errors=True)
     # A process of its own, so that its peak RSS is the fine-tune's and nothing else's.
     cmd = [sys.executable, "-m", "tierlm", "finetune", str(model_dir), "--data", str(corpus),
-           "--output", str(run), "--cpu-mem", cpu_mem, "--seq-len", "128", "--batch-size", "4",
+           "--output", str(run), "--cpu-mem", cpu_mem, "--precision", precision, "--seq-len", "128", "--batch-size", "4",
            "--steps", str(steps), "--lr", "2e-3", "--schedule", "cosine", "--warmup-steps", "3",
            "--weight-decay", "0.01", "--max-grad-norm", "1.0", "--sample-prompt", "Return the",
            "--sample-tokens", "30", "--sample-temperature", "0.8"]
     print("$ tierlm finetune " + " ".join(cmd[4:]), flush=True)
-    subprocess.run(cmd, check=True)
+    if subprocess.run(cmd).returncode != 0:
+        raise SystemExit(f"demo: the fine-tune failed (its error is above); the run directory is {run}")
     summary = json.loads((run / "summary.json").read_text())
     beyond = summary["peak_rss_bytes"] - summary["library_rss_bytes"]
     print(f"\ndemo: {n / 1e6:.1f}M parameters, training state {fmt_bytes(state)} on disk "

@@ -90,16 +90,25 @@ def bench_memory(size_bytes: int = 512 << 20, repeats: int = 5) -> dict:
 
 def bench_compute(seconds_per_dtype: float = 2.0, n: int = 2048) -> dict:
     """Matmul TFLOPS per dtype (n x n x n), and fused AdamW elements/s on one 4M-element shard."""
-    out = {}
+    out, sizes = {}, {}
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        a = torch.randn(n, n).to(dtype)
-        b = torch.randn(n, n).to(dtype)
+        # A CPU without bf16/fp16 matrix instructions runs a fallback kernel ~100x slower than fp32
+        # (one 2048^3 product: about a minute); a small product first says which size fits the time.
+        k = 512
+        a, b = torch.randn(k, k).to(dtype), torch.randn(k, k).to(dtype)
+        a @ b
+        t0 = time.perf_counter()
+        a @ b
+        small = time.perf_counter() - t0
+        k = n if small * (n / k) ** 3 < seconds_per_dtype / 2 else k
+        a, b = torch.randn(k, k).to(dtype), torch.randn(k, k).to(dtype)
         a @ b  # kernel selection and page faults outside the timing
         reps, t0 = 0, time.perf_counter()
         while reps < 2 or time.perf_counter() - t0 < seconds_per_dtype:
             a @ b
             reps += 1
-        out[str(dtype).removeprefix("torch.")] = 2.0 * n**3 * reps / (time.perf_counter() - t0) / 1e12
+        out[str(dtype).removeprefix("torch.")] = 2.0 * k**3 * reps / (time.perf_counter() - t0) / 1e12
+        sizes[str(dtype).removeprefix("torch.")] = k
     from torch.optim.adamw import adamw
 
     k = 1 << 22
@@ -112,7 +121,8 @@ def bench_compute(seconds_per_dtype: float = 2.0, n: int = 2048) -> dict:
               amsgrad=False, maximize=False, fused=True, foreach=False)
     update()
     t = _best(update, 10)
-    return {"matmul_tflops": out, "matmul_n": n, "adamw_elems_per_s": k / t, "threads": torch.get_num_threads()}
+    return {"matmul_tflops": out, "matmul_n": n, "matmul_n_by_dtype": sizes, "adamw_elems_per_s": k / t,
+            "threads": torch.get_num_threads()}
 
 
 # Decoder layers unrelated to any model benchmarked (llama-style, heads of 64, a quarter as many KV
@@ -133,12 +143,16 @@ def layer_train_flops(layer_params: int, tokens: int, seq: int, q_dim: int) -> f
     return 6.0 * layer_params * tokens + 3 * 4.0 * (seq / 2) * q_dim * tokens
 
 
-def bench_layer(dtype: torch.dtype = torch.bfloat16, repeats: int = 2, widths: tuple[int, ...] = REF_HIDDEN,
+def bench_layer(dtype: torch.dtype | None = None, repeats: int = 2, widths: tuple[int, ...] = REF_HIDDEN,
                 tokens: int = REF_TOKENS) -> dict:
     """FLOP/s of a decoder layer's forward + backward at `tokens` (rows of REF_SEQ), per width, in
-    `dtype`: the matmuls at real shapes plus the norms, rotary embedding, attention and activation
-    functions around them."""
+    `dtype` (default: what `--precision auto` trains in here): the matmuls at real shapes plus the
+    norms, rotary embedding, attention and activation functions around them."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    if dtype is None:
+        from ..precision import resolve
+        dtype = torch.bfloat16 if resolve("auto")[0] == "bf16" else torch.float32
 
     out = {}
     for hidden in widths:
@@ -158,7 +172,7 @@ def bench_layer(dtype: torch.dtype = torch.bfloat16, repeats: int = 2, widths: t
         t = _best(step, repeats)
         out[str(hidden)] = layer_train_flops(n, rows * REF_SEQ, REF_SEQ, hidden) / t / 1e12
         del model, layer, x
-    return {"layer_tflops": out, "layer_tokens": tokens}
+    return {"layer_tflops": out, "layer_tokens": tokens, "layer_dtype": "bf16" if dtype == torch.bfloat16 else "fp32"}
 
 
 def bench_gemv(dtype: torch.dtype = torch.bfloat16, hidden: int = 2048, repeats: int = 20) -> dict:

@@ -41,7 +41,7 @@ _MANAGED = ("act", "w0", "w1", "master0", "master1", "m0", "m1", "v0", "v1", "gr
 class EngineConfig:
     nvme_dir: str
     cpu_mem: int | str = "4GiB"
-    precision: str = "bf16"          # bf16: bf16 compute, fp32 master; fp32: everything fp32
+    precision: str = "auto"          # bf16: bf16 compute, fp32 master; fp32: everything fp32; auto: measured
     grad_accum: int = 1
     activations: str = "auto"        # auto | keep | swap | swap-host | recompute, or one per layer, comma-separated
     prefetch: int = 2                # blocks read ahead of the one computing
@@ -57,8 +57,8 @@ class EngineConfig:
 
     def __post_init__(self):
         self.cpu_mem = parse_bytes(self.cpu_mem, "cpu_mem")
-        if self.precision not in ("bf16", "fp32"):
-            raise ValueError(f"precision must be 'bf16' or 'fp32', got {self.precision!r}")
+        from ..precision import resolve
+        self.precision = resolve(self.precision)[0]
         pols = self.activations.split(",")
         allowed = ("keep", "swap", "swap-host", "recompute")
         if not (pols == ["auto"] or all(p in allowed for p in pols)):

@@ -25,8 +25,11 @@ def hardware_from_measurements(m: dict, spec: str = "this") -> Hardware:
     measured = {"matmul_tflops": comp["matmul_tflops"], "adamw_elems_per_s": comp["adamw_elems_per_s"],
                 "mem_gbps": io["mem_gbps"], "nvme": io, "when": mach["when"],
                 # absent in caches written before `bench compute` measured them: the plan says so
-                "layer_tflops": comp.get("layer_tflops"), "gemv_gbps": comp.get("gemv_gbps"),
+                "layer_tflops": comp.get("layer_tflops"), "layer_dtype": comp.get("layer_dtype", "bf16"),
+                "gemv_gbps": comp.get("gemv_gbps"),
                 "crc32c_gbps": comp.get("crc32c_gbps"),
+                # what `--precision auto` picked when `bench compute` ran (its reference layers' dtype)
+                "precision": comp.get("layer_dtype", "bf16"),
                 "overhead": comp.get("overhead")}
     hw = Hardware(spec, cpu, mach["ram_bytes"], None, drive, 1, measured=measured)
     if not io.get("direct_io", True):
@@ -78,7 +81,7 @@ def bench_text(what: str, res: dict) -> str:
     o = res["overhead"]
     return (f"matmul TFLOPS ({res['matmul_n']}^3, {res['threads']} threads): {mm}; decoder layer fwd+bwd "
             + ", ".join(f"{v:.3f} at hidden {k}" for k, v in res["layer_tflops"].items())
-            + f" TFLOPS (bf16); batch-1 decode matmul {res['gemv_gbps']:.2f} GB/s of weights; CRC32C "
+            + f" TFLOPS ({res.get('layer_dtype', 'bf16')}); batch-1 decode matmul {res['gemv_gbps']:.2f} GB/s of weights; CRC32C "
             f"{res['crc32c_gbps']:.1f} GB/s; AdamW (fused) {res['adamw_elems_per_s'] / 1e9:.2f} "
             f"G elements/s; engine overhead: training {o['train_per_step_s'] * 1e3:.0f} ms/step + "
             f"{o['train_per_layer_s'] * 1e3:.0f} ms/layer, decode in RAM {o['decode_resident_per_step_s'] * 1e3:.1f} ms + "

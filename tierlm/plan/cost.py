@@ -118,7 +118,8 @@ def rates(hw: Hardware, eff: Efficiency, precision: str = "bf16") -> Rates:
         rd, wr = hw.nvme_read_gbps * GB * eff.nvme, hw.nvme_write_gbps * GB * eff.nvme
     g = hw.gpu
     bf16 = m is not None and precision == "bf16"
-    layer = m.get("layer_tflops") if bf16 else None
+    # the reference layers ran in one dtype (caches from before it was recorded: bf16)
+    layer = m.get("layer_tflops") if m is not None and m.get("layer_dtype", "bf16") == precision else None
     return Rates(layer_flops={h: v * 1e12 for h, v in layer.items()} if isinstance(layer, dict) else None,
                  gemv=(m.get("gemv_gbps") or 0.0) * GB if bf16 else 0.0,
                  crc=(m.get("crc32c_gbps") or 0.0) * GB if m is not None else 0.0,

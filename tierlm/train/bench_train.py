@@ -39,6 +39,11 @@ def bench_train(model: str, data: str, cpu_mem: str, steps: int, work: str, fine
 
     work_dir = Path(work)
     work_dir.mkdir(parents=True, exist_ok=True)
+    if not any(a.split("=")[0] == "--precision" for a in finetune_args):
+        from ..precision import resolve  # once, so that both runs compute in the same dtype
+        precision, why = resolve("auto")
+        print(why, file=sys.stderr)
+        finetune_args = [*finetune_args, "--precision", precision]
     common = [model, "--data", data, "--steps", str(steps), *finetune_args]
     result: dict = {"model": model, "steps": steps, "cpu_mem": cpu_mem}
 

@@ -25,7 +25,9 @@ class FinetuneConfig:
     output: str | None = option(None, help="run directory (config, metrics.jsonl, final model); default runs/finetune-<time>")
     nvme: str | None = option(None, help="directory on the SSD for weights and optimizer states; default <output>/nvme")
     cpu_mem: str = option("4GiB", help="RAM the run may use beyond the torch import", metavar="SIZE")
-    precision: str = option("bf16", help="bf16: bf16 compute + fp32 master weights; fp32: all fp32", choices=("bf16", "fp32"))
+    precision: str = option("auto", help="bf16: bf16 compute + fp32 master weights; fp32: all fp32; auto: bf16 where "
+                            "this CPU multiplies bf16 matrices at least half as fast as fp32 (measured at start; "
+                            "a resumed run keeps its own)", choices=("auto", "bf16", "fp32"))
     seq_len: int = option(512, help="tokens per packed training row")
     batch_size: int = option(1, help="rows per micro-batch")
     grad_accum: int = option(1, help="micro-batches per optimizer step")
@@ -82,7 +84,30 @@ def _resolve(cfg: FinetuneConfig) -> FinetuneConfig:
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
     parse_bytes(cfg.cpu_mem, "--cpu-mem")
+    if cfg.precision == "auto":
+        cfg.precision = _saved_precision(cfg) or _measured_precision()
     return cfg
+
+
+def _saved_precision(cfg: FinetuneConfig) -> str | None:
+    """A resumed run keeps the precision its state was made in (the state's fingerprint has it)."""
+    if cfg.resume != "auto":
+        return None
+    from ..engine.commit import list_manifests, read_manifest
+    for root in (Path(cfg.nvme), Path(cfg.nvme) / "rank0"):
+        for m in list_manifests(root):
+            try:
+                return read_manifest(m)["fingerprint"]["precision"]
+            except (KeyError, TypeError, ValueError, OSError):
+                continue
+    return None
+
+
+def _measured_precision() -> str:
+    from ..precision import resolve
+    chosen, why = resolve("auto")
+    print(why, file=sys.stderr)
+    return chosen
 
 
 def _save_timeline(tl, out: Path, step: int, dt: float, progress) -> None:
@@ -114,6 +139,9 @@ def finetune(cfg: FinetuneConfig | None = None, **options) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     from ..dist import from_env
     dist = from_env(cfg.dist_timeout)
+    if dist is not None:
+        # Ranks started by torchrun directly measured on their own: bf16 only if every rank chose it.
+        dist.same_on_all(int(cfg.precision == "bf16"), "--precision (pass it explicitly)")
     lock = RunLock(out) if dist is None or dist.rank == 0 else None
     try:
         return _run(cfg, out, dist)
