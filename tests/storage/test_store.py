@@ -99,3 +99,33 @@ def test_pool_is_bounded_and_reuses_buffers():
     b.release()
     got[0].release()
     assert pool.used_bytes == 0
+
+
+@pytest.mark.parametrize("n", [1000, 1024, 4096])  # unaligned, and whole 4 KiB blocks
+def test_rewrite_goes_in_place_unless_a_snapshot_shares_the_file(store, n):
+    first, second, third = torch.randn(n), torch.randn(n), torch.randn(n)
+    store.write("slot/t", first).result()
+    path = store.path("slot/t")
+    inode = os.stat(path).st_ino
+    store.write("slot/t", second).result()
+    assert os.stat(path).st_ino == inode  # the same file, overwritten
+    assert torch.equal(store.read("slot/t").result().tensor, second)
+    assert os.path.getsize(path) == n * 4
+
+    # A checkpoint hard-links the file: the next write must not reach through the link.
+    snap = path.with_name("snapshot")
+    os.link(path, snap)
+    store.write("slot/t", third).result()
+    assert os.stat(path).st_ino != inode
+    assert torch.equal(torch.frombuffer(bytearray(snap.read_bytes()), dtype=torch.float32), second)
+    assert torch.equal(store.read("slot/t").result().tensor, third)
+
+
+def test_a_size_change_writes_a_new_file(store):
+    store.write("k", torch.randn(100)).result()
+    inode = os.stat(store.path("k")).st_ino
+    t = torch.randn(300)
+    store.write("k", t).result()
+    assert os.stat(store.path("k")).st_ino != inode
+    assert torch.equal(store.read("k").result().tensor, t)
+    assert not list(store.root.glob("*.partial"))

@@ -31,7 +31,9 @@ def _best(fn, repeats: int) -> float:
 
 def bench_io(directory: str | os.PathLike, size_bytes: int = 2 << 30, block_bytes: int = 16 << 20,
              inflight: int = 4) -> dict:
-    """Write then read `size_bytes` in `block_bytes` tensors with `inflight` requests outstanding."""
+    """Write then read `size_bytes` in `block_bytes` tensors with `inflight` requests outstanding.
+    The timed writes overwrite files a first pass created, as every step after a run's first
+    rewrites its optimizer slot in place (creating files is 2-3x slower: benchmarks/store_writes.py)."""
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(root).free
@@ -44,7 +46,7 @@ def bench_io(directory: str | os.PathLike, size_bytes: int = 2 << 30, block_byte
     for b in bufs:  # incompressible bytes: some drives compress zeros
         b.view(torch.uint8).copy_(torch.randint(0, 256, (b.numel(),), dtype=torch.uint8))
     store = TensorStore(work, HostBufferPool(0, name="bench"), io_threads=inflight)
-    try:
+    def write_all() -> float:
         t0 = time.perf_counter()
         pending = [None] * inflight
         for i in range(n):
@@ -56,7 +58,11 @@ def bench_io(directory: str | os.PathLike, size_bytes: int = 2 << 30, block_byte
             if f is not None:
                 f.result()
         os.sync()  # buffered writes (no direct I/O) count only once on the device
-        write_s = time.perf_counter() - t0
+        return time.perf_counter() - t0
+
+    try:
+        create_s = write_all()
+        write_s = write_all()
         t0 = time.perf_counter()
         pending = [None] * inflight
         for i in range(n):
@@ -75,6 +81,7 @@ def bench_io(directory: str | os.PathLike, size_bytes: int = 2 << 30, block_byte
     total = n * block_bytes
     return {"dir": str(root.resolve()), "direct_io": direct, "bytes": total, "block_bytes": block_bytes,
             "inflight": inflight, "read_gbps": total / read_s / GB, "write_gbps": total / write_s / GB,
+            "create_write_gbps": total / create_s / GB,
             "free_bytes": shutil.disk_usage(root).free,
             "note": None if direct else "no direct I/O here: reads may come from the page cache and overstate the drive"}
 
