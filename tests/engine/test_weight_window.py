@@ -63,3 +63,19 @@ def test_a_forward_before_step_is_refused(make_model_dir, tmp_path):
             eng.forward(x, labels=x)
     finally:
         eng.close()
+
+
+def test_a_tied_heads_gradient_is_in_the_budget(make_model_dir, tmp_path):
+    """Autograd holds the head's gradient of a tied embedding until the embedding's arrives: the
+    split sets that much aside (qwen2 ties them, llama does not)."""
+    from tierlm.engine.budget import TRAINING_RESERVE
+
+    splits = {}
+    for arch in ("qwen2", "llama"):
+        model_dir, model = make_model_dir(arch, hidden_size=64, vocab_size=4096)
+        cfg = EngineConfig(nvme_dir=str(tmp_path / arch), cpu_mem="1GiB", precision="fp32", tokens_per_micro_batch=8)
+        eng = Engine.from_pretrained(model_dir, cfg)
+        splits[arch] = eng.split.compute - TRAINING_RESERVE
+        eng.close()
+    embed = 4096 * 64 * 4
+    assert splits["qwen2"] - splits["llama"] == embed

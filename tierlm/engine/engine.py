@@ -211,12 +211,16 @@ class Engine:
         shard = min(self.shard_elems, max(i.numel for i in self.infos.values()))
         item = shard_buffer_bytes(shard, None if self.dtype == torch.float32 else self.dtype, self.cfg.optim_states)
         n_layers = sum(b.kind == "layer" for b in self.blocks)
+        # a weight the head uses but another block owns (tied): its head gradient is held by
+        # autograd until the owner's arrives at the end of backward
+        held = sum(nbytes(self.dtype, self.infos[n].numel) for b in self.blocks if b.kind == "head"
+                   for n in b.uses if n not in b.owns)
 
         def split(tokens: int) -> B.Split:
             act = B.layer_activation_bytes(self.config, tokens, self.dtype)
             inp = tokens * self.config.hidden_size * torch.empty((), dtype=self.dtype).element_size()
             return B.plan_split(self.cfg.cpu_mem, baseline, max_w, max_g, item, act, inp, n_layers,
-                                B.logits_bytes(self.config, tokens, self.dtype), self.cfg.prefetch)
+                                B.logits_bytes(self.config, tokens, self.dtype), self.cfg.prefetch, held)
         try:
             return split(self.cfg.tokens_per_micro_batch)
         except BudgetError as e:
@@ -404,12 +408,16 @@ class Engine:
         self._prefetch_from(blk.index, -1)
         self.acts.backward_begin(blk)
         self.hooks.begin_count()
+        self._blocked0 = self.optimizer.blocked_s
         self._t_compute = time.perf_counter()
 
     def block_backward_end(self, blk) -> None:
         t1 = time.perf_counter()
         self.timeline.event("compute", f"bwd {blk.name}", self._t_compute, t1)
-        self.acts.backward_end(blk, t1 - self._t_compute, self.hooks.end_count())
+        # time spent handing gradients to an optimizer that was behind is a wait, not compute
+        blocked = self.optimizer.blocked_s - self._blocked0
+        self.acts.waited(blocked)
+        self.acts.backward_end(blk, t1 - self._t_compute - blocked, self.hooks.end_count())
         self._unload(blk.uses)
 
     def policy_for(self, blk) -> str:

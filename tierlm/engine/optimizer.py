@@ -152,6 +152,7 @@ class OutOfCoreAdamW:
                                  f"elements; {bad[0]} starts off a block boundary")
         self.dist = dist
         self.on_new_weights = on_new_weights
+        self.blocked_s = 0.0  # time backward waited in grad_ready for the optimizer to catch up
 
     # ---- called from the compute thread ----------------------------------------------
     def begin_micro(self, micro: int, n_micro: int, lr: float) -> None:
@@ -170,10 +171,18 @@ class OutOfCoreAdamW:
     def grad_ready(self, name: str, grad: torch.Tensor) -> None:
         """Hand over a parameter's gradient; blocks while too many gradient bytes wait."""
         size = grad.numel() * grad.element_size()
+        t0 = time.perf_counter()
         with self._cv:
             while (self._pending_bytes > 0 and self._pending_bytes + size > self.max_pending
                    and self._run is not None and not self._run.done()):
                 self._cv.wait(0.5)
+        t1 = time.perf_counter()
+        if t1 - t0 > 1e-4:
+            # backward stood still: the optimizer (or its I/O) is behind, not the compute
+            self.blocked_s += t1 - t0
+            if self.on_event:
+                self.on_event("wait", "gradients in flight", t0, t1, 0)
+        with self._cv:
             if self._run is not None and self._run.done():
                 self._run.result()  # the worker failed: surface its error in backward
             self._grads[name] = grad
