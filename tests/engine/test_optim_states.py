@@ -215,7 +215,11 @@ def test_resume_after_a_failed_step_keeps_equality(make_model_dir, tmp_path):
                                resume=True)
 
 
-def test_ssd_bytes_per_step_drop(make_model_dir, tmp_path):
+def test_ssd_bytes_per_step_drop(make_model_dir, tmp_path, monkeypatch):
+    # Weights the window keeps across a commit depend on timing (tests/engine/test_weight_window.py):
+    # read them all back here, so that the formats' bytes are the only difference.
+    from tierlm.engine.weights import WeightWindow
+    monkeypatch.setattr(WeightWindow, "offer", lambda self, *a: None)
     model_dir, _ = make_model_dir("llama")
     data = batches(3)
     kw = dict(lr=1e-3, wd=0.0, clip=None, accum=1, precision="bf16")
