@@ -36,7 +36,10 @@ def test_training_state_4x_budget_stays_under_budget(tmp_path):
     state = 16 * param_count(config)
     budget = parse_bytes(BUDGET)
     assert state >= 4 * budget
-    libraries, summary = finetune_under(tmp_path, SHAPE, 400, BUDGET, "--seq-len", "64", "--steps", "3", "--lr", "1e-3")
+    # bf16 (16 bytes of state a parameter) whatever this CPU's fast precision is: the fp32 promise at
+    # 2.8x is the demo's (tests/test_cli.py)
+    libraries, summary = finetune_under(tmp_path, SHAPE, 400, BUDGET, "--seq-len", "64", "--steps", "3", "--lr", "1e-3",
+                                        "--precision", "bf16")
     assert summary["steps"] == 3
     peak = summary["peak_rss_bytes"]  # the fine-tune's own VmHWM at the end of the run
     print(f"state {state / 2**20:.0f} MiB, budget {budget / 2**20:.0f} MiB, libraries {libraries / 2**20:.0f} MiB, "
@@ -47,15 +50,16 @@ def test_training_state_4x_budget_stays_under_budget(tmp_path):
 
 ACT_SHAPE = {"layers": 20, "hidden": 128, "heads": 4, "kv_heads": 2, "intermediate": 352, "vocab": 512,
              "max_positions": 4096}
-ACT_BUDGET = "136MiB"
+ACT_BUDGET = "256MiB"
 
 
 @pytest.mark.slow
 def test_activations_3x_budget_swap_to_nvme_under_budget(tmp_path):
-    """4096-token sequences through 20 layers save ~450 MiB of activations: swapped to the NVMe
-    store layer by layer, the run stays under a 136 MiB budget (peak RSS measured)."""
+    """4096-token sequences through 20 layers save ~900 MiB of fp32 activations: swapped to the
+    NVMe store layer by layer, the run stays under a 256 MiB budget (peak RSS measured). (fp32: the
+    precision that runs fast on every CPU; in bf16 the same run saved 452 MiB under 136 MiB.)"""
     libraries, summary = finetune_under(tmp_path, ACT_SHAPE, 3000, ACT_BUDGET, "--seq-len", "4096",
-                                        "--steps", "2", "--activations", "swap")
+                                        "--steps", "2", "--activations", "swap", "--precision", "fp32")
     plan = json.loads((tmp_path / "run" / "plan.json").read_text())
     acts = sum(p["act_bytes"] for p in plan["profile"])  # measured saved bytes, every layer
     budget = parse_bytes(ACT_BUDGET)
