@@ -176,13 +176,12 @@ class OutOfCoreAdamW:
             while (self._pending_bytes > 0 and self._pending_bytes + size > self.max_pending
                    and self._run is not None and not self._run.done()):
                 self._cv.wait(0.5)
-        t1 = time.perf_counter()
-        if t1 - t0 > 1e-4:
-            # backward stood still: the optimizer (or its I/O) is behind, not the compute
-            self.blocked_s += t1 - t0
-            if self.on_event:
-                self.on_event("wait", "gradients in flight", t0, t1, 0)
-        with self._cv:
+            t1 = time.perf_counter()
+            if t1 - t0 > 1e-4:
+                # backward stood still: the optimizer (or its I/O) is behind, not the compute
+                self.blocked_s += t1 - t0
+                if self.on_event:
+                    self.on_event("wait", "gradients in flight", t0, t1, 0)
             if self._run is not None and self._run.done():
                 self._run.result()  # the worker failed: surface its error in backward
             self._grads[name] = grad

@@ -142,9 +142,8 @@ class TensorStore:
         the newest committed state does not use, the file is already allocated, and the data is
         the only thing that moves (no create, truncate, block allocation or rename for the
         journal: 2.1-2.9x the write rate for 1-16 MiB tensors on the 2-vCPU dev machine,
-        `benchmarks/store_writes.py`). A crash
-        mid-write leaves a torn file there, which its checksum names if an older state is ever
-        resumed from it. A snapshot's hard link (a checkpoint) is never written through: such a
+        `benchmarks/store_writes.py`). A crash mid-write leaves a torn file there, which its
+        checksum names if an older state is ever resumed from it. A snapshot's hard link (a checkpoint) is never written through: such a
         file, a new key, or a size change takes the rename path, and a reader (or the snapshot)
         never sees a half-written tensor."""
         t0 = time.perf_counter()

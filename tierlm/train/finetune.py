@@ -98,7 +98,7 @@ def _saved_precision(cfg: FinetuneConfig) -> str | None:
         for m in list_manifests(root):
             try:
                 return read_manifest(m)["fingerprint"]["precision"]
-            except (KeyError, TypeError, ValueError, OSError):
+            except (KeyError, TypeError, ValueError, OSError, RuntimeError):  # a damaged manifest: the next
                 continue
     return None
 
@@ -140,7 +140,7 @@ def finetune(cfg: FinetuneConfig | None = None, **options) -> dict:
     from ..dist import from_env
     dist = from_env(cfg.dist_timeout)
     if dist is not None:
-        # Ranks started by torchrun directly measured on their own: bf16 only if every rank chose it.
+        # Ranks started by torchrun directly measured on their own: they must have chosen alike.
         dist.same_on_all(int(cfg.precision == "bf16"), "--precision (pass it explicitly)")
     lock = RunLock(out) if dist is None or dist.rank == 0 else None
     try:
