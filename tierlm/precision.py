@@ -45,12 +45,18 @@ def probe(tokens: int = 256, width: int = 512) -> dict:
             "fp32_gflops": worst["fp32_flops"] / 1e9, "capability": torch.backends.cpu.get_cpu_capability()}
 
 
-def resolve(precision: str) -> tuple[str, str]:
-    """(bf16 | fp32, why): `auto` measured, the others as given."""
+def resolve(precision: str, device: str | torch.device = "cpu") -> tuple[str, str]:
+    """(bf16 | fp32, why): `auto` measured on a CPU, from the GPU's capability on a GPU; the
+    others as given."""
     if precision not in PRECISIONS:
         raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}; got {precision!r}")
     if precision != "auto":
         return precision, f"--precision {precision}"
+    if torch.device(device).type == "cuda":
+        ok = torch.cuda.is_bf16_supported()
+        return ("bf16" if ok else "fp32"), (f"--precision auto chose {'bf16' if ok else 'fp32'}: "
+                                            f"{torch.cuda.get_device_name(device)} "
+                                            f"{'has' if ok else 'lacks'} bf16 matrix units")
     p = probe()
     chosen = "bf16" if p["worst_ratio"] >= MIN_BF16_SHARE else "fp32"
     return chosen, (f"--precision auto chose {chosen}: bf16 matrix products run at {p['worst_ratio']:.2f}x the "

@@ -55,7 +55,10 @@ class ActivationPlanner:
         fixed = pols * n if len(pols) == 1 else pols
         self.policies = {b.index: ("keep" if self.auto else p) for b, p in zip(self.layers, fixed)}
         self.est = B.layer_activation_bytes(engine.config, cfg.tokens_per_micro_batch, engine.dtype)
-        self.allowance = engine.split.activations
+        # kept activations live in the compute memory: host RAM, or the GPU's when one computes
+        self.allowance = engine.act_allowance
+        self.host_allowance = engine.split.activations  # the swap pool is host RAM either way
+        self.on_gpu = engine.on_gpu
         self.pool = HostBufferPool(0, name="activation swap buffers")
         lane = {"ssd_read": "act_read", "ssd_write": "act_write"}
         self.store = TensorStore(engine.root / "act", self.pool, io_threads=2, direct_io=cfg.direct_io,
@@ -76,7 +79,7 @@ class ActivationPlanner:
             # (what does not fit in the host tier goes down to NVMe).
             n_host = sum(p == "swap-host" for p in fixed)
             want = n_host * self.est + (self._swap_pool() if "swap" in fixed else 0)
-            self.pool.capacity = min(want, self.allowance)
+            self.pool.capacity = min(want, self.host_allowance)
         self._reset_step()
 
     # ---- sizes -------------------------------------------------------------------------
@@ -87,7 +90,10 @@ class ActivationPlanner:
     def _auto_pool(self) -> int:
         """The pool the planner may reserve from the allowance; 0 (no swapping) when it cannot
         hold one layer: storages that do not fit are written straight from their tensors, which
-        then outlive the layer beyond the budget."""
+        then outlive the layer beyond the budget. With a GPU the planner keeps or recomputes (it
+        does not price the GPU -> host link yet): 0."""
+        if self.on_gpu:
+            return 0
         pool = min(self._swap_pool(), self.allowance)
         return pool if pool >= self.est else 0
 

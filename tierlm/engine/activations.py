@@ -28,11 +28,12 @@ from ..storage.aligned import aligned_empty
 class _Stored:
     """One swapped storage: its bytes in a host buffer, on the NVMe store, or both."""
 
-    __slots__ = ("key", "nbytes", "buf", "write", "read", "tier", "block", "hold")
+    __slots__ = ("key", "nbytes", "buf", "write", "read", "tier", "block", "hold", "dev")
 
     def __init__(self, key: str, nbytes: int, tier: str, block: int):
         self.key, self.nbytes, self.tier, self.block = key, nbytes, tier, block
         self.buf = None
+        self.dev = None  # the copy back on the GPU, shared by every view unpacked from it
         self.hold = False  # backward wants it before its write landed: keep the buffer
         self.write: Future | None = None
         self.read: Future | None = None
@@ -53,11 +54,12 @@ class _Owned:
 class Handle:
     """What autograd keeps in place of a saved tensor: where its storage went and its view."""
 
-    __slots__ = ("stored", "dtype", "size", "stride", "offset")
+    __slots__ = ("stored", "dtype", "size", "stride", "offset", "device")
 
     def __init__(self, stored: _Stored, t: torch.Tensor):
         self.stored = stored
         self.dtype, self.size, self.stride, self.offset = t.dtype, t.size(), t.stride(), t.storage_offset()
+        self.device = t.device
 
 
 class ActivationSwapper:
@@ -130,7 +132,7 @@ class ActivationSwapper:
             if s.buf is None:
                 # No staging room and nothing in flight to wait for: write from the tensor itself
                 # (the write holds it until it lands).
-                s.write = self.store.write(s.key, src)
+                s.write = self.store.write(s.key, src if src.device.type == "cpu" else src.cpu())
                 self._inflight.append(s.write)
                 return s
             s.write = self.store.write(s.key, s.buf.tensor[:nbytes])
@@ -199,7 +201,12 @@ class ActivationSwapper:
         buf = s.buf
         if buf is None:
             raise RuntimeError(f"activation {s.key} was needed again after its block's backward")
-        base = buf.tensor[:s.nbytes].view(h.dtype)  # an aligned buffer starts inside its storage
+        if h.device.type != "cpu":
+            if s.dev is None:
+                s.dev = buf.tensor[:s.nbytes].to(h.device)
+            base = s.dev.view(h.dtype)
+        else:
+            base = buf.tensor[:s.nbytes].view(h.dtype)  # an aligned buffer starts inside its storage
         return base.as_strided(h.size, h.stride, base.storage_offset() + h.offset)
 
     def end_backward(self, block: int) -> None:
@@ -212,6 +219,7 @@ class ActivationSwapper:
             s.read.exception()
         if s.write is not None:
             s.write.exception()
+        s.dev = None
         with self._lock:
             buf, s.buf = s.buf, None
             s.hold = False

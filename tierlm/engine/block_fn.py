@@ -94,6 +94,8 @@ class BlockFunction(torch.autograd.Function):
         try:
             if call.policy == "recompute":
                 ctx.rng = torch.get_rng_state()
+                # dropout on a GPU draws from that device's generator: replayed as well
+                ctx.dev_rng = torch.cuda.get_rng_state(hidden.device) if hidden.is_cuda else None
                 ctx.saved_input = hidden.detach()
                 with eng.hooks:
                     out = call.fn(hidden, *call.args, **call.kwargs)
@@ -115,8 +117,11 @@ class BlockFunction(torch.autograd.Function):
         try:
             if call.policy == "recompute":
                 h = ctx.saved_input.requires_grad_(True)
-                with torch.random.fork_rng(devices=[]), torch.enable_grad(), eng.hooks:
+                devices = [h.device] if h.is_cuda else []
+                with torch.random.fork_rng(devices=devices), torch.enable_grad(), eng.hooks:
                     torch.set_rng_state(ctx.rng)
+                    if ctx.dev_rng is not None:
+                        torch.cuda.set_rng_state(ctx.dev_rng, h.device)
                     out = call.fn(h, *call.args, **call.kwargs)
             else:
                 h, out = ctx.h, ctx.out

@@ -46,11 +46,11 @@ def trim() -> None:
         pass
 
 
-def library_baseline(config, dtype: torch.dtype = torch.bfloat16) -> int:
+def library_baseline(config, dtype: torch.dtype = torch.bfloat16, device=None) -> int:
     """RSS of the libraries alone: torch, transformers, this architecture's model code, and the
     code pages of the kernels it runs (a tiny model of the same architecture runs one forward and
-    backward in `dtype` to touch them). `--cpu-mem` counts everything beyond this; none of it grows
-    with the model."""
+    backward in `dtype` to touch them; on `device`, so a GPU's driver context and libraries are
+    counted too). `--cpu-mem` counts everything beyond this; none of it grows with the model."""
     from ..hf.presets import make_config
     from .model import empty_model  # noqa: F401  (our own modules, imported before measuring)
 
@@ -59,10 +59,14 @@ def library_baseline(config, dtype: torch.dtype = torch.bfloat16) -> int:
 
     torch.manual_seed(0)
     state = torch.random.get_rng_state()
-    m = AutoModelForCausalLM.from_config(tiny).to(dtype)
-    ids = torch.randint(0, tiny.vocab_size, (1, 8))
+    device = torch.device(device or "cpu")
+    m = AutoModelForCausalLM.from_config(tiny).to(dtype).to(device)
+    ids = torch.randint(0, tiny.vocab_size, (1, 8)).to(device)
     m(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     del m
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
     torch.random.set_rng_state(state)
     trim()
     return current_rss()
@@ -151,3 +155,25 @@ def plan_split(budget: int, baseline: int, max_block_weight: int, max_block_grad
     keep_all = n_layers * layer_act
     cache = max(acts - keep_all, 0)
     return Split(budget, baseline, window, optimizer, grads, acts - cache, compute, cache)
+
+
+# cuBLAS workspaces, the caching allocator's rounding and fragmentation, kernels' scratch
+GPU_RESERVE = 512 << 20
+
+
+def plan_gpu(budget: int, max_block_weight: int, max_block_grad: int, layer_act: int, layer_input: int,
+             n_layers: int, logits: int, held_grad: int) -> int:
+    """With a GPU computing: what `--gpu-mem` leaves for kept activations after its fixed share:
+    the block computing, the one uploaded ahead and a spare, one block's gradients before they
+    are copied out, the layer inputs, one layer's activations in flight, the logits, a tied
+    head's held gradient and the runtime's reserve."""
+    fixed = (3 * max_block_weight + 2 * max_block_grad + n_layers * layer_input + 2 * layer_act + logits
+             + held_grad + GPU_RESERVE)
+    if fixed > budget:
+        raise BudgetError(
+            f"--gpu-mem {fmt_bytes(budget)} cannot hold the GPU's working set: at least {fmt_bytes(fixed)} "
+            f"(3 blocks of weights {fmt_bytes(3 * max_block_weight)}, layer inputs "
+            f"{fmt_bytes(n_layers * layer_input)}, one layer's activations, logits and reserve "
+            f"{fmt_bytes(2 * layer_act + logits + held_grad + GPU_RESERVE)}). Raise --gpu-mem, or lower "
+            f"--batch-size / --seq-len.")
+    return budget - fixed

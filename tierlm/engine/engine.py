@@ -31,6 +31,7 @@ from .layout import key, make_param_info, nbytes
 from .model import discover_blocks, empty_model, module_param_slots
 from .optimizer import AdamWConfig, OutOfCoreAdamW, StepResult, shard_buffer_bytes
 from .state_quant import check_mode
+from .device import Uploads, move_buffers, synchronize, to_host
 from .timeline import Timeline
 from .weights import WeightWindow
 
@@ -54,11 +55,18 @@ class EngineConfig:
     tokens_per_micro_batch: int = 2048  # for the budget check; the trainer sets batch * seq_len
     micro_batch_size: int = 1        # sequences per micro-batch (to name the longest --seq-len that fits)
     plan_path: str | None = None     # where the activation planner writes plan.json
+    device: str = "cpu"              # where layers compute: cpu, cuda[:N], or auto (the GPU if there is one;
+                                     # finetune's default: the engine computes where it is told)
+    gpu_mem: int | str | None = None  # GPU memory the run may use; None: 90% of what is free at start
 
     def __post_init__(self):
         self.cpu_mem = parse_bytes(self.cpu_mem, "cpu_mem")
+        if self.gpu_mem is not None:
+            self.gpu_mem = parse_bytes(self.gpu_mem, "gpu_mem")
         from ..precision import resolve
-        self.precision = resolve(self.precision)[0]
+        from .device import resolve_device
+        self.device = str(resolve_device(self.device))
+        self.precision = resolve(self.precision, self.device)[0]
         pols = self.activations.split(",")
         allowed = ("keep", "swap", "swap-host", "recompute")
         if not (pols == ["auto"] or all(p in allowed for p in pols)):
@@ -82,8 +90,13 @@ class Engine:
         self.dist = dist
         self.config = model.config
         self.dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
+        self.device = torch.device(cfg.device)
+        self.on_gpu = self.device.type == "cuda"
+        if self.on_gpu and dist is not None:
+            raise ValueError("data parallelism (--nproc, torchrun) computes on the CPU for now: pass --device cpu")
         self.training = True
         self.model = model
+        move_buffers(model, self.device)
         self.blocks, params = discover_blocks(model)
         self.names = list(params)  # canonical order: model.parameters()
         self.shard_elems = cfg.shard_elems or B.shard_elems_for(cfg.cpu_mem)
@@ -101,10 +114,12 @@ class Engine:
         root.mkdir(parents=True, exist_ok=True)
         self.root = root
         B.trim()
-        self.library_rss = library_rss if library_rss is not None else B.library_baseline(self.config, self.dtype)
+        self.library_rss = library_rss if library_rss is not None else \
+            B.library_baseline(self.config, self.dtype, self.device)
         baseline = B.current_rss() - self.library_rss
         self.split = self._plan_budget(max(baseline, 0))
-        self.window_pool = HostBufferPool(self.split.window, name="weight window")
+        # pinned where a GPU reads it: copies from pageable memory are neither async nor fast
+        self.window_pool = HostBufferPool(self.split.window, pin=self.on_gpu, name="weight window")
         self.opt_pool = HostBufferPool(self.split.optimizer, name="optimizer buffers")
         self.cache_pool = HostBufferPool(self.split.state_cache, name="optimizer state cache") \
             if self.split.state_cache > 0 and cfg.state_cache else None
@@ -129,6 +144,7 @@ class Engine:
             self.reducer = GradReducer(dist, backward_order, self.optimizer, self._pending_grads())
         self.window = WeightWindow(self.store, self.window_pool, self.infos, self.dtype,
                                    lambda n, k: key(self._wkind(n), n, k, self.optimizer.slots[n]))
+        self.uploads = Uploads(self.device, self.window) if self.on_gpu else None
         self.micro = 0
         self.lr = cfg.optim.lr
         self._held_head: list[str] = []
@@ -217,13 +233,29 @@ class Engine:
         held = sum(nbytes(self.dtype, self.infos[n].numel) for b in self.blocks if b.kind == "head"
                    for n in b.uses if n not in b.owns)
 
-        def split(tokens: int) -> B.Split:
+        def sizes(tokens: int) -> tuple[int, int, int]:
             act = B.layer_activation_bytes(self.config, tokens, self.dtype)
             inp = tokens * self.config.hidden_size * torch.empty((), dtype=self.dtype).element_size()
+            return act, inp, B.logits_bytes(self.config, tokens, self.dtype)
+
+        def split(tokens: int) -> B.Split:
+            if self.on_gpu:  # activations, layer inputs, logits and the held gradient are on the GPU
+                return B.plan_split(self.cfg.cpu_mem, baseline, max_w, max_g, item, 0, 0, n_layers, 0,
+                                    self.cfg.prefetch, 0)
+            act, inp, logits = sizes(tokens)
             return B.plan_split(self.cfg.cpu_mem, baseline, max_w, max_g, item, act, inp, n_layers,
-                                B.logits_bytes(self.config, tokens, self.dtype), self.cfg.prefetch, held)
+                                logits, self.cfg.prefetch, held)
+
+        def gpu(tokens: int) -> int:
+            act, inp, logits = sizes(tokens)
+            return B.plan_gpu(self._gpu_budget(), max_w, max_g, act, inp, n_layers, logits, held)
         try:
-            return split(self.cfg.tokens_per_micro_batch)
+            out = split(self.cfg.tokens_per_micro_batch)
+            if self.on_gpu:
+                self.act_allowance = gpu(self.cfg.tokens_per_micro_batch)
+            else:
+                self.act_allowance = out.activations
+            return out
         except BudgetError as e:
             # Under every activation policy the layer inputs, one layer's activations and the
             # logits stay: name the longest sequence that fits, if any does.
@@ -232,6 +264,8 @@ class Engine:
                 mid = (lo + hi) // 2
                 try:
                     split(mid)
+                    if self.on_gpu:
+                        gpu(mid)
                     lo = mid
                 except BudgetError:
                     hi = mid
@@ -242,6 +276,12 @@ class Engine:
             else:
                 hint = " Not even a one-token micro-batch fits: the budget is below the weights' working set."
             raise BudgetError(str(e) + hint) from None
+
+    def _gpu_budget(self) -> int:
+        if self.cfg.gpu_mem is not None:
+            return self.cfg.gpu_mem
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return int(free * 0.9)
 
     def _pending_grads(self) -> int:
         """Gradient bytes that may wait for the optimizer. The split's share must also hold the
@@ -355,7 +395,10 @@ class Engine:
     def _load(self, names) -> None:
         t0 = time.perf_counter()
         with self.timeline.span("wait", "weights"):
-            tensors = self.window.acquire(names)
+            if self.uploads is None:
+                tensors = self.window.acquire(names)
+            else:
+                tensors = {n: self.uploads.get(n) for n in names}
         self.acts.waited(time.perf_counter() - t0)
         for n, t in tensors.items():
             self._pins[n] = self._pins.get(n, 0) + 1
@@ -371,12 +414,15 @@ class Engine:
                 p = self.params[n]
                 self.hooks.untrack(p)
                 p.data = self._placeholder(p.shape)
-        self.window.release(names)
+                if self.uploads is not None:
+                    self.uploads.drop(n)
+        if self.uploads is None:
+            self.window.release(names)
 
     def _placeholder(self, shape) -> torch.Tensor:
         """An unloaded parameter: the right shape (autograd checks it when accumulating a
         gradient) over a single element of memory."""
-        return torch.zeros(1, dtype=self.dtype).expand(shape)
+        return torch.zeros(1, dtype=self.dtype, device=self.device).expand(shape)
 
     def _hold_head(self, names) -> None:
         new = [n for n in names if n not in self._held_head]
@@ -389,6 +435,12 @@ class Engine:
             held, self._held_head = self._held_head, []
             self._unload(held)
 
+    def _upload_ahead(self, j: int) -> None:
+        """The next layer's weights to the GPU while this one computes, if its read has landed
+        (only layers: the embedding has no backward use, the head is held by its own hook)."""
+        if self.uploads is not None and 0 <= j < len(self.blocks) and self.blocks[j].kind == "layer":
+            self.uploads.upload(self.blocks[j].uses, blocking=False)
+
     def _prefetch_from(self, index: int, step: int) -> None:
         for d in range(1, self.cfg.prefetch + 1):
             j = index + d * step
@@ -400,11 +452,13 @@ class Engine:
         fault("forward.layer")
         self._prefetch_from(blk.index, +1)
         self._load(blk.uses)
+        self._upload_ahead(blk.index + 1)
         self.hooks.begin_count()
         self.acts.forward_begin(blk)
         self._t_compute = time.perf_counter()
 
     def block_forward_end(self, blk) -> None:
+        synchronize(self.device)
         t1 = time.perf_counter()
         self.timeline.event("compute", f"fwd {blk.name}", self._t_compute, t1)
         self.acts.forward_end(blk, t1 - self._t_compute, self.hooks.end_count())
@@ -415,12 +469,14 @@ class Engine:
         self._drop_head()  # the head's backward is over once a layer's starts
         self._load(blk.uses)
         self._prefetch_from(blk.index, -1)
+        self._upload_ahead(blk.index - 1)
         self.acts.backward_begin(blk)
         self.hooks.begin_count()
         self._blocked0 = self.optimizer.blocked_s
         self._t_compute = time.perf_counter()
 
     def block_backward_end(self, blk) -> None:
+        synchronize(self.device)
         t1 = time.perf_counter()
         self.timeline.event("compute", f"bwd {blk.name}", self._t_compute, t1)
         # time spent handing gradients to an optimizer that was behind is a wait, not compute
@@ -438,6 +494,10 @@ class Engine:
         self.acts.micro_begin()
         self._drop_head()
         self._prefetch_from(-1, +1)
+        if self.on_gpu:
+            input_ids = input_ids.to(self.device)
+            labels = labels.to(self.device) if labels is not None else None
+            kwargs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
         with self.hooks:
             kwargs.setdefault("use_cache", False)
             out = self.model(input_ids=input_ids, labels=labels, **kwargs)
@@ -508,7 +568,7 @@ class Engine:
         self.lr = lr
 
     def _on_grad(self, name: str, p: nn.Parameter) -> None:
-        g = p.grad
+        g = to_host(p.grad)
         p.grad = None
         if self.dist is not None:
             self.reducer.grad(name, g)  # summed over the ranks into the owner's optimizer
@@ -569,7 +629,8 @@ class Engine:
     def stats(self) -> dict:
         return {"io": self.store.stats.snapshot(), "window_hits": self.window.hits,
                 "window_misses": self.window.misses, "peak_rss": B.peak_rss(),
-                "pools": {"window": self.window_pool.peak_used, "optimizer": self.opt_pool.peak_used}}
+                "pools": {"window": self.window_pool.peak_used, "optimizer": self.opt_pool.peak_used},
+                "peak_gpu": torch.cuda.max_memory_allocated(self.device) if self.on_gpu else None}
 
     def close(self) -> None:
         self.acts.close()

@@ -89,6 +89,15 @@ class WeightWindow:
                 if n not in self._entries and self._load(n, blocking=False) is None:
                     return
 
+    def ready(self, names) -> bool:
+        """Are all of `names` in the window with their reads landed (acquire would not wait)?"""
+        with self._lock:
+            for n in names:
+                e = self._entries.get(n)
+                if e is None or e.renewed or not all(f.done() for f in e.reads):
+                    return False
+        return True
+
     def acquire(self, names) -> dict[str, torch.Tensor]:
         """Pin `names` and return their tensors, reading what is missing (blocking)."""
         with self._lock:

@@ -19,7 +19,7 @@ def generate_ids(engine, input_ids: torch.Tensor, max_new_tokens: int, temperatu
     try:
         step_in = ids
         for _ in range(max_new_tokens):
-            logits = engine.forward(step_in, past_key_values=cache, use_cache=True).logits[:, -1, :].float()
+            logits = engine.forward(step_in, past_key_values=cache, use_cache=True).logits[:, -1, :].float().cpu()
             if temperature <= 0:
                 nxt = logits.argmax(-1)
             else:

@@ -33,19 +33,33 @@ def _inmemory_fits(model_dir: str) -> tuple[bool, int]:
     return need < 0.8 * psutil.virtual_memory().available, need
 
 
+def _measured_io(nvme_dir: str) -> dict:
+    """`bench io` of the run's own NVMe folder (cached; measured now when the cache is of another)."""
+    from ..bench import cache
+    from ..plan.command import run_bench
+
+    io = cache.load().get("io")
+    if io is None or Path(io["dir"]) != Path(nvme_dir).resolve():
+        run_bench("io", nvme_dir)
+        io = cache.load()["io"]
+    return io
+
+
 def bench_train(model: str, data: str, cpu_mem: str, steps: int, work: str, finetune_args: list[str],
                 nvme: str | None = None) -> dict:
-    from ..plan.command import measured_this
-
     work_dir = Path(work)
     work_dir.mkdir(parents=True, exist_ok=True)
+    from ..engine.device import resolve_device
+    given = [finetune_args[i + 1] for i, a in enumerate(finetune_args[:-1]) if a == "--device"]
+    device = str(resolve_device(given[-1] if given else "auto"))  # both runs compute on the same device
+    finetune_args = [*finetune_args, "--device", device]
     if not any(a.split("=")[0] == "--precision" for a in finetune_args):
         from ..precision import resolve  # once, so that both runs compute in the same dtype
-        precision, why = resolve("auto")
+        precision, why = resolve("auto", device)
         print(why, file=sys.stderr)
         finetune_args = [*finetune_args, "--precision", precision]
     common = [model, "--data", data, "--steps", str(steps), *finetune_args]
-    result: dict = {"model": model, "steps": steps, "cpu_mem": cpu_mem}
+    result: dict = {"model": model, "steps": steps, "cpu_mem": cpu_mem, "device": device}
 
     fits, need = _inmemory_fits(model)
     if fits:
@@ -53,7 +67,7 @@ def bench_train(model: str, data: str, cpu_mem: str, steps: int, work: str, fine
         subprocess.run([sys.executable, "-m", "tierlm.train.inmemory", *common, "--json", str(out)], check=True)
         mem = json.loads(out.read_text())
         result["inmemory"] = {"s_per_step": _steady(mem["rows"], "s_per_step"), "peak_rss_bytes": mem["peak_rss_bytes"],
-                              "losses": [r["loss"] for r in mem["rows"]]}
+                              "peak_gpu_bytes": mem.get("peak_gpu_bytes"), "losses": [r["loss"] for r in mem["rows"]]}
     else:
         result["inmemory"] = None
         result["inmemory_skipped"] = f"needs ~{fmt_bytes(need)}, more than the RAM available"
@@ -68,10 +82,11 @@ def bench_train(model: str, data: str, cpu_mem: str, steps: int, work: str, fine
     trace = json.loads((run / "timeline.json").read_text())["traceEvents"]
     wait = sum(e["dur"] for e in trace if e.get("cat") == "wait") / 1e6
     last = rows[-1]
-    io = measured_this(nvme_dir, quiet=False)["io"]
+    io = _measured_io(nvme_dir)
     rd, wr = _steady(rows, "ssd_read_bytes"), _steady(rows, "ssd_write_bytes")
     bound = rd / (io["read_gbps"] * 1e9) + wr / (io["write_gbps"] * 1e9)  # one device: reads and writes share it
     ooc = {"s_per_step": _steady(rows, "s_per_step"), "peak_rss_bytes": summary["peak_rss_bytes"],
+           "peak_gpu_bytes": summary.get("peak_gpu_bytes"),
            "library_rss_bytes": summary["library_rss_bytes"], "ssd_read_bytes": rd, "ssd_write_bytes": wr,
            "read_gbps": _steady(rows, "ssd_read_gbps"), "write_gbps": _steady(rows, "ssd_write_gbps"),
            "stall_pct": 100 * wait / last["s_per_step"], "io_bound_s": bound,
@@ -84,14 +99,22 @@ def bench_train(model: str, data: str, cpu_mem: str, steps: int, work: str, fine
 
 def report(r: dict) -> str:
     o = r["outofcore"]
-    lines = [f"bench train {r['model']}: {r['steps']} steps (steady = all but the first)"]
+    lines = [f"bench train {r['model']}: {r['steps']} steps (steady = all but the first), computing on "
+             f"{r.get('device', 'cpu')}"]
     if r["inmemory"]:
         m = r["inmemory"]
-        same = "identical" if m["losses"] == o["losses"] else "DIFFERENT"
+        if m["losses"] == o["losses"]:
+            same = "identical"
+        else:
+            rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(o["losses"], m["losses"]))
+            same = f"differ by at most {rel:.1e} (relative)"
         lines.append(f"  in memory:    {m['s_per_step']:.2f} s/step, peak RSS {fmt_bytes(m['peak_rss_bytes'])}")
         lines.append(f"  out-of-core:  {o['s_per_step']:.2f} s/step, peak RSS {fmt_bytes(o['peak_rss_bytes'])} "
                      f"(--cpu-mem {r['cpu_mem']} beyond the libraries' {fmt_bytes(o['library_rss_bytes'])})")
         lines.append(f"  ratio out-of-core / in-memory: {o['s_per_step'] / m['s_per_step']:.2f}x; losses {same}")
+        if m.get("peak_gpu_bytes"):
+            lines.append(f"  GPU memory peak: in memory {fmt_bytes(m['peak_gpu_bytes'])}, out-of-core "
+                         f"{fmt_bytes(o['peak_gpu_bytes'] or 0)}")
     else:
         lines.append(f"  in memory: not run ({r['inmemory_skipped']})")
         lines.append(f"  out-of-core:  {o['s_per_step']:.2f} s/step, peak RSS {fmt_bytes(o['peak_rss_bytes'])}")

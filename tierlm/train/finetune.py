@@ -25,6 +25,10 @@ class FinetuneConfig:
     output: str | None = option(None, help="run directory (config, metrics.jsonl, final model); default runs/finetune-<time>")
     nvme: str | None = option(None, help="directory on the SSD for weights and optimizer states; default <output>/nvme")
     cpu_mem: str = option("4GiB", help="RAM the run may use beyond the torch import", metavar="SIZE")
+    device: str = option("auto", help="where layers compute: cpu, cuda (cuda:N), or auto: the GPU where PyTorch "
+                         "sees one; the optimizer runs on the CPU and the state lives on --nvme either way")
+    gpu_mem: str | None = option(None, help="GPU memory the run may use (default: 90%% of what is free at start)",
+                                 metavar="SIZE")
     precision: str = option("auto", help="bf16: bf16 compute + fp32 master weights; fp32: all fp32; auto: bf16 where "
                             "this CPU multiplies bf16 matrices at least half as fast as fp32 (measured at start; "
                             "a resumed run keeps its own)", choices=("auto", "bf16", "fp32"))
@@ -84,8 +88,12 @@ def _resolve(cfg: FinetuneConfig) -> FinetuneConfig:
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
     parse_bytes(cfg.cpu_mem, "--cpu-mem")
+    if cfg.gpu_mem is not None:
+        parse_bytes(cfg.gpu_mem, "--gpu-mem")
+    from ..engine.device import resolve_device
+    cfg.device = str(resolve_device(cfg.device))
     if cfg.precision == "auto":
-        cfg.precision = _saved_precision(cfg) or _measured_precision()
+        cfg.precision = _saved_precision(cfg) or _measured_precision(cfg.device)
     return cfg
 
 
@@ -103,9 +111,9 @@ def _saved_precision(cfg: FinetuneConfig) -> str | None:
     return None
 
 
-def _measured_precision() -> str:
+def _measured_precision(device: str = "cpu") -> str:
     from ..precision import resolve
-    chosen, why = resolve("auto")
+    chosen, why = resolve("auto", device)
     print(why, file=sys.stderr)
     return chosen
 
@@ -171,7 +179,8 @@ def _run(cfg: FinetuneConfig, out: Path, dist=None) -> dict:
     if max_pos and cfg.seq_len > max_pos:
         raise ValueError(f"--seq-len {cfg.seq_len} is beyond the {max_pos} positions of {cfg.model}; "
                          f"use --seq-len {max_pos} or less")
-    library_rss = library_baseline(hf_config, torch.bfloat16 if cfg.precision == "bf16" else torch.float32)
+    library_rss = library_baseline(hf_config, torch.bfloat16 if cfg.precision == "bf16" else torch.float32,
+                                   cfg.device)
     tokenizer = load_tokenizer(cfg.model)
     dataset = load_dataset(cfg.data, tokenizer, cfg.seq_len)
     batches = Batches(dataset, cfg.batch_size, seed=cfg.seed)
@@ -194,6 +203,7 @@ def _run(cfg: FinetuneConfig, out: Path, dist=None) -> dict:
     ecfg = EngineConfig(nvme_dir=nvme, cpu_mem=cfg.cpu_mem, precision=cfg.precision,
                         grad_accum=cfg.grad_accum, activations=cfg.activations, prefetch=cfg.prefetch,
                         direct_io=cfg.direct_io, optim=optim, optim_states=cfg.optim_states,
+                        device=cfg.device, gpu_mem=cfg.gpu_mem,
                         tokens_per_micro_batch=cfg.batch_size * cfg.seq_len, micro_batch_size=cfg.batch_size,
                         plan_path=str(out / ("plan.json" if lead else f"plan-rank{dist.rank}.json")))
     engine = Engine.from_pretrained(cfg.model, ecfg, resume=cfg.resume == "auto", overwrite=cfg.overwrite,

@@ -2,8 +2,10 @@
 
 bf16 (or fp32) weights and compute, fp32 master weights, `torch.optim.AdamW` with the same kernel,
 `LambdaLR` with the same schedule, `clip_grad_norm_`, the same data in the same order. What
-`tierlm bench train` runs beside the out-of-core step; its losses equal the out-of-core run's bit
-for bit, so the comparison is of the same computation.
+`tierlm bench train` runs beside the out-of-core step; on the CPU its losses equal the out-of-core
+run's bit for bit, so the comparison is of the same computation. With `--device cuda` everything
+(master weights and AdamW too) is on the GPU, as a user would run it: the first step's loss is the
+same bits, later ones differ by the GPU AdamW kernel's rounding.
 
     python -m tierlm.train.inmemory MODEL --data FILE --steps 3 [finetune options] --json OUT
 """
@@ -31,7 +33,8 @@ def run(cfg) -> dict:
     total = cfg.steps if cfg.steps is not None else \
         max(1, math.floor(cfg.epochs * batches.batches_per_epoch / cfg.grad_accum))
     torch.manual_seed(cfg.seed)
-    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
+    device = torch.device(cfg.device)
+    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32).to(device)
     model.train()
     masters = [p.detach().clone().requires_grad_(True) for p in model.parameters()]
     if cfg.precision == "bf16":
@@ -48,6 +51,7 @@ def run(cfg) -> dict:
         losses = []
         for _ in range(cfg.grad_accum):
             ids, labels = next(batches)
+            ids, labels = ids.to(device), labels.to(device)
             loss = model(input_ids=ids, labels=labels, use_cache=False).loss
             (loss / cfg.grad_accum).backward()
             losses.append(loss.item())
@@ -64,7 +68,8 @@ def run(cfg) -> dict:
                 p.copy_(m)
         rows.append({"step": step + 1, "loss": sum(losses) / len(losses), "s_per_step": time.perf_counter() - t0,
                      "grad_norm": float(norm) if norm is not None else None})
-    return {"rows": rows, "peak_rss_bytes": peak_rss()}
+    return {"rows": rows, "peak_rss_bytes": peak_rss(),
+            "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
 
 
 def main(argv=None) -> None:

@@ -56,7 +56,7 @@ class Progress:
                 "last_loss": rows[-1]["loss"] if rows else None,
                 "mean_s_per_step": sum(r["s_per_step"] for r in rows) / max(len(rows), 1),
                 "peak_rss_bytes": B.peak_rss(), "library_rss_bytes": self.engine.library_rss,
-                "budget_bytes": self.budget,
+                "budget_bytes": self.budget, "peak_gpu_bytes": self.engine.stats()["peak_gpu"],
                 "final_model": str(final_dir), "wall_s": time.perf_counter() - self.t_start}
 
     def close(self) -> None:
