@@ -129,11 +129,11 @@ def test_finetune_cli_on_gpu(tmp_path):
               "--precision", "fp32", "--device", "cuda", "--max-grad-norm", "0", "--lr", "1e-3"]
     run = tmp_path / "run"
     subprocess.run([sys.executable, "-m", "tierlm", "finetune", *common, "--output", str(run),
-                    "--cpu-mem", "256MiB", "--sample-prompt", "word1 and", "--sample-tokens", "8"], check=True)
+                    "--cpu-mem", "512MiB", "--sample-prompt", "word1 and", "--sample-tokens", "8"], check=True)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["peak_gpu_bytes"] > 0
     # the pinned window is host memory within the budget, as on the CPU
-    assert summary["peak_rss_bytes"] - summary["library_rss_bytes"] <= 256 << 20
+    assert summary["peak_rss_bytes"] - summary["library_rss_bytes"] <= 512 << 20
     assert isinstance(summary["sample"], str)
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     out = tmp_path / "inmemory.json"

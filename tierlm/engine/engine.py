@@ -241,7 +241,7 @@ class Engine:
         def split(tokens: int) -> B.Split:
             if self.on_gpu:  # activations, layer inputs, logits and the held gradient are on the GPU
                 return B.plan_split(self.cfg.cpu_mem, baseline, max_w, max_g, item, 0, 0, n_layers, 0,
-                                    self.cfg.prefetch, 0)
+                                    self.cfg.prefetch, 0, reserve=B.GPU_HOST_RESERVE)
             act, inp, logits = sizes(tokens)
             return B.plan_split(self.cfg.cpu_mem, baseline, max_w, max_g, item, act, inp, n_layers,
                                 logits, self.cfg.prefetch, held)
