@@ -266,3 +266,32 @@ def test_every_knob_combination_equals_the_reference(make_model_dir, tmp_path, k
     for n, p in ref_model.named_parameters():
         assert torch.equal(masters[n], ref_masters[n]), n
         assert torch.equal(weights[n], p.detach()), n
+
+
+def test_deferred_commit_gives_the_same_bits_and_lands_before_the_next_write(make_model_dir, tmp_path):
+    """The step's last writes and manifest land during the next forward; nothing changes in the
+    results, and the manifest of step N is durable before step N+1 writes anything."""
+    from tierlm.engine import commit as C
+
+    model_dir, _ = make_model_dir("qwen2")
+    data = batches(4)
+    kw = dict(lr=1e-2, wd=0.1, clip=0.5, accum=1, warmup=0, precision="fp32")
+    sync = run_engine(model_dir, tmp_path, data, defer_commit=False, tag="sync", **kw)
+    deferred = run_engine(model_dir, tmp_path, data, defer_commit=True, tag="defer", **kw)
+    assert sync[2] == deferred[2]
+    assert_same(sync[0], deferred[0])
+    assert_same(sync[1], deferred[1])
+
+    eng = Engine.from_pretrained(model_dir, EngineConfig(nvme_dir=str(tmp_path / "life"), cpu_mem="1GiB",
+                                                         precision="fp32", optim=AdamWConfig(lr=1e-3)))
+    try:
+        for step in (1, 2):
+            x = data[step]
+            eng.backward(eng.forward(x, labels=x).loss)  # backward settles the previous commit first
+            assert C.read_manifest(C.list_manifests(eng.root)[0])["step"] == step - 1
+            eng.step()
+            assert eng._commit_fut is not None
+        eng.settle()
+        assert C.read_manifest(C.list_manifests(eng.root)[0])["step"] == 2
+    finally:
+        eng.close()

@@ -129,3 +129,34 @@ def test_a_size_change_writes_a_new_file(store):
     assert os.stat(store.path("k")).st_ino != inode
     assert torch.equal(store.read("k").result().tensor, t)
     assert not list(store.root.glob("*.partial"))
+
+
+def test_reads_and_writes_of_a_key_wait_for_its_write_in_flight(store):
+    """A step's last writes may still be landing when the next step reads the same files (the
+    deferred commit): a read gets the new bytes, and a second write lands after the first."""
+    a = torch.arange(300_000, dtype=torch.float32)
+    store.write("k", a).result()
+    gate = threading.Event()
+    real = store._write
+
+    def slow(key, tensor, durable):
+        gate.wait(10)
+        return real(key, tensor, durable)
+    store._write = slow
+    w1 = store.write("k", a + 1)
+    store._write = real
+    out = torch.empty_like(a)
+    r = store.read_into("k", out)
+    w2 = store.write("k", a + 2)
+    out2 = torch.empty_like(a)
+    r2 = store.read_into("k", out2)
+    other = torch.empty_like(a)
+    store.write("other", a).result()
+    store.read_into("other", other).result()  # other keys do not wait
+    assert not (w1.done() or r.done() or w2.done() or r2.done())
+    gate.set()
+    r.result(), r2.result(), w2.result()
+    assert torch.equal(out, a + 1) and torch.equal(out2, a + 2)
+    final = torch.empty_like(a)
+    store.read_into("k", final).result()
+    assert torch.equal(final, a + 2)

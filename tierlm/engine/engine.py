@@ -12,8 +12,10 @@ AdamW the moment backward produces them; nothing of the model is resident beyond
 """
 from __future__ import annotations
 
+import copy
 import shutil
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,6 +60,7 @@ class EngineConfig:
     device: str = "cpu"              # where layers compute: cpu, cuda[:N], or auto (the GPU if there is one;
                                      # finetune's default: the engine computes where it is told)
     gpu_mem: int | str | None = None  # GPU memory the run may use; None: 90% of what is free at start
+    defer_commit: bool = True        # a step's last writes and its manifest land during the next forward
 
     def __post_init__(self):
         self.cpu_mem = parse_bytes(self.cpu_mem, "cpu_mem")
@@ -145,6 +148,12 @@ class Engine:
         self.window = WeightWindow(self.store, self.window_pool, self.infos, self.dtype,
                                    lambda n, k: key(self._wkind(n), n, k, self.optimizer.slots[n]))
         self.uploads = Uploads(self.device, self.window) if self.on_gpu else None
+        # Deferred commit: the next forward reads (the store orders each read after the write of
+        # its file) and writes nothing; the next backward's first write waits for the manifest.
+        # Ranks commit together through collectives, on their main threads: not deferred there.
+        self.optimizer.defer_writes = cfg.defer_commit and dist is None
+        self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierlm-commit")
+        self._commit_fut: Future | None = None
         self.micro = 0
         self.lr = cfg.optim.lr
         self._held_head: list[str] = []
@@ -361,8 +370,9 @@ class Engine:
         raise CorruptionError(f"{self.root}: no intact committed state to resume from:\n  "
                               + "\n  ".join(self.fallbacks))
 
-    def _current_keys(self) -> list[str]:
-        slots, steps = self.state["optim"]["slots"], self.state["optim"]["steps"]
+    def _current_keys(self, state: dict | None = None) -> list[str]:
+        state = state or self.state
+        slots, steps = state["optim"]["slots"], state["optim"]["steps"]
         keys = []
         for n, info in self.infos.items():
             s = slots[n]
@@ -371,24 +381,41 @@ class Engine:
             keys += [key(kind, n, k, s) for kind in kinds for k in range(len(info.shards))]
         return keys
 
-    def _write_manifest(self) -> None:
+    def _write_manifest(self, state: dict | None = None) -> None:
         """Commit: make the step's files and renames durable, then the manifest; the manifest
         before the previous one goes last."""
+        state = state or self.state
         records = self.store.manifest()
-        current = {k: records[k] for k in self._current_keys()}
+        current = {k: records[k] for k in self._current_keys(state)}
         fault("commit.fsync")
         C.sync_fs(self.root)
         if self.dist is not None:
             self.dist.agree(what="commit")  # every rank's files are durable: the step may commit
-        C.write_manifest(self.root, dict(self.state, records=current))
+        C.write_manifest(self.root, dict(state, records=current))
         if self.dist is not None:
             # No rank may overwrite the fallback's files (the next step's writes) before every
             # rank's manifest is durable: a crash between leaves all ranks one common state.
             self.dist.agree(what="commit")
         C.prune(self.root)
 
+    def _land_and_commit(self, tail: list[Future], state: dict) -> None:
+        for f in tail:
+            f.result()  # a failed write raises here, naming its file: the step does not commit
+        self._write_manifest(state)
+
+    def settle(self) -> None:
+        """Wait until the last committed step is durable (its writes, syncfs, manifest); raises
+        what stopped it. Done before anything that writes state or needs it on disk."""
+        fut, self._commit_fut = self._commit_fut, None
+        if fut is not None:
+            t0 = time.perf_counter()
+            with self.timeline.span("wait", "previous commit"):
+                fut.result()
+            self.acts.waited(time.perf_counter() - t0)
+
     def checkpoint(self, name: str) -> Path:
         """A named snapshot of the committed state (hard links: no bytes copied)."""
+        self.settle()
         return C.snapshot(self.root, C.list_manifests(self.root)[0], name)
 
     # ---- weights in and out of the modules ---------------------------------------------
@@ -510,6 +537,7 @@ class Engine:
         if self.micro >= self.cfg.grad_accum:
             raise RuntimeError(f"backward called {self.micro + 1} times for grad_accum="
                                f"{self.cfg.grad_accum}; call step() after each {self.cfg.grad_accum}")
+        self.settle()  # backward writes: the slot it writes is the one the last manifest replaced
         self.acts.backward_phase()
         self.optimizer.begin_micro(self.micro, self.cfg.grad_accum, self.lr)
         if self.dist is not None:
@@ -553,7 +581,13 @@ class Engine:
         else:
             self.optimizer.discard()
         self.state["step"] += 1
-        self._write_manifest()
+        tail = self.optimizer.take_tail()
+        if self.optimizer.defer_writes:
+            self._commit_fut = self._committer.submit(self._land_and_commit, tail, copy.deepcopy(self.state))
+        else:
+            for f in tail:
+                f.result()
+            self._write_manifest()
         B.trim()  # between steps, hand the freed heap back (activations are small tensors)
         self.acts.step_done()
         self._prefetch_from(-1, +1)
@@ -586,6 +620,7 @@ class Engine:
     # ---- export ------------------------------------------------------------------------
     def weights(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The current working weights of one parameter, read from the store (a copy)."""
+        self.settle()
         info = self.infos[name]
         out = torch.empty(info.numel, dtype=self.dtype)
         futs = [self.store.read_into(key(self._wkind(name), name, k, self.optimizer.slots[name]), out[a:b])
@@ -596,6 +631,7 @@ class Engine:
         return out if dtype is None else out.to(dtype)
 
     def master(self, name: str) -> torch.Tensor:
+        self.settle()
         info = self.infos[name]
         out = torch.empty(info.numel, dtype=torch.float32)
         futs = [self.store.read_into(key("master", name, k, self.optimizer.slots[name]), out[a:b])
@@ -633,9 +669,13 @@ class Engine:
                 "peak_gpu": torch.cuda.max_memory_allocated(self.device) if self.on_gpu else None}
 
     def close(self) -> None:
-        self.acts.close()
-        self.optimizer.close()
-        self.store.close()
+        try:
+            self.settle()
+        finally:
+            self._committer.shutdown(wait=True)
+            self.acts.close()
+            self.optimizer.close()
+            self.store.close()
 
 
 __all__ = ["Engine", "EngineConfig", "AdamWConfig"]

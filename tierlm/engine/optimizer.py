@@ -153,6 +153,10 @@ class OutOfCoreAdamW:
         self.dist = dist
         self.on_new_weights = on_new_weights
         self.blocked_s = 0.0  # time backward waited in grad_ready for the optimizer to catch up
+        # The step's last pipeline leaves its writes landing (take_tail): the engine finishes them
+        # with the commit while the next forward runs, which writes nothing.
+        self.defer_writes = False
+        self._tail: list[Future] = []
 
     # ---- called from the compute thread ----------------------------------------------
     def begin_micro(self, micro: int, n_micro: int, lr: float) -> None:
@@ -252,6 +256,8 @@ class OutOfCoreAdamW:
 
     def close(self) -> None:
         self._exec.shutdown(wait=True)
+        for f in self.take_tail():
+            f.exception()
 
     # ---- the worker ------------------------------------------------------------------
     # Gradients are consumed in the order they arrive (autograd decides the order inside a block);
@@ -259,12 +265,21 @@ class OutOfCoreAdamW:
     # the next parameters overlap the backward that is still producing their gradients.
 
     def _consume(self, micro: int, n_micro: int) -> None:
-        self._pipeline("update" if micro == n_micro - 1 else "accumulate", micro)
+        last = micro == n_micro - 1
+        self._pipeline("update" if last else "accumulate", micro, defer=last and self.defer_writes)
 
     def _redo(self, coef: torch.Tensor) -> None:
-        self._pipeline("redo", 0, clip=coef, names=[n for n in self._arrival if n in self._updated])
+        self._pipeline("redo", 0, clip=coef, names=[n for n in self._arrival if n in self._updated],
+                       defer=self.defer_writes)
 
-    def _pipeline(self, mode: str, micro: int, clip=None, names: list[str] | None = None) -> None:
+    def take_tail(self) -> list[Future]:
+        """The writes of the step's last pipeline that may still be landing (the store orders any
+        later read or write of the same file after them)."""
+        tail, self._tail = self._tail, []
+        return tail
+
+    def _pipeline(self, mode: str, micro: int, clip=None, names: list[str] | None = None,
+                  defer: bool = False) -> None:
         order = names if names is not None else self._predicted
         predicted = [(n, k) for n in order for k in range(len(self.infos[n].shards))]
         cursor = 0
@@ -273,6 +288,7 @@ class OutOfCoreAdamW:
         writes: list[Future] = []
         arrival: list[str] = []
         todo = deque(names) if names is not None else None
+        ok = False
         try:
             while True:
                 # Read ahead along the predicted order while the pool has room.
@@ -312,14 +328,18 @@ class OutOfCoreAdamW:
                         if f.done():
                             f.result()  # a failed write raises now, naming its file
                     writes = [f for f in writes if not f.done()] + ws
+            ok = True
         finally:
             for it in prepared.values():  # read ahead for parameters that got no gradient
                 for f in it.reads:
                     f.exception()
                 self._abandon(it)
-            for f in writes:
-                f.exception()  # wait for every write before the step can end
-        for f in writes:
+            if not (ok and defer):
+                for f in writes:
+                    f.exception()  # wait for every write before the step can end
+        if defer:
+            self._tail.extend(writes)
+        for f in ([] if defer else writes):
             f.result()  # a failed write raises here, naming its file
         if mode != "redo":
             self._arrival = arrival

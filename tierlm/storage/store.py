@@ -110,6 +110,7 @@ class TensorStore:
         self.on_event = on_event  # callable(kind, key, t0, t1, nbytes) for the timeline
         self.in_place = in_place  # overwrite a key's file in place where that is safe (see _write)
         self._exec = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="tierlm-io")
+        self._inflight: dict[str, Future] = {}  # key -> its latest write not yet landed
 
     # ---- paths and records -------------------------------------------------------------
     def path(self, key: str) -> Path:
@@ -132,7 +133,37 @@ class TensorStore:
         if tensor.device.type != "cpu":
             raise StorageError(f"{key}: the store writes host tensors; copy to CPU first")
         tensor = tensor.contiguous()
-        return self._exec.submit(self._write, key, tensor, durable)
+        with self._rec_lock:
+            fut = self._after_write(key, self._write, key, tensor, durable)
+            self._inflight[key] = fut
+        fut.add_done_callback(lambda f, k=key: self._landed(k, f))
+        return fut
+
+    def _landed(self, key: str, fut: Future) -> None:
+        with self._rec_lock:
+            if self._inflight.get(key) is fut:
+                del self._inflight[key]
+
+    def _after_write(self, key: str, fn, *args) -> Future:
+        """fn(*args) on the I/O threads, after the write of `key` in flight (if any) has landed
+        (failed or not). Reads and writes of a key are ordered as they were asked for: a step's
+        last writes may still be landing while the next step reads (the engine defers them), and
+        two writes of one file in place must not interleave. Caller holds _rec_lock."""
+        prev = self._inflight.get(key)
+        if prev is None:
+            return self._exec.submit(fn, *args)
+        out: Future = Future()
+
+        def start(_):
+            try:
+                inner = self._exec.submit(fn, *args)
+            except RuntimeError as e:  # the store was closed meanwhile
+                out.set_exception(StorageError(f"{self.path(key)}: store closed before the I/O ran ({e})"))
+                return
+            inner.add_done_callback(lambda f: out.set_exception(f.exception()) if f.exception() is not None
+                                    else out.set_result(f.result()))
+        prev.add_done_callback(start)
+        return out
 
     def _write(self, key: str, tensor: torch.Tensor, durable: bool) -> Record:
         """Overwrite the key's file in place when it already holds a tensor of this size and no
@@ -218,6 +249,9 @@ class TensorStore:
     # ---- reads -------------------------------------------------------------------------
     def read(self, key: str) -> "Future[Loaded]":
         """Read `key` into a new pool buffer (blocks the caller while the pool is full)."""
+        with self._rec_lock:
+            if key in self._inflight:
+                raise StorageError(f"{self.path(key)}: read() while its write is in flight (use read_into)")
         rec = self.record(key)
         buf = self.pool.acquire(rec.nbytes)
         try:
@@ -244,11 +278,21 @@ class TensorStore:
         owns_padding: the memory after `out` up to the next 4 KiB is the caller's to overwrite
         (true for a pool buffer's start), which lets an unaligned length use direct I/O.
         """
+        with self._rec_lock:
+            if key in self._inflight:  # the record is the write's, known once it lands
+                return self._after_write(key, self._read_latest, key, out, owns_padding)
+        rec = self._check_into(key, out)
+        return self._exec.submit(self._read, key, rec, out, owns_padding)
+
+    def _check_into(self, key: str, out: torch.Tensor) -> Record:
         rec = self.record(key)
         if _dtype_name(out.dtype) != rec.dtype or out.numel() * out.element_size() != rec.nbytes:
             raise StorageError(f"{self.path(key)}: holds {rec.dtype}{list(rec.shape)}, "
                                f"cannot read into {_dtype_name(out.dtype)}{list(out.shape)}")
-        return self._exec.submit(self._read, key, rec, out, owns_padding)
+        return rec
+
+    def _read_latest(self, key: str, out: torch.Tensor, owns_padding: bool) -> torch.Tensor:
+        return self._read(key, self._check_into(key, out), out, owns_padding)
 
     def _read(self, key: str, rec: Record, out: torch.Tensor, owns_padding: bool = True) -> torch.Tensor:
         t0 = time.perf_counter()
