@@ -23,22 +23,19 @@ import torch
 from torch import nn
 
 from ..faults import fault
-from ..storage import BudgetError, CorruptionError, HostBufferPool, StorageError, TensorStore
+from ..storage import BudgetError, HostBufferPool, TensorStore
 from ..units import parse_bytes
 from . import budget as B
-from . import commit as C
 from .act_engine import ActivationPlanner
 from .block_fn import ParamRefHooks, wrap_layer
 from .layout import key, make_param_info, nbytes
 from .model import discover_blocks, empty_model, module_param_slots
 from .optimizer import AdamWConfig, OutOfCoreAdamW, StepResult, shard_buffer_bytes
-from .state_quant import check_mode
 from .device import Uploads, move_buffers, synchronize, to_host
+from .durable import DurableState
+from .state_quant import check_mode
 from .timeline import Timeline
 from .weights import WeightWindow
-
-_MANAGED = ("act", "w0", "w1", "master0", "master1", "m0", "m1", "v0", "v1", "grad", "gacc", "checkpoints")
-
 
 @dataclass
 class EngineConfig:
@@ -80,7 +77,7 @@ class EngineConfig:
         check_mode(self.optim_states)
 
 
-class Engine:
+class Engine(DurableState):
     def __init__(self, model: nn.Module, source, cfg: EngineConfig, resume: bool = False, overwrite: bool = False,
                  library_rss: int | None = None, dist=None):
         """model: an HF causal LM whose parameters may be on `meta` (see from_pretrained);
@@ -287,10 +284,11 @@ class Engine:
             raise BudgetError(str(e) + hint) from None
 
     def _gpu_budget(self) -> int:
-        if self.cfg.gpu_mem is not None:
-            return self.cfg.gpu_mem
-        free, _ = torch.cuda.mem_get_info(self.device)
-        return int(free * 0.9)
+        """--gpu-mem, or 90% of what is free now (read once: the longest-sequence search asks again)."""
+        if self.cfg.gpu_mem is None:
+            free, _ = torch.cuda.mem_get_info(self.device)
+            self.cfg.gpu_mem = int(free * 0.9)
+        return self.cfg.gpu_mem
 
     def _pending_grads(self) -> int:
         """Gradient bytes that may wait for the optimizer. The split's share must also hold the
@@ -299,124 +297,6 @@ class Engine:
         the libraries, at the embedding's gradient after the last layer's backward; with this,
         3.98 GiB (one run each: the peak depends on how far the optimizer lags)."""
         return max(self.split.grads - self._max_block_grad, 0)
-
-    def _fingerprint(self) -> dict:
-        return {"model_type": self.config.model_type, "precision": self.cfg.precision,
-                "shard_elems": self.shard_elems,
-                # only when not fp32: states committed before the option existed still resume
-                **({"optim_states": self.cfg.optim_states} if self.cfg.optim_states != "fp32" else {}),
-                "params": {n: list(i.shape) for n, i in self.infos.items()}}
-
-    def _load_or_import(self, source, resume: bool, overwrite: bool) -> dict:
-        if self.dist is not None:
-            candidates = self.dist_candidates  # the step every rank committed (tierlm.dist.state)
-        else:
-            candidates = C.list_manifests(self.root) + C.list_checkpoints(self.root)
-        if resume and candidates:
-            return self._resume(candidates)
-        if candidates and not overwrite:
-            step = C.read_manifest(candidates[0]).get("step", "?")
-            raise ValueError(f"{self.root} holds the committed state of a run at step {step}; "
-                             f"continue it with --resume auto, or start over with --overwrite "
-                             f"(which deletes it), or choose another --nvme directory")
-        for d in _MANAGED:
-            shutil.rmtree(self.root / d, ignore_errors=True)
-        for m in C.list_manifests(self.root):
-            m.unlink()
-        state = {"format": 1, "fingerprint": self._fingerprint(), "step": 0,
-                 "optim": {"slots": {n: 0 for n in self.infos}, "steps": {n: 0 for n in self.infos}}}
-        if self.dist is not None:
-            state["dist"] = self.dist.describe()
-        for name, info in self.infos.items():
-            master = torch.empty(info.shape, dtype=torch.float32)
-            source(name, master)
-            flat = master.reshape(-1)
-            futs = []
-            for k, (a, b) in enumerate(info.shards):
-                if self._owned(name):
-                    futs.append(self.store.write(key("master", name, k, 0), flat[a:b]))
-                if self._wkind(name) == "w":
-                    futs.append(self.store.write(key("w", name, k, 0), flat[a:b].to(self.dtype)))
-            for f in futs:
-                f.result()
-            del master, flat
-        self.state = state
-        self._write_manifest()
-        return state
-
-    def _resume(self, candidates) -> dict:
-        """The newest committed state whose every file is intact; older ones, then checkpoints,
-        are the fallbacks (each passed-over state is reported with the reason)."""
-        live = set(C.list_manifests(self.root))
-        for m in candidates:
-            try:
-                content = C.read_manifest(m)
-                if content.get("fingerprint") != self._fingerprint():
-                    raise ValueError(f"{m}: the state there belongs to another model, precision, shard "
-                                     f"size or optimizer-state format ({_fingerprint_diff(content.get('fingerprint') or {}, self._fingerprint())}); "
-                                     f"point --nvme at a new directory or start over with --overwrite")
-                if m not in live:
-                    C.restore_files(self.root, m)
-                self.store.load_manifest(content["records"])
-                C.verify(self.store, content["records"])
-            except (CorruptionError, StorageError) as e:
-                self.fallbacks.append(f"{m.name if m in live else m}: {e}")
-                continue
-            state = {k: v for k, v in content.items() if k != "records"}
-            if m not in live:
-                self.state = state
-                self._write_manifest()  # the restored checkpoint becomes the current state
-            return state
-        raise CorruptionError(f"{self.root}: no intact committed state to resume from:\n  "
-                              + "\n  ".join(self.fallbacks))
-
-    def _current_keys(self, state: dict | None = None) -> list[str]:
-        state = state or self.state
-        slots, steps = state["optim"]["slots"], state["optim"]["steps"]
-        keys = []
-        for n, info in self.infos.items():
-            s = slots[n]
-            kinds = (["master"] + (["m", "v"] if steps[n] > 0 else [])) if self._owned(n) else []
-            kinds += ["w"] if self._wkind(n) == "w" else []
-            keys += [key(kind, n, k, s) for kind in kinds for k in range(len(info.shards))]
-        return keys
-
-    def _write_manifest(self, state: dict | None = None) -> None:
-        """Commit: make the step's files and renames durable, then the manifest; the manifest
-        before the previous one goes last."""
-        state = state or self.state
-        records = self.store.manifest()
-        current = {k: records[k] for k in self._current_keys(state)}
-        fault("commit.fsync")
-        C.sync_fs(self.root)
-        if self.dist is not None:
-            self.dist.agree(what="commit")  # every rank's files are durable: the step may commit
-        C.write_manifest(self.root, dict(state, records=current))
-        if self.dist is not None:
-            # No rank may overwrite the fallback's files (the next step's writes) before every
-            # rank's manifest is durable: a crash between leaves all ranks one common state.
-            self.dist.agree(what="commit")
-        C.prune(self.root)
-
-    def _land_and_commit(self, tail: list[Future], state: dict) -> None:
-        for f in tail:
-            f.result()  # a failed write raises here, naming its file: the step does not commit
-        self._write_manifest(state)
-
-    def settle(self) -> None:
-        """Wait until the last committed step is durable (its writes, syncfs, manifest); raises
-        what stopped it. Done before anything that writes state or needs it on disk."""
-        fut, self._commit_fut = self._commit_fut, None
-        if fut is not None:
-            t0 = time.perf_counter()
-            with self.timeline.span("wait", "previous commit"):
-                fut.result()
-            self.acts.waited(time.perf_counter() - t0)
-
-    def checkpoint(self, name: str) -> Path:
-        """A named snapshot of the committed state (hard links: no bytes copied)."""
-        self.settle()
-        return C.snapshot(self.root, C.list_manifests(self.root)[0], name)
 
     # ---- weights in and out of the modules ---------------------------------------------
     def _load(self, names) -> None:
@@ -679,11 +559,3 @@ class Engine:
 
 
 __all__ = ["Engine", "EngineConfig", "AdamWConfig"]
-
-
-def _fingerprint_diff(old: dict, new: dict) -> str:
-    diffs = [f"{k}: {old.get(k)!r} there, {new.get(k)!r} here" for k in sorted(set(old) | set(new))
-             if k != "params" and old.get(k) != new.get(k)]
-    if old.get("params") != new.get("params"):
-        diffs.append("parameter shapes differ")
-    return "; ".join(diffs)
