@@ -109,3 +109,14 @@ def test_layer_rate_interpolates_by_width_and_clamps():
     assert r.layer_rate(512) == pytest.approx(0.05e12) and r.layer_rate(256) == pytest.approx(0.05e12)
     assert r.layer_rate(1024) == pytest.approx(0.1e12)  # halfway in log width: the geometric mean
     assert r.layer_rate(8192) == pytest.approx(0.2e12)
+
+
+def test_layer_rate_interpolates_by_tokens_too():
+    m = measurements()
+    m["compute"]["layer_tflops_by_tokens"] = {"256": {"512": 0.02, "2048": 0.08}, "2048": {"512": 0.05, "2048": 0.2}}
+    r = C.rates(hardware_from_measurements(m), C.Efficiency())
+    assert r.layer_rate(1024, 2048) == pytest.approx(0.1e12)
+    assert r.layer_rate(1024, 256) == pytest.approx(0.04e12)
+    assert r.layer_rate(1024, 724) == pytest.approx((0.04e12 * 0.1e12) ** 0.5, rel=1e-3)  # ~halfway in log tokens
+    assert r.layer_rate(512, 64) == pytest.approx(0.02e12) and r.layer_rate(4096, 1 << 16) == pytest.approx(0.2e12)
+    assert r.layer_rate(1024) == pytest.approx(0.1e12)  # no token count: the width alone, as before

@@ -133,10 +133,11 @@ def bench_compute(seconds_per_dtype: float = 2.0, n: int = 2048) -> dict:
 
 
 # Decoder layers unrelated to any model benchmarked (llama-style, heads of 64, a quarter as many KV
-# heads, SwiGLU 8/3 x hidden), at two widths: a CPU layer's FLOP rate grows with its matrices, so the
-# planner interpolates between them by width (log-log), and clamps outside.
+# heads, SwiGLU 8/3 x hidden), at two widths and two token counts: a CPU layer's FLOP rate grows with
+# its matrices' width and with the rows they multiply (a 256-row product keeps the cores' caches
+# busier per FLOP than a 2048-row one), so the planner interpolates in both (log-log) and clamps outside.
 REF_HIDDEN = (512, 2048)
-REF_TOKENS = 2048
+REF_TOKENS = (256, 2048)
 REF_SEQ = 256
 
 
@@ -151,35 +152,39 @@ def layer_train_flops(layer_params: int, tokens: int, seq: int, q_dim: int) -> f
 
 
 def bench_layer(dtype: torch.dtype | None = None, repeats: int = 2, widths: tuple[int, ...] = REF_HIDDEN,
-                tokens: int = REF_TOKENS) -> dict:
-    """FLOP/s of a decoder layer's forward + backward at `tokens` (rows of REF_SEQ), per width, in
+                tokens: tuple[int, ...] = REF_TOKENS) -> dict:
+    """FLOP/s of a decoder layer's forward + backward per token count (rows of REF_SEQ) and width, in
     `dtype` (default: what `--precision auto` trains in here): the matmuls at real shapes plus the
-    norms, rotary embedding, attention and activation functions around them."""
+    norms, rotary embedding, attention and activation functions around them. `layer_tflops` keeps
+    the largest token count's row (what caches from before the token axis held)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if dtype is None:
         from ..precision import resolve
         dtype = torch.bfloat16 if resolve("auto")[0] == "bf16" else torch.float32
 
-    out = {}
+    table: dict[str, dict[str, float]] = {str(t): {} for t in tokens}
     for hidden in widths:
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **ref_layer_config(hidden))).to(dtype)
         layer = model.model.layers[0]
         n = sum(p.numel() for p in layer.parameters())
-        rows = max(1, tokens // REF_SEQ)
-        x = torch.randn(rows, REF_SEQ, hidden, dtype=dtype, requires_grad=True)
-        pos = torch.arange(REF_SEQ)[None].expand(rows, -1)
-        pe = model.model.rotary_emb(x, pos)
+        for count in tokens:
+            rows = max(1, count // REF_SEQ)
+            x = torch.randn(rows, REF_SEQ, hidden, dtype=dtype, requires_grad=True)
+            pos = torch.arange(REF_SEQ)[None].expand(rows, -1)
+            pe = model.model.rotary_emb(x, pos)
 
-        def step():
-            y = layer(x, position_embeddings=pe, attention_mask=None, position_ids=pos)
-            (y[0] if isinstance(y, tuple) else y).float().sum().backward()
-        step()
-        t = _best(step, repeats)
-        out[str(hidden)] = layer_train_flops(n, rows * REF_SEQ, REF_SEQ, hidden) / t / 1e12
-        del model, layer, x
-    return {"layer_tflops": out, "layer_tokens": tokens, "layer_dtype": "bf16" if dtype == torch.bfloat16 else "fp32"}
+            def step():
+                y = layer(x, position_embeddings=pe, attention_mask=None, position_ids=pos)
+                (y[0] if isinstance(y, tuple) else y).float().sum().backward()
+            step()
+            t = _best(step, repeats)
+            table[str(count)][str(hidden)] = layer_train_flops(n, rows * REF_SEQ, REF_SEQ, hidden) / t / 1e12
+        del model, layer
+    top = str(max(tokens))
+    return {"layer_tflops": table[top], "layer_tokens": max(tokens), "layer_tflops_by_tokens": table,
+            "layer_dtype": "bf16" if dtype == torch.bfloat16 else "fp32"}
 
 
 def bench_gemv(dtype: torch.dtype = torch.bfloat16, hidden: int = 2048, repeats: int = 20) -> dict:

@@ -26,6 +26,7 @@ def hardware_from_measurements(m: dict, spec: str = "this") -> Hardware:
                 "mem_gbps": io["mem_gbps"], "nvme": io, "when": mach["when"],
                 # absent in caches written before `bench compute` measured them: the plan says so
                 "layer_tflops": comp.get("layer_tflops"), "layer_dtype": comp.get("layer_dtype", "bf16"),
+                "layer_tflops_by_tokens": comp.get("layer_tflops_by_tokens"),
                 "gemv_gbps": comp.get("gemv_gbps"),
                 "crc32c_gbps": comp.get("crc32c_gbps"),
                 # what `--precision auto` picked when `bench compute` ran (its reference layers' dtype)
@@ -80,7 +81,9 @@ def bench_text(what: str, res: dict) -> str:
     mm = ", ".join(f"{k} {v:.3f}" for k, v in res["matmul_tflops"].items())
     o = res["overhead"]
     return (f"matmul TFLOPS ({res['matmul_n']}^3, {res['threads']} threads): {mm}; decoder layer fwd+bwd "
-            + ", ".join(f"{v:.3f} at hidden {k}" for k, v in res["layer_tflops"].items())
+            + "; ".join(f"{t} tokens: " + ", ".join(f"{v:.3f} at hidden {k}" for k, v in row.items())
+                        for t, row in (res.get("layer_tflops_by_tokens")
+                                       or {res.get("layer_tokens", 2048): res["layer_tflops"]}).items())
             + f" TFLOPS ({res.get('layer_dtype', 'bf16')}); batch-1 decode matmul {res['gemv_gbps']:.2f} GB/s of weights; CRC32C "
             f"{res['crc32c_gbps']:.1f} GB/s; AdamW (fused) {res['adamw_elems_per_s'] / 1e9:.2f} "
             f"G elements/s; engine overhead: training {o['train_per_step_s'] * 1e3:.0f} ms/step + "

@@ -81,26 +81,38 @@ class Rates:
     # measured only (`tierlm bench compute`): a decoder layer's forward + backward FLOP/s on the CPU,
     # and the engine's fixed costs per step and per layer (overhead.py); zero on catalog hardware,
     # where a real model's large layers make them negligible against the step.
-    layer_flops: dict | None = None   # {hidden: FLOP/s} of the reference layers
+    layer_flops: dict | None = None   # {hidden: FLOP/s} of the reference layers (at their most tokens)
+    layer_flops_by_tokens: dict | None = None  # {tokens: {hidden: FLOP/s}}, where measured
     gemv: float = 0.0                 # weight bytes/s of a batch-1 decode matmul
     crc: float = 0.0                  # CRC32C bytes/s (the store checksums every byte on the CPU)
     overhead: dict | None = None
 
-    def layer_rate(self, hidden: int) -> float:
-        """A layer's forward + backward FLOP/s at this width: log-log between the measured widths,
-        clamped outside them; 0 when not measured."""
+    def layer_rate(self, hidden: int, tokens: int | None = None) -> float:
+        """A layer's forward + backward FLOP/s at this width and micro-batch of `tokens`: log-log
+        between the measured widths, then between the measured token counts, clamped outside
+        them; 0 when not measured. Without a token axis (older caches, or `tokens` None) the width
+        alone, at the reference layers' token count."""
+        if self.layer_flops_by_tokens and tokens:
+            rows = sorted((int(t), _loglog(int(hidden), {int(h): v for h, v in row.items()}))
+                          for t, row in self.layer_flops_by_tokens.items() if row)
+            return _loglog(int(tokens), dict(rows))
         if not self.layer_flops:
             return 0.0
-        pts = sorted((int(h), v) for h, v in self.layer_flops.items())
-        if hidden <= pts[0][0] or len(pts) == 1:
-            return pts[0][1]
-        if hidden >= pts[-1][0]:
-            return pts[-1][1]
-        (h0, r0), (h1, r1) = next((a, b) for a, b in zip(pts, pts[1:]) if a[0] <= hidden <= b[0])
-        return r0 * (r1 / r0) ** (math.log(hidden / h0) / math.log(h1 / h0))
+        return _loglog(int(hidden), {int(h): v for h, v in self.layer_flops.items()})
 
     def to_json(self) -> dict:
         return asdict(self)
+
+
+def _loglog(x: int, pts: dict[int, float]) -> float:
+    """Log-log interpolation of x between the points {x_i: y_i}, clamped outside them."""
+    p = sorted(pts.items())
+    if x <= p[0][0] or len(p) == 1:
+        return p[0][1]
+    if x >= p[-1][0]:
+        return p[-1][1]
+    (x0, y0), (x1, y1) = next((a, b) for a, b in zip(p, p[1:]) if a[0] <= x <= b[0])
+    return y0 * (y1 / y0) ** (math.log(x / x0) / math.log(x1 / x0))
 
 
 def rates(hw: Hardware, eff: Efficiency, precision: str = "bf16") -> Rates:
@@ -119,8 +131,13 @@ def rates(hw: Hardware, eff: Efficiency, precision: str = "bf16") -> Rates:
     g = hw.gpu
     bf16 = m is not None and precision == "bf16"
     # the reference layers ran in one dtype (caches from before it was recorded: bf16)
-    layer = m.get("layer_tflops") if m is not None and m.get("layer_dtype", "bf16") == precision else None
+    same = m is not None and m.get("layer_dtype", "bf16") == precision
+    layer = m.get("layer_tflops") if same else None
+    by_tokens = m.get("layer_tflops_by_tokens") if same else None
     return Rates(layer_flops={h: v * 1e12 for h, v in layer.items()} if isinstance(layer, dict) else None,
+                 layer_flops_by_tokens={t: {h: v * 1e12 for h, v in row.items()} for t, row in by_tokens.items()}
+                 if isinstance(by_tokens, dict) else None,
+                 # measured on bf16 weights (inference's default), whatever finetune's precision
                  gemv=(m.get("gemv_gbps") or 0.0) * GB if bf16 else 0.0,
                  crc=(m.get("crc32c_gbps") or 0.0) * GB if m is not None else 0.0,
                  overhead=m.get("overhead") if m is not None else None,

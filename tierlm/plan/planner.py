@@ -123,8 +123,10 @@ def plan(shape: ModelShape, hw: Hardware, task: Task, eff: C.Efficiency | None =
          lifetime_years: float = 3.0, usd_per_kwh: float = 0.15) -> Plan:
     eff = eff or C.Efficiency()
     task.validate()
-    if task.precision == "auto":  # catalog parts all multiply bf16 natively
-        task.precision = (hw.measured or {}).get("precision", "bf16")
+    if task.precision == "auto":
+        # catalog parts all multiply bf16 natively; finetune computes in what its precision probe
+        # picks here; generate/serve hold bf16 weights whatever the CPU (their --weights default)
+        task.precision = (hw.measured or {}).get("precision", "bf16") if task.kind == "finetune" else "bf16"
     r = C.rates(hw, eff, task.precision)
     p = Plan(model=shape.to_json(), hardware={"spec": hw.spec, "describe": hw.describe(), "rates": r.to_json()},
              task=asdict(task), fits=True, problems=[],
@@ -282,13 +284,13 @@ def _finetune_times(s, task, r: C.Rates, T, resident, k_ram, n_ssd, n_rec, act, 
     # without a GPU, activations kept in RAM are written and read back once.
     dram = ssd_r + ssd_w + h2d + d2h + P * C.OPT_DRAM_PER_PARAM + (0 if gpu else 2 * k_ram * act)
     compute = flops / r.compute_flops
-    if not gpu and (r.layer_rate(s.hidden) or r.overhead):
+    if not gpu and (r.layer_rate(s.hidden, T) or r.overhead):
         # Measured CPU: a real layer's rate (where it was measured in this precision), not a large
         # GEMM's, plus the engine's fixed costs per layer (recomputed layers pay the recompute
         # profile's) and per step, all on the same cores.
         o = r.overhead or {}
         n_keep = L - n_rec
-        compute = (flops / (r.layer_rate(s.hidden) or r.compute_flops) + o.get("train_per_step_s", 0.0)
+        compute = (flops / (r.layer_rate(s.hidden, T) or r.compute_flops) + o.get("train_per_step_s", 0.0)
                    + n_keep * o.get("train_per_layer_s", 0.0) + n_rec * o.get("train_per_layer_recompute_s", 0.0))
     res = {"compute": compute, "optimizer": P / r.adam_elems, "memory": dram / r.dram,
            "link_h2d": h2d / r.link if gpu else 0.0, "link_d2h": d2h / r.link if gpu else 0.0,
