@@ -24,3 +24,19 @@ def test_one_row_matches_linear_and_rows_are_unchanged():
 def test_threads_must_be_positive():
     with pytest.raises(ValueError, match="--threads"):
         InferConfig(threads=0)
+
+
+@pytest.mark.parametrize("slow", [True, False])
+def test_many_rows_run_in_fp32_only_where_bf16_products_are_slow(monkeypatch, slow):
+    from tierlm.infer import gemv
+    monkeypatch.setattr(gemv, "bf16_matmul_is_slow", lambda: slow)
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 48).to(torch.bfloat16)
+    use_gemv(nn.Sequential(lin))
+    x = torch.randn(2, gemv.UPCAST_MIN_ROWS, 64, dtype=torch.bfloat16)
+    want = (F.linear(x.float(), lin.weight.float(), lin.bias.float()).bfloat16() if slow
+            else F.linear(x, lin.weight, lin.bias))
+    y = lin(x)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, want)
+    few = x[:, : gemv.UPCAST_MIN_ROWS // 2 - 1]  # below the threshold: the bf16 kernel either way
+    assert torch.equal(lin(few), F.linear(few, lin.weight, lin.bias))

@@ -4,21 +4,44 @@ Decoding one sequence multiplies every weight by a single row. For bf16 weights,
 M=1 goes through the matrix-matrix path and reads the weights at 2.7-6.8 GB/s here, while
 `torch.mv` on the same tensors streams them at 9.8 GB/s on one thread and 13.6-18 GB/s on two
 (benchmarks/infer_gemv.py measures it): decode is bound by bytes read, so that kernel is the
-decode speed. Several rows (prefill, batched decode) keep `F.linear`, which is the faster one there.
+decode speed. Several rows (prefill, batched decode) keep `F.linear`, which is the faster one there,
+except on a CPU without bf16 matrix units (AVX2 only): there a bf16 product of many rows runs on a
+fallback kernel ~70x slower than fp32 (`tierlm.precision.probe`), so from UPCAST_MIN_ROWS rows the
+weight is converted to fp32 for that product (a 2048 x 5632 weight at 64 rows, one thread, AMD EPYC:
+502 ms in bf16 against 74 ms converted; at 8 rows 19 against 142 ms, hence the threshold).
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
+UPCAST_MIN_ROWS = 16  # converting the weight costs about as much as 13 bf16 rows on the fallback kernel
+
+
+@functools.lru_cache(maxsize=1)
+def bf16_matmul_is_slow() -> bool:
+    """Whether `--precision auto` would train in fp32 here: bf16 products below half the fp32 rate."""
+    from ..precision import resolve
+    return resolve("auto")[0] == "fp32"
+
+
 class GemvLinear(nn.Linear):
-    """nn.Linear whose single-row products use torch.mv (same weights, same module state)."""
+    """nn.Linear whose single-row products use torch.mv (same weights, same module state), and
+    whose many-row bf16 products run in fp32 where this CPU has no fast bf16 kernel."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if x.numel() != x.shape[-1] or w.dtype != torch.bfloat16:
+        if w.dtype != torch.bfloat16:
+            return F.linear(x, w, self.bias)
+        rows = x.numel() // x.shape[-1]
+        if rows >= UPCAST_MIN_ROWS and w.device.type == "cpu" and bf16_matmul_is_slow():
+            b = None if self.bias is None else self.bias.float()
+            return F.linear(x.float(), w.float(), b).to(x.dtype)
+        if rows != 1:
             return F.linear(x, w, self.bias)
         y = torch.mv(w, x.reshape(-1).to(w.dtype))
         if self.bias is not None:
