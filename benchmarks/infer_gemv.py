@@ -4,7 +4,9 @@
 
 Per thread count and M: GB/s of weight bytes for bf16 F.linear (what nn.Linear runs), torch.mv (what
 tierlm.infer.gemv uses at M=1) and the int8 / int4 weight-only kernels of tierlm.infer.quant, next to
-a plain read (sum) of as many bytes. Best of 5 repetitions: the machine is shared.
+a plain read (sum) of as many bytes. Then a prefill-sized product (64 rows): bf16 F.linear against
+tierlm's GemvLinear (which converts to fp32 on CPUs without fast bf16 kernels), side by side.
+Best of 5 repetitions: the machine is shared.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from tierlm.infer.gemv import GemvLinear, bf16_matmul_is_slow
 from tierlm.infer.quant import QLinear
 
 
@@ -53,6 +56,20 @@ def main():
             out[f"M{m}_int8"] = numel / 2 / best(lambda: [q(a) for q in q8]) / 1e9
             out[f"M{m}_int4"] = numel / 4 / best(lambda: [q(a) for q in q4]) / 1e9
         print(json.dumps({k2: round(v, 2) if isinstance(v, float) else v for k2, v in out.items()}), flush=True)
+        lin = torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16).requires_grad_(False)
+        lin.__class__ = GemvLinear
+        a = torch.randn(64, k, dtype=torch.bfloat16)
+        plain = best(lambda: [F.linear(a, w) for w in ws[:4]], 3)
+        lin_ws = [w for w in ws[:4]]
+
+        def ours():
+            for w in lin_ws:
+                lin.weight.data = w
+                lin(a)
+        mine = best(ours, 3)
+        print(json.dumps({"threads": th, "M64_F.linear_bf16_ms": round(plain / 4 * 1e3, 1),
+                          "M64_tierlm_GemvLinear_ms": round(mine / 4 * 1e3, 1), "speedup": round(plain / mine, 2),
+                          "fp32_conversion": bf16_matmul_is_slow()}), flush=True)
     print(json.dumps({"load_after": os.getloadavg()}))
 
 
