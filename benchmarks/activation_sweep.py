@@ -7,8 +7,8 @@ the head, so that a sweep fits on a small machine: the head's work is the same u
 and 16K tokens of a 152K-entry vocabulary would need 10+ GB of logits) and a corpus from the standard library's docstrings, then
 runs `tierlm finetune` once per policy in a fresh process: --activations auto (the planner), swap
 (every layer to NVMe), recompute, and swap fractions in between (the first k layers swapped, the
-rest recomputed). Steps 1-2 profile (auto re-plans after each); the step time reported is the mean
-of the steps after the plan. Prints, per policy: measured s/step, the plan's predicted s/step, the
+rest recomputed). Step 1 warms up; auto re-plans after every step until two consecutive steps
+agree (normally after step 3); the step time reported is the mean of steps 4 and later, for every policy. Prints, per policy: measured s/step, the plan's predicted s/step, the
 bytes swapped, and the planner's measured time against the best of the sweep.
 """
 from __future__ import annotations
@@ -40,9 +40,14 @@ def run(model: Path, corpus: Path, work: Path, policy: str, a) -> dict:
         return {"policy": policy, "error": res.stderr.strip().splitlines()[-1] if res.stderr else "failed"}
     plan = json.loads((out / "plan.json").read_text())
     summary = json.loads((out / "summary.json").read_text())
-    after = plan["measured_since_plan"] or {}
-    last = plan["steps"][-1]
-    return {"policy": policy, "measured_s": after.get("step_s"), "steps_s": [round(h["step_s"], 2) for h in plan["steps"]],
+    # The same steps for every policy: those after the first three (step 1 warms up; auto's plan
+    # settles after step 3 when steps 2 and 3 agree). plan.json's own "measured_since_plan" starts
+    # later when a disturbed step delayed the settling.
+    steps = plan["steps"]
+    tail = [h["step_s"] for h in steps[3:]] or [steps[-1]["step_s"]]
+    last = steps[-1]
+    return {"policy": policy, "measured_s": sum(tail) / len(tail), "steps_s": [round(h["step_s"], 2) for h in steps],
+            "settled": plan.get("profile_settled"), "plan_after_step": plan["plan"]["made_after_step"],
             "load": os.getloadavg(), "predicted_s": plan["plan"]["predicted"]["step_s"],
             "chosen": plan["plan"]["layers"], "reason": plan["plan"]["reason"],
             "swapped_gb": last["swapped_bytes"]["nvme"] / 1e9, "peak_rss": summary["peak_rss_bytes"],
