@@ -120,3 +120,17 @@ def test_layer_rate_interpolates_by_tokens_too():
     assert r.layer_rate(1024, 724) == pytest.approx((0.04e12 * 0.1e12) ** 0.5, rel=1e-3)  # ~halfway in log tokens
     assert r.layer_rate(512, 64) == pytest.approx(0.02e12) and r.layer_rate(4096, 1 << 16) == pytest.approx(0.2e12)
     assert r.layer_rate(1024) == pytest.approx(0.1e12)  # no token count: the width alone, as before
+
+
+def test_measured_overlap_adds_the_unhidden_share_of_the_shorter(shape):
+    s, _ = shape
+    task = dict(batch=1, seq_len=128, activations="keep", cpu_mem=4 << 30, clip="off")
+    full = plan(s, hardware_from_measurements(measurements()), Task(**task))
+    m = measurements()
+    m["compute"]["overlap"] = 0.25
+    part = plan(s, hardware_from_measurements(m), Task(**task))
+    shorter = min(full.devices_s["cpu"], full.devices_s["ssd"])
+    assert shorter > 0 and part.resources_s["overlap_penalty"] == pytest.approx(0.75 * shorter)
+    assert part.step_s == pytest.approx(full.step_s + 0.75 * shorter)
+    assert "overlap_penalty" not in full.resources_s  # older caches: perfect overlap, as before
+    assert any("25% of the shorter is hidden" in a for a in part.assumptions)

@@ -31,7 +31,9 @@ def hardware_from_measurements(m: dict, spec: str = "this") -> Hardware:
                 "crc32c_gbps": comp.get("crc32c_gbps"),
                 # what `--precision auto` picked when `bench compute` ran (its reference layers' dtype)
                 "precision": comp.get("layer_dtype", "bf16"),
-                "overhead": comp.get("overhead")}
+                "overhead": comp.get("overhead"),
+                # absent in caches from before bench compute measured it: perfect overlap assumed
+                "overlap": comp.get("overlap")}
     hw = Hardware(spec, cpu, mach["ram_bytes"], None, drive, 1, measured=measured)
     if not io.get("direct_io", True):
         hw.notes.append(io.get("note") or "measured without direct I/O")
@@ -66,6 +68,8 @@ def run_bench(what: str, nvme: str | None, size: int = 2 << 30, quiet: bool = Fa
         # The commit's syncfs is part of the overhead: measure on the drive the runs use.
         where = nvme if nvme and nvme != "." else cache.load().get("io", {}).get("dir", ".")
         res["overhead"] = bench_overhead(where)
+        from ..bench.overlap import bench_overlap
+        res.update(bench_overlap(where))
     res_machine = measure.machine()
     path = cache.update(what, res, also_next_to=nvme if what == "io" else None)
     cache.update("machine", res_machine)
@@ -89,7 +93,8 @@ def bench_text(what: str, res: dict) -> str:
             f"G elements/s; engine overhead: training {o['train_per_step_s'] * 1e3:.0f} ms/step + "
             f"{o['train_per_layer_s'] * 1e3:.0f} ms/layer, decode in RAM {o['decode_resident_per_step_s'] * 1e3:.1f} ms + "
             f"{o['decode_resident_per_layer_s'] * 1e3:.1f} ms/layer, streamed {o['decode_streamed_per_step_s'] * 1e3:.1f} ms + "
-            f"{o['decode_streamed_per_layer_s'] * 1e3:.1f} ms/layer")
+            f"{o['decode_streamed_per_layer_s'] * 1e3:.1f} ms/layer; compute beside SSD I/O hides "
+            f"{res['overlap']:.0%} of the shorter (rounds {res['overlap_rounds']})")
 
 
 def resolve(spec: str, catalog: Catalog, nvme: str | None = None) -> Hardware:

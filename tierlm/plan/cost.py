@@ -86,6 +86,10 @@ class Rates:
     gemv: float = 0.0                 # weight bytes/s of a batch-1 decode matmul
     crc: float = 0.0                  # CRC32C bytes/s (the store checksums every byte on the CPU)
     overhead: dict | None = None
+    # share of the shorter of CPU compute and SSD time hidden when both run at once on the CPU's
+    # cores (bench/overlap.py); 1 on catalog hardware and beside a GPU, where threads that move
+    # bytes do not take the compute's cores
+    overlap: float = 1.0
 
     def layer_rate(self, hidden: int, tokens: int | None = None) -> float:
         """A layer's forward + backward FLOP/s at this width and micro-batch of `tokens`: log-log
@@ -141,6 +145,7 @@ def rates(hw: Hardware, eff: Efficiency, precision: str = "bf16") -> Rates:
                  gemv=(m.get("gemv_gbps") or 0.0) * GB if bf16 else 0.0,
                  crc=(m.get("crc32c_gbps") or 0.0) * GB if m is not None else 0.0,
                  overhead=m.get("overhead") if m is not None else None,
+                 overlap=m.get("overlap", 1.0) if m is not None and m.get("overlap") is not None else 1.0,
                  compute_flops=(g.tflops * 1e12 * eff.gpu_compute) if g else cpu_flops, cpu_flops=cpu_flops,
                  adam_elems=adam, dram=dram, link=g.link_gbps * GB * eff.link if g else 0.0,
                  gpu_mem=g.mem_gbps * GB * eff.memory if g else 0.0, ssd_read=rd, ssd_write=wr,

@@ -115,6 +115,10 @@ def _assumptions(eff: C.Efficiency, hw: Hardware, lifetime_years: float, usd_per
                      "`tierlm bench compute`): the large-GEMM rate is used and fixed costs are left out; run "
                      "`tierlm bench compute` again")
     a.append(f"overlap: step = busiest device + (sum of the others) / layers; SSD reads and writes share the drives")
+    ov = (hw.measured or {}).get("overlap")
+    if ov is not None and hw.gpu is None:
+        a.append(f"CPU compute and SSD I/O share the cores: {ov:.0%} of the shorter is hidden (measured, "
+                 f"bench/overlap.py)")
     a.append(f"cost: hardware over {lifetime_years:g} years at 100% use + TDP power at ${usd_per_kwh}/kWh")
     return a
 
@@ -306,6 +310,11 @@ def _finetune_times(s, task, r: C.Rates, T, resident, k_ram, n_ssd, n_rec, act, 
     devices.update({"dram": res["memory"], "pcie": max(res["link_h2d"], res["link_d2h"]),
                     "ssd": res["ssd_read"] + res["ssd_write"]})
     _, step = _combine(devices, L)
+    if not gpu and r.overlap < 1.0 and devices["ssd"]:
+        # The store's threads take cycles from the cores that compute: the shorter of the two is
+        # hidden only by the measured share (bench/overlap.py).
+        res["overlap_penalty"] = (1.0 - r.overlap) * min(devices["cpu"], devices["ssd"])
+        step += res["overlap_penalty"]
     if task.clip == "redo":
         # A step that clips knows it only once backward has ended: the update is redone from the old
         # slot in a second pass (state and saved gradient read, new state written) after the pipeline,
@@ -362,6 +371,9 @@ def _serve(p: Plan, s: ModelShape, hw: Hardware, task: Task, r: C.Rates) -> None
         devices = {"gpu" if site == "gpu" else "cpu": res["compute"], "dram": res["memory"],
                    "hbm": res["gpu_memory"], "pcie": res["link_h2d"], "ssd": res["ssd_read"]}
         binding, step = _combine(devices, s.layers)
+        if site == "cpu" and r.overlap < 1.0 and devices["ssd"]:
+            res["overlap_penalty"] = (1.0 - r.overlap) * min(devices["cpu"], devices["ssd"])
+            step += res["overlap_penalty"]
         if r.overhead and site == "cpu":
             # The engine's fixed costs of a decode step, measured (bench compute): per step, and per
             # layer resident or streamed (a streamed layer also waits on its read's hand-off).
