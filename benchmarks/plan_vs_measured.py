@@ -122,7 +122,8 @@ def main() -> None:
     print(f"\nrates: {json.dumps({k: round(v, 3) for k, v in hw.measured['matmul_tflops'].items()})} TFLOPS, "
           f"AdamW {hw.measured['adamw_elems_per_s'] / 1e9:.2f} G/s, NVMe r/w {io['read_gbps']:.2f}/"
           f"{io['write_gbps']:.2f} GB/s, memory {hw.measured['mem_gbps']:.1f} GB/s, "
-          f"layer TFLOPS by width {json.dumps(hw.measured.get('layer_tflops'))}, one-row decode "
+          f"layer TFLOPS by tokens and width {json.dumps(hw.measured.get('layer_tflops_by_tokens') or hw.measured.get('layer_tflops'))}, "
+          f"compute/SSD overlap {hw.measured.get('overlap')}, one-row decode "
           f"{hw.measured.get('gemv_gbps') or 0:.2f} GB/s, CRC32C {hw.measured.get('crc32c_gbps') or 0:.1f} GB/s, overheads {json.dumps(hw.measured.get('overhead'))}; "
           f"load average {load0:.1f} before, {os.getloadavg()[0]:.1f} after")
     print("| model | params | batch x seq | activations | --cpu-mem | predicted s/step | measured s/step (mean; "
