@@ -6,9 +6,10 @@ M=1 goes through the matrix-matrix path and reads the weights at 2.7-6.8 GB/s he
 (benchmarks/infer_gemv.py measures it): decode is bound by bytes read, so that kernel is the
 decode speed. Several rows (prefill, batched decode) keep `F.linear`, which is the faster one there,
 except on a CPU without bf16 matrix units (AVX2 only): there a bf16 product of many rows runs on a
-fallback kernel ~70x slower than fp32 (`tierlm.precision.probe`), so from UPCAST_MIN_ROWS rows the
-weight is converted to fp32 for that product (a 2048 x 5632 weight at 64 rows, one thread, AMD EPYC:
-502 ms in bf16 against 74 ms converted; at 8 rows 19 against 142 ms, hence the threshold).
+fallback kernel far slower than fp32 (`tierlm.precision.probe`), so from UPCAST_MIN_ROWS rows the
+weight is converted to fp32 for that product (`benchmarks/infer_gemv.py`, a 5632 x 2048 weight at 64
+rows on a 2-vCPU AMD EPYC: 142.6 ms in bf16 against 65.8 ms converted on one thread, 70.0 against
+39.2 on two; at 8 rows the conversion loses, 19 against 142 ms in a loaded moment, hence the threshold).
 """
 from __future__ import annotations
 
