@@ -1,5 +1,6 @@
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -160,3 +161,28 @@ def test_reads_and_writes_of_a_key_wait_for_its_write_in_flight(store):
     final = torch.empty_like(a)
     store.read_into("k", final).result()
     assert torch.equal(final, a + 2)
+
+
+def test_a_write_waits_for_reads_of_its_key_in_flight(store):
+    """A write in place must not change the bytes under a read asked for before it."""
+    a = torch.arange(300_000, dtype=torch.float32)
+    store.write("k", a).result()
+    gate = threading.Event()
+    real = store._read
+
+    def slow(*args, **kw):
+        gate.wait(10)
+        return real(*args, **kw)
+    store._read = slow
+    out = torch.empty_like(a)
+    r = store.read_into("k", out)
+    store._read = real
+    w = store.write("k", a + 1)
+    time.sleep(0.2)
+    assert not (r.done() or w.done())
+    gate.set()
+    r.result(), w.result()
+    assert torch.equal(out, a)
+    after = torch.empty_like(a)
+    store.read_into("k", after).result()
+    assert torch.equal(after, a + 1)

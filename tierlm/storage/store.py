@@ -105,12 +105,13 @@ class TensorStore:
         self.pool = pool
         self.direct = supports_direct_io(self.root) if direct_io is None else bool(direct_io)
         self.records: dict[str, Record] = {}
-        self._rec_lock = threading.Lock()
+        self._rec_lock = threading.RLock()  # a done callback may run at once, in the caller holding it
         self.stats = IOStats()
         self.on_event = on_event  # callable(kind, key, t0, t1, nbytes) for the timeline
         self.in_place = in_place  # overwrite a key's file in place where that is safe (see _write)
         self._exec = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="tierlm-io")
         self._inflight: dict[str, Future] = {}  # key -> its latest write not yet landed
+        self._reading: dict[str, set[Future]] = {}  # key -> its reads not yet done
 
     # ---- paths and records -------------------------------------------------------------
     def path(self, key: str) -> Path:
@@ -134,7 +135,10 @@ class TensorStore:
             raise StorageError(f"{key}: the store writes host tensors; copy to CPU first")
         tensor = tensor.contiguous()
         with self._rec_lock:
-            fut = self._after_write(key, self._write, key, tensor, durable)
+            # after the key's write in flight and every read of it not yet done: a write in place
+            # must not change the bytes under a read (nor interleave with another write)
+            deps = [f for f in [self._inflight.get(key), *self._reading.get(key, ())] if f is not None]
+            fut = self._after(key, deps, self._write, key, tensor, durable)
             self._inflight[key] = fut
         fut.add_done_callback(lambda f, k=key: self._landed(k, f))
         return fut
@@ -144,17 +148,41 @@ class TensorStore:
             if self._inflight.get(key) is fut:
                 del self._inflight[key]
 
+    def _track_read(self, key: str, fut: Future) -> Future:
+        """Caller holds _rec_lock."""
+        self._reading.setdefault(key, set()).add(fut)
+
+        def done(f, k=key):
+            with self._rec_lock:
+                live = self._reading.get(k)
+                if live is not None:
+                    live.discard(f)
+                    if not live:
+                        del self._reading[k]
+        fut.add_done_callback(done)
+        return fut
+
     def _after_write(self, key: str, fn, *args) -> Future:
         """fn(*args) on the I/O threads, after the write of `key` in flight (if any) has landed
         (failed or not). Reads and writes of a key are ordered as they were asked for: a step's
         last writes may still be landing while the next step reads (the engine defers them), and
         two writes of one file in place must not interleave. Caller holds _rec_lock."""
         prev = self._inflight.get(key)
-        if prev is None:
+        return self._after(key, [prev] if prev is not None else [], fn, *args)
+
+    def _after(self, key: str, deps: list[Future], fn, *args) -> Future:
+        """fn(*args) on the I/O threads once every future in `deps` is done (failed or not)."""
+        if not deps:
             return self._exec.submit(fn, *args)
         out: Future = Future()
+        left = [len(deps)]
+        lock = threading.Lock()
 
         def start(_):
+            with lock:
+                left[0] -= 1
+                if left[0]:
+                    return
             try:
                 inner = self._exec.submit(fn, *args)
             except RuntimeError as e:  # the store was closed meanwhile
@@ -162,7 +190,8 @@ class TensorStore:
                 return
             inner.add_done_callback(lambda f: out.set_exception(f.exception()) if f.exception() is not None
                                     else out.set_result(f.result()))
-        prev.add_done_callback(start)
+        for d in deps:
+            d.add_done_callback(start)
         return out
 
     def _write(self, key: str, tensor: torch.Tensor, durable: bool) -> Record:
@@ -260,7 +289,11 @@ class TensorStore:
             buf.release()
             raise
         fut: Future = Future()
-        inner = self._exec.submit(self._read, key, rec, out, True)
+        with self._rec_lock:
+            if key in self._inflight:
+                buf.release()
+                raise StorageError(f"{self.path(key)}: read() while its write is in flight (use read_into)")
+            inner = self._track_read(key, self._exec.submit(self._read, key, rec, out, True))
 
         def done(f):
             exc = f.exception()
@@ -280,9 +313,13 @@ class TensorStore:
         """
         with self._rec_lock:
             if key in self._inflight:  # the record is the write's, known once it lands
-                return self._after_write(key, self._read_latest, key, out, owns_padding)
+                return self._track_read(key, self._after_write(key, self._read_latest, key, out, owns_padding))
         rec = self._check_into(key, out)
-        return self._exec.submit(self._read, key, rec, out, owns_padding)
+        with self._rec_lock:
+            if key in self._inflight:  # a write was asked for meanwhile: read what it lands
+                return self._track_read(key, self._after_write(key, self._read_latest, key, out, owns_padding))
+            # tracked, so that a write asked for later waits until this read is done
+            return self._track_read(key, self._exec.submit(self._read, key, rec, out, owns_padding))
 
     def _check_into(self, key: str, out: torch.Tensor) -> Record:
         rec = self.record(key)
