@@ -80,6 +80,15 @@ def _usable_ram(hw: Hardware, task: Task) -> int:
     return int(hw.ram_bytes - HOST_RESERVE_BYTES - HOST_RESERVE_FRACTION * hw.ram_bytes)
 
 
+def _unhidden(r: C.Rates, devices: dict[str, float], res: dict) -> float:
+    """Without a GPU the store's threads take cycles from the cores that compute: the shorter of
+    CPU and SSD time is hidden only by the measured share (bench/overlap.py). Recorded in `res`."""
+    if r.overlap >= 1.0 or not devices.get("ssd") or not devices.get("cpu"):
+        return 0.0
+    res["overlap_penalty"] = (1.0 - r.overlap) * min(devices["cpu"], devices["ssd"])
+    return res["overlap_penalty"]
+
+
 def _combine(devices: dict[str, float], layers: int) -> tuple[str, float]:
     busy = {k: v for k, v in devices.items() if v > 0}
     binding = max(busy, key=busy.get)
@@ -310,11 +319,8 @@ def _finetune_times(s, task, r: C.Rates, T, resident, k_ram, n_ssd, n_rec, act, 
     devices.update({"dram": res["memory"], "pcie": max(res["link_h2d"], res["link_d2h"]),
                     "ssd": res["ssd_read"] + res["ssd_write"]})
     _, step = _combine(devices, L)
-    if not gpu and r.overlap < 1.0 and devices["ssd"]:
-        # The store's threads take cycles from the cores that compute: the shorter of the two is
-        # hidden only by the measured share (bench/overlap.py).
-        res["overlap_penalty"] = (1.0 - r.overlap) * min(devices["cpu"], devices["ssd"])
-        step += res["overlap_penalty"]
+    if not gpu:
+        step += _unhidden(r, devices, res)
     if task.clip == "redo":
         # A step that clips knows it only once backward has ended: the update is redone from the old
         # slot in a second pass (state and saved gradient read, new state written) after the pipeline,
@@ -371,9 +377,8 @@ def _serve(p: Plan, s: ModelShape, hw: Hardware, task: Task, r: C.Rates) -> None
         devices = {"gpu" if site == "gpu" else "cpu": res["compute"], "dram": res["memory"],
                    "hbm": res["gpu_memory"], "pcie": res["link_h2d"], "ssd": res["ssd_read"]}
         binding, step = _combine(devices, s.layers)
-        if site == "cpu" and r.overlap < 1.0 and devices["ssd"]:
-            res["overlap_penalty"] = (1.0 - r.overlap) * min(devices["cpu"], devices["ssd"])
-            step += res["overlap_penalty"]
+        if site == "cpu":
+            step += _unhidden(r, devices, res)
         if r.overhead and site == "cpu":
             # The engine's fixed costs of a decode step, measured (bench compute): per step, and per
             # layer resident or streamed (a streamed layer also waits on its read's hand-off).
