@@ -8,7 +8,8 @@ In RAM: decode tokens/s at batch 1 against the memory roofline (measured read ba
 read per token) for each weight format and each --threads count, and transformers.generate on the
 same model at the same thread count (the speed-up). Streamed (--stream-budget): tokens/s at each
 batch against the SSD roofline (SSD bandwidth / streamed bytes per forward x batch). Prefill:
-tokens/s and GFLOP/s against the measured bf16 matmul rate. The rates are measured again at the
+tokens/s and GFLOP/s against the measured bf16 matmul rate. `--kernels ours torch` runs each format
+twice, on tierlm's own few-row kernels (tierlm.infer.native) and on PyTorch's, side by side. The rates are measured again at the
 start of the run (not the cached ones), and the last lines are a markdown table of the ratios.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 
 from tierlm.hf.init import init_model
 from tierlm.hf.presets import make_config, param_count
+from tierlm.infer import native
 from tierlm.infer.batcher import Batcher, Request
 from tierlm.infer.engine import InferConfig, InferenceEngine
 from tierlm.infer.report import machine_rates
@@ -150,6 +152,8 @@ def main():
     p.add_argument("--stream-budget", default=None, help="run streamed under this --cpu-mem instead")
     p.add_argument("--batches", nargs="*", type=int, default=[1, 8, 32])
     p.add_argument("--no-hf", action="store_true")
+    p.add_argument("--kernels", nargs="*", default=["ours"], choices=["ours", "torch"],
+                   help="few-row products on tierlm's kernels, PyTorch's, or both side by side")
     a = p.parse_args()
     root = Path(a.dir or tempfile.mkdtemp(prefix="tierlm-bench-"))
     over = {k: v for k, v in (("layers", a.layers), ("hidden", a.hidden)) if v is not None}
@@ -166,7 +170,11 @@ def main():
     results = []
     if not a.stream_budget:
         for w in a.formats:
-            results += run(model, w, 1, a.tokens, a.prompt_len, "20GiB", root / f"nvme-{w}", rates, a.threads)
+            for kern in a.kernels:
+                native.use(kern == "ours")
+                for r in run(model, w, 1, a.tokens, a.prompt_len, "20GiB", root / f"nvme-{w}", rates, a.threads):
+                    results.append(r | {"weights": f"{w} ({kern if kern == 'torch' or native.available() else 'torch'})"})
+            native.use(True)
         if not a.no_hf:
             results += hf_generate(model, a.tokens, a.prompt_len, a.threads)
         rows = table_ram(results, rates)

@@ -2,9 +2,9 @@
 
     flock /tmp/tierlm-bench.lock python benchmarks/infer_gemv.py
 
-Per thread count and M: GB/s of weight bytes for bf16 F.linear (what nn.Linear runs), torch.mv (what
-tierlm.infer.gemv uses at M=1) and the int8 / int4 weight-only kernels of tierlm.infer.quant, next to
-a plain read (sum) of as many bytes. Then a prefill-sized product (64 rows): bf16 F.linear against
+Per thread count and M: GB/s of weight bytes for bf16 F.linear (what nn.Linear runs), torch.mv,
+PyTorch's int8 / int4 weight-only kernels and tierlm's own few-row kernels (tierlm.infer.native:
+"ours_bf16", "ours_int8"), next to a plain read (sum) of as many bytes. Then a prefill-sized product (64 rows): bf16 F.linear against
 tierlm's GemvLinear (which converts to fp32 on CPUs without fast bf16 kernels), side by side.
 Best of 5 repetitions: the machine is shared.
 """
@@ -17,6 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from tierlm.infer import native
 from tierlm.infer.gemv import GemvLinear, bf16_matmul_is_slow
 from tierlm.infer.quant import QLinear
 
@@ -44,17 +45,25 @@ def main():
             dst.append(lin)
     big = torch.ones(128 << 20, dtype=torch.float32)
     numel = sum(w.numel() for w in ws)
-    print(json.dumps({"load_before": os.getloadavg()}))
+    print(json.dumps({"load_before": os.getloadavg(), "own_kernels": native.isa()}))
     for th in (1, os.cpu_count()):
         torch.set_num_threads(th)
         out = {"threads": th, "read_sum_gbps": big.numel() * 4 / best(big.sum) / 1e9}
-        for m in (1, 8):
+        for m in (1, 4, 8, 16, 32):
             a = torch.randn(m, k, dtype=torch.bfloat16)
-            out[f"M{m}_F.linear_bf16"] = numel * 2 / best(lambda: [F.linear(a, w) for w in ws]) / 1e9
+            if m in (1, 8):
+                out[f"M{m}_F.linear_bf16"] = numel * 2 / best(lambda: [F.linear(a, w) for w in ws]) / 1e9
             if m == 1:
                 out["M1_mv_bf16"] = numel * 2 / best(lambda: [torch.mv(w, a[0]) for w in ws]) / 1e9
-            out[f"M{m}_int8"] = numel / 2 / best(lambda: [q(a) for q in q8]) / 1e9
-            out[f"M{m}_int4"] = numel / 4 / best(lambda: [q(a) for q in q4]) / 1e9
+            out[f"M{m}_int8"] = numel / 2 / best(lambda: [torch.ops.aten._weight_int8pack_mm(a, q.qweight, q.scales)
+                                                          for q in q8]) / 1e9
+            if m in (1, 8):
+                out[f"M{m}_int4"] = numel / 4 / best(lambda: [torch.ops.aten._weight_int4pack_mm_for_cpu(
+                    a, q.qweight, q.group, q.scales) for q in q4]) / 1e9
+            if native.available():
+                out[f"M{m}_ours_bf16"] = numel * 2 / best(lambda: [native.gemv_bf16(a, w) for w in ws]) / 1e9
+                out[f"M{m}_ours_int8"] = numel / 2 / best(lambda: [native.gemv_int8(a, q.qweight, q.scales)
+                                                                   for q in q8]) / 1e9
         print(json.dumps({k2: round(v, 2) if isinstance(v, float) else v for k2, v in out.items()}), flush=True)
         lin = torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16).requires_grad_(False)
         lin.__class__ = GemvLinear

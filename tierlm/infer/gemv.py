@@ -10,6 +10,11 @@ fallback kernel far slower than fp32 (`tierlm.precision.probe`), so from UPCAST_
 weight is converted to fp32 for that product (`benchmarks/infer_gemv.py`, a 5632 x 2048 weight at 64
 rows on a 2-vCPU AMD EPYC: 142.6 ms in bf16 against 65.8 ms converted on one thread, 70.0 against
 39.2 on two; at 8 rows the conversion loses, 19 against 142 ms in a loaded moment, hence the threshold).
+
+Where our own kernel builds (`tierlm.infer.native`), one row runs on it rather than `torch.mv`, and
+so do 2..15 rows on those CPUs: it reads each bf16 weight row once for up to four rows of x
+(benchmarks/infer_gemv.py on the EPYC, 2 threads: one row 17.0 GB/s against `mv`'s 13.7, eight rows
+6.0 against `F.linear`'s 2.2).
 """
 from __future__ import annotations
 
@@ -18,6 +23,8 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from . import native
 
 
 UPCAST_MIN_ROWS = 16  # converting the weight costs about as much as 13 bf16 rows on the fallback kernel
@@ -39,9 +46,15 @@ class GemvLinear(nn.Linear):
         if w.dtype != torch.bfloat16:
             return F.linear(x, w, self.bias)
         rows = x.numel() // x.shape[-1]
-        if rows >= UPCAST_MIN_ROWS and w.device.type == "cpu" and bf16_matmul_is_slow():
+        cpu = w.device.type == "cpu"
+        if rows >= UPCAST_MIN_ROWS and cpu and bf16_matmul_is_slow():
             b = None if self.bias is None else self.bias.float()
             return F.linear(x.float(), w.float(), b).to(x.dtype)
+        if cpu and (rows == 1 or bf16_matmul_is_slow()) and native.available():
+            y = native.gemv_bf16(x, w)
+            if self.bias is not None:
+                y = y + self.bias.float()
+            return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
         if rows != 1:
             return F.linear(x, w, self.bias)
         y = torch.mv(w, x.reshape(-1).to(w.dtype))

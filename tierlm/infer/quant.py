@@ -1,6 +1,9 @@
 """Quantised linear layers on PyTorch's own CPU kernels, chosen at load time.
 
-int8: symmetric, one scale per output channel, `aten._weight_int8pack_mm`.
+int8: symmetric, one scale per output channel, `aten._weight_int8pack_mm`; up to NATIVE_MAX_ROWS rows
+(decoding) on our own kernel (`tierlm.infer.native`) where it builds: PyTorch's is compute-bound at a
+few rows on AVX2 CPUs (benchmarks/infer_gemv.py on a 2-vCPU EPYC, 2 threads: one row 13.7 GB/s of
+int8 against 9.5, 32 rows 1.13 against 0.75).
 int4: asymmetric, one scale and zero per group of `group` input elements, packed by
 `aten._convert_weight_to_int4pack_for_cpu` and run by `aten._weight_int4pack_mm_for_cpu`
 (the layout gpt-fast/torchao use: value = (q - 8) * scale + zero).
@@ -13,7 +16,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import native
+
 MODES = ("int8", "int4")
+NATIVE_MAX_ROWS = 32  # the largest row count measured where ours was faster
 INT4_GROUPS = (32, 64, 128, 256)
 
 
@@ -66,7 +72,10 @@ class QLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if self.mode == "int8":
+        if self.mode == "int8" and x2.shape[0] <= NATIVE_MAX_ROWS and x2.device.type == "cpu" \
+                and native.available():
+            y = native.gemv_int8(x2, self.qweight, self.scales).to(x.dtype)
+        elif self.mode == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group, self.scales)

@@ -1,0 +1,183 @@
+/* Products of a few rows with int8 or bf16 weights that stream the weights at memory speed.
+
+   y[m, n] = scale[n] * sum_k x[m, k] * w[n, k]   (int8, one scale per output row)
+   y[m, n] =            sum_k x[m, k] * w[n, k]   (bf16 stored as uint16)
+
+   x is fp32 [M, K], y fp32 [M, N], w row-major [N, K]. Decoding reads every weight once per token
+   for a handful of rows, so the loop is arranged to read each weight row once for all M rows and
+   convert it once per group of up to 4 rows; PyTorch's int8 weight-only kernel is compute-bound at
+   one row on AVX2 CPUs (docs/inference.md). Threads take contiguous ranges of output rows
+   (OpenMP: the runtime PyTorch has already loaded, so one thread pool).
+
+   Accumulation is fp32 in a fixed order for a given K, so results do not depend on the thread
+   count. The AVX2 path is chosen at run time; any other CPU runs the portable loop. */
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define HAVE_X86 1
+#define TARGET_AVX2 __attribute__((target("avx2,fma")))
+#else
+#define HAVE_X86 0
+#endif
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* ---- portable loops ---------------------------------------------------------------------- */
+static void rows_i8_scalar(const float *x, int64_t M, int64_t K, const int8_t *w, const float *s,
+                           float *y, int64_t N, int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++) {
+        const int8_t *wr = w + n * K;
+        for (int64_t m = 0; m < M; m++) {
+            const float *xm = x + m * K;
+            float acc = 0.f;
+            for (int64_t k = 0; k < K; k++) acc += xm[k] * (float)wr[k];
+            y[m * N + n] = acc * s[n];
+        }
+    }
+}
+
+static void rows_bf16_scalar(const float *x, int64_t M, int64_t K, const uint16_t *w,
+                             float *y, int64_t N, int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++) {
+        const uint16_t *wr = w + n * K;
+        for (int64_t m = 0; m < M; m++) {
+            const float *xm = x + m * K;
+            float acc = 0.f;
+            for (int64_t k = 0; k < K; k++) acc += xm[k] * bf16_to_f32(wr[k]);
+            y[m * N + n] = acc;
+        }
+    }
+}
+
+#if HAVE_X86
+TARGET_AVX2 static inline float hsum(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+    return _mm_cvtss_f32(lo);
+}
+
+TARGET_AVX2 static inline __m256 load_i8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+TARGET_AVX2 static inline __m256 load_bf16(const uint16_t *p) {
+    __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+
+/* One output row for rows 0..mb-1 of x (mb <= 4). Each FMA chain waits ~4 cycles for the one
+   before it, so one row gets four chains (32 weights a turn) and 2-4 rows two each: otherwise the
+   loop, not memory, sets the pace (measured: two chains at one row ran at 7 GB/s of int8 a core). */
+#define ROW_KERNEL(NAME, WTYPE, LOAD, CONV)                                                       \
+    TARGET_AVX2 static void NAME(const float *x, int64_t mb, int64_t K, const WTYPE *wr,           \
+                                 float *out) {                                                     \
+        int64_t k = 0;                                                                             \
+        if (mb == 1) {                                                                             \
+            __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;                            \
+            for (; k + 32 <= K; k += 32) {                                                         \
+                c0 = _mm256_fmadd_ps(LOAD(wr + k), _mm256_loadu_ps(x + k), c0);                    \
+                c1 = _mm256_fmadd_ps(LOAD(wr + k + 8), _mm256_loadu_ps(x + k + 8), c1);            \
+                c2 = _mm256_fmadd_ps(LOAD(wr + k + 16), _mm256_loadu_ps(x + k + 16), c2);          \
+                c3 = _mm256_fmadd_ps(LOAD(wr + k + 24), _mm256_loadu_ps(x + k + 24), c3);          \
+            }                                                                                      \
+            float acc = hsum(_mm256_add_ps(_mm256_add_ps(c0, c1), _mm256_add_ps(c2, c3)));         \
+            for (; k < K; k++) acc += x[k] * CONV(wr[k]);                                          \
+            out[0] = acc;                                                                          \
+            return;                                                                                \
+        }                                                                                          \
+        __m256 a0[4], a1[4];                                                                       \
+        for (int i = 0; i < 4; i++) a0[i] = a1[i] = _mm256_setzero_ps();                           \
+        for (; k + 16 <= K; k += 16) {                                                             \
+            __m256 w0 = LOAD(wr + k), w1 = LOAD(wr + k + 8);                                       \
+            for (int i = 0; i < mb; i++) {                                                         \
+                a0[i] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + i * K + k), a0[i]);                \
+                a1[i] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + i * K + k + 8), a1[i]);            \
+            }                                                                                      \
+        }                                                                                          \
+        for (int i = 0; i < mb; i++) {                                                             \
+            float acc = hsum(_mm256_add_ps(a0[i], a1[i]));                                         \
+            for (int64_t j = k; j < K; j++) acc += x[i * K + j] * CONV(wr[j]);                     \
+            out[i] = acc;                                                                          \
+        }                                                                                          \
+    }
+
+#define I8_CONV(v) ((float)(v))
+ROW_KERNEL(row_i8_avx2, int8_t, load_i8, I8_CONV)
+ROW_KERNEL(row_bf16_avx2, uint16_t, load_bf16, bf16_to_f32)
+
+TARGET_AVX2 static void rows_i8_avx2(const float *x, int64_t M, int64_t K, const int8_t *w,
+                                     const float *s, float *y, int64_t N, int64_t n0, int64_t n1) {
+    float out[4];
+    for (int64_t n = n0; n < n1; n++)
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            int64_t mb = M - m0 < 4 ? M - m0 : 4;
+            row_i8_avx2(x + m0 * K, mb, K, w + n * K, out);
+            for (int64_t i = 0; i < mb; i++) y[(m0 + i) * N + n] = out[i] * s[n];
+        }
+}
+
+TARGET_AVX2 static void rows_bf16_avx2(const float *x, int64_t M, int64_t K, const uint16_t *w,
+                                       float *y, int64_t N, int64_t n0, int64_t n1) {
+    float out[4];
+    for (int64_t n = n0; n < n1; n++)
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            int64_t mb = M - m0 < 4 ? M - m0 : 4;
+            row_bf16_avx2(x + m0 * K, mb, K, w + n * K, out);
+            for (int64_t i = 0; i < mb; i++) y[(m0 + i) * N + n] = out[i];
+        }
+}
+#endif
+
+static int use_avx2(void) {
+#if HAVE_X86
+    static int cached = -1;
+    if (cached < 0) {
+        __builtin_cpu_init();
+        cached = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    }
+    return cached;
+#else
+    return 0;
+#endif
+}
+
+int tierlm_gemv_isa(void) { return use_avx2() ? 2 : 0; }
+
+/* Threads split the output rows into contiguous ranges (a whole number of 64-byte lines of y per
+   thread would avoid false sharing of y; y is a few KB and written once, so it does not matter). */
+void tierlm_gemv_i8(const float *x, int64_t M, int64_t K, const int8_t *w, const float *s, float *y,
+                    int64_t N, int threads) {
+    int avx2 = use_avx2();
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int t = 0; t < threads; t++) {
+        int64_t n0 = N * t / threads, n1 = N * (t + 1) / threads;
+#if HAVE_X86
+        if (avx2) { rows_i8_avx2(x, M, K, w, s, y, N, n0, n1); continue; }
+#endif
+        (void)avx2;
+        rows_i8_scalar(x, M, K, w, s, y, N, n0, n1);
+    }
+}
+
+void tierlm_gemv_bf16(const float *x, int64_t M, int64_t K, const uint16_t *w, float *y, int64_t N,
+                      int threads) {
+    int avx2 = use_avx2();
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int t = 0; t < threads; t++) {
+        int64_t n0 = N * t / threads, n1 = N * (t + 1) / threads;
+#if HAVE_X86
+        if (avx2) { rows_bf16_avx2(x, M, K, w, y, N, n0, n1); continue; }
+#endif
+        (void)avx2;
+        rows_bf16_scalar(x, M, K, w, y, N, n0, n1);
+    }
+}

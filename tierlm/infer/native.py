@@ -1,0 +1,130 @@
+"""Our few-row int8 and bf16 products (kernels/gemv.c), built once per machine and loaded with ctypes.
+
+The C file needs no PyTorch headers, so the build is one compiler call of about a second, cached
+under the tierlm cache directory by a hash of the source, the compiler and its flags. Where no C
+compiler works, or TIERLM_NATIVE=0, `available()` is False and the callers keep PyTorch's kernels
+(the result is the same product; only the speed differs). The library is linked with -fopenmp and
+loaded after torch, whose bundled libgomp.so.1 then serves it too: one OpenMP thread pool.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+SRC = Path(__file__).with_name("kernels") / "gemv.c"
+FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-fopenmp"]
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_failed: str | None = None
+_switched_off = False  # use(False): benchmarks compare against PyTorch's kernels in one process
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("TIERLM_CACHE_DIR") or Path.home() / ".cache" / "tierlm") / "kernels"
+
+
+def _build() -> ctypes.CDLL:
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (cc, gcc or clang) on PATH; set CC to one")
+    src = SRC.read_bytes()
+    tag = hashlib.sha256(src + cc.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    lib = _cache_root() / f"gemv-{tag}.so"
+    if not lib.exists():
+        lib.parent.mkdir(parents=True, exist_ok=True)
+        # Built under a temporary name and renamed: two processes building at once both succeed.
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
+        os.close(fd)
+        try:
+            r = subprocess.run([cc, *FLAGS, str(SRC), "-o", tmp], capture_output=True, text=True)
+            if r.returncode != 0:
+                raise RuntimeError(f"{cc} failed on {SRC}: {r.stderr.strip()[-800:]}")
+            os.replace(tmp, lib)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    dll = ctypes.CDLL(str(lib))
+    i64, p, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    dll.tierlm_gemv_i8.argtypes = [p, i64, i64, p, p, p, i64, c_int]
+    dll.tierlm_gemv_bf16.argtypes = [p, i64, i64, p, p, i64, c_int]
+    dll.tierlm_gemv_i8.restype = dll.tierlm_gemv_bf16.restype = None
+    dll.tierlm_gemv_isa.restype = c_int
+    return dll
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, building them on first use; None where they cannot be built."""
+    global _lib, _failed
+    if _lib is not None or _failed is not None:
+        return _lib
+    with _lock:
+        if _lib is None and _failed is None:
+            if os.environ.get("TIERLM_NATIVE", "1") == "0":
+                _failed = "TIERLM_NATIVE=0"
+            else:
+                try:
+                    _lib = _build()
+                except (OSError, RuntimeError) as e:
+                    _failed = str(e)
+                    print(f"tierlm: own few-row kernels unavailable, using PyTorch's ({e})", file=sys.stderr)
+    return _lib
+
+
+def available() -> bool:
+    return not _switched_off and library() is not None
+
+
+def use(on: bool) -> None:
+    """Route the callers to our kernels (where they build) or to PyTorch's from now on."""
+    global _switched_off
+    _switched_off = not on
+
+
+def why_unavailable() -> str | None:
+    library()
+    return _failed
+
+
+def isa() -> str:
+    lib = library()
+    return "none" if lib is None else ("avx2" if lib.tierlm_gemv_isa() == 2 else "portable")
+
+
+def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    return x.reshape(-1, k).to(torch.float32).contiguous()
+
+
+def gemv_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ (qweight [N, K] int8 * scales [N])^T in fp32 accumulation; returns fp32 [rows, N]."""
+    n, k = qweight.shape
+    xf = _rows(x, k)
+    s = scales.to(torch.float32).contiguous()
+    q = qweight.contiguous()
+    y = torch.empty(xf.shape[0], n, dtype=torch.float32)
+    library().tierlm_gemv_i8(xf.data_ptr(), xf.shape[0], k, q.data_ptr(), s.data_ptr(), y.data_ptr(), n,
+                             torch.get_num_threads())
+    return y
+
+
+def gemv_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ weight [N, K] (bf16)^T in fp32 accumulation; returns fp32 [rows, N]."""
+    n, k = weight.shape
+    xf = _rows(x, k)
+    w = weight.contiguous()
+    y = torch.empty(xf.shape[0], n, dtype=torch.float32)
+    library().tierlm_gemv_bf16(xf.data_ptr(), xf.shape[0], k, w.data_ptr(), y.data_ptr(), n,
+                               torch.get_num_threads())
+    return y
