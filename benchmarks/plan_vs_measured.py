@@ -76,6 +76,8 @@ def main() -> None:
     ap.add_argument("--infer-models", default="llama-208m", help="models to decode with (empty: none)")
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--skip-train", action="store_true")
+    ap.add_argument("--stream-repeats", type=int, default=3,
+                    help="streamed decode runs, each between two `bench io` of the store's drive (with --bench)")
     ap.add_argument("--bench", metavar="NVME_DIR", help="measure the rates first (bench io in NVME_DIR, 1 GiB, and "
                     "bench compute), so rates and runs see the same load on a shared machine")
     ap.add_argument("--json", help="also write the rows here")
@@ -116,8 +118,11 @@ def main() -> None:
                              "binding": p.binding, "pred_ssd": p.traffic_bytes["ssd_read"] + p.traffic_bytes["ssd_write"],
                              "meas_ssd": m["ssd_read"] + m["ssd_write"],
                              "devices": {k: round(v, 2) for k, v in p.devices_s.items() if v}})
-    inf = [] if not a.infer_models else [infer_row(work, name, mode, a.new_tokens, hw, a.reuse)
-                                         for name in a.infer_models.split(",") for mode in INFER_MEM]
+    inf = []
+    for name in (a.infer_models.split(",") if a.infer_models else []):
+        inf.append(infer_row(work, name, "in RAM", a.new_tokens, hw, a.reuse))
+        for rep in range(a.stream_repeats):
+            inf.append(streamed_row(work, name, a.new_tokens, a.bench, rep, a.reuse))
     io = hw.measured["nvme"]
     print(f"\nrates: {json.dumps({k: round(v, 3) for k, v in hw.measured['matmul_tflops'].items()})} TFLOPS, "
           f"AdamW {hw.measured['adamw_elems_per_s'] / 1e9:.2f} G/s, NVMe r/w {io['read_gbps']:.2f}/"
@@ -138,6 +143,12 @@ def main() -> None:
           "| measured/predicted | binding (predicted) | resources (predicted s/token) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in inf:
+        if "read_gbps" in r:
+            print(f"| {r['model']} | {r['mode']} (bench io read {r['read_gbps'][0]:.2f} before, {r['read_gbps'][1]:.2f} after) "
+                  f"| {r['cpu_mem']} | {r['resident']} | {r['predicted_tok_s']:.2f} | "
+                  f"{r['measured_tok_s']:.2f} | {r['measured_tok_s'] / r['predicted_tok_s']:.2f} | {r['binding']} | "
+                  f"{r['resources']} |")
+            continue
         print(f"| {r['model']} | {r['mode']} | {r['cpu_mem']} | {r['resident']} | {r['predicted_tok_s']:.2f} | "
               f"{r['measured_tok_s']:.2f} | {r['measured_tok_s'] / r['predicted_tok_s']:.2f} | {r['binding']} | "
               f"{r['resources']} |")
@@ -145,15 +156,37 @@ def main() -> None:
         Path(a.json).write_text(json.dumps({"train": rows, "decode": inf}, indent=2) + "\n")
 
 
-def infer_row(work: Path, name: str, mode: str, new_tokens: int, hw, reuse: bool) -> dict:
+def streamed_row(work: Path, name: str, new_tokens: int, bench: str | None, rep: int, reuse: bool) -> dict:
+    """Streamed decoding is bound by the drive's read rate, which on a virtual disk moves several-fold
+    within an hour (docs/planner.md): `bench io` of the same drive runs right before and right after
+    the decode, and the plan uses the mean of the two read rates (the rest of the cache as measured)."""
+    from tierlm.bench import cache
+    from tierlm.plan.command import run_bench
+
+    if bench is None:  # no drive to measure: the cached rates, once
+        return infer_row(work, name, "streamed", new_tokens, hardware_from_measurements(cache.load()), reuse)
+    before = run_bench("io", bench, size=1 << 30, quiet=True)["read_gbps"]
+    tag = f"streamed-{rep}"
+    row = infer_row(work, name, "streamed", new_tokens, None, reuse, tag=tag)
+    after = run_bench("io", bench, size=1 << 30, quiet=True)["read_gbps"]
+    m = cache.load()
+    m["io"] = dict(m["io"], read_gbps=(before + after) / 2)
+    return infer_row(work, name, "streamed", new_tokens, hardware_from_measurements(m), True, tag=tag) | {
+        "read_gbps": (before, after)}
+
+
+def infer_row(work: Path, name: str, mode: str, new_tokens: int, hw, reuse: bool, tag: str | None = None) -> dict:
+    """Runs `tierlm generate` unless reusing its report; with hw=None only runs it."""
     from tierlm.hf.checks import load_tokenizer
 
     model = work / name
-    out = work / f"gen-{name}-{mode.replace(' ', '-')}.json"
+    out = work / f"gen-{name}-{(tag or mode).replace(' ', '-')}.json"
     if not (reuse and out.exists()):
         run([sys.executable, "-m", "tierlm", "generate", str(model), "--cpu-mem", INFER_MEM[mode], "--prompt", PROMPT,
              "--max-new-tokens", str(new_tokens), "--ignore-eos", "--nvme", str(work / f"store-{name}"),
              "--json", str(out)], out.with_suffix(".log"))
+    if hw is None:
+        return {}
     rep = json.loads(out.read_text())
     prompt = len(load_tokenizer(str(model))(PROMPT).input_ids)
     p = plan(model_shape(str(model)), hw, Task(kind="serve", batch=1, seq_len=prompt, new_tokens=new_tokens,
