@@ -69,3 +69,22 @@ def test_activations_3x_budget_swap_to_nvme_under_budget(tmp_path):
     print(f"activations {acts / 2**20:.0f} MiB, budget {budget / 2**20:.0f} MiB, "
           f"peak libraries + {(peak - libraries) / 2**20:.0f} MiB")
     assert peak <= libraries + budget
+
+
+VOCAB_SHAPE = {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "intermediate": 128, "vocab": 32768,
+               "max_positions": 1024}
+
+
+@pytest.mark.slow
+def test_logits_larger_than_the_budget_run_in_chunks_under_it(tmp_path):
+    """1024 tokens of a 32K vocabulary make 512 MiB of logits (compute dtype, fp32 upcast, softmax,
+    gradient): the head and loss run a chunk at a time (tierlm.engine.head_loss) under 160 MiB."""
+    from tierlm.engine.budget import logits_bytes
+    budget = parse_bytes("160MiB")
+    assert logits_bytes(make_config("llama", None, VOCAB_SHAPE), 1024, __import__("torch").float32) > 3 * budget
+    libraries, summary = finetune_under(tmp_path, VOCAB_SHAPE, 3000, "160MiB", "--seq-len", "1024",
+                                        "--steps", "2", "--precision", "fp32")
+    assert summary["steps"] == 2
+    peak = summary["peak_rss_bytes"]
+    print(f"peak libraries + {(peak - libraries) / 2**20:.0f} MiB of 160 MiB")
+    assert peak <= libraries + budget

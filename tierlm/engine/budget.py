@@ -113,6 +113,18 @@ def logits_bytes(config, tokens: int, dtype: torch.dtype) -> int:
     return tokens * config.vocab_size * (torch.empty((), dtype=dtype).element_size() + 12)
 
 
+def head_loss_bytes(config, tokens: int, dtype: torch.dtype, chunkable: bool = True,
+                    forced: int | None = None) -> int:
+    """What the head and the loss hold at once: the whole logits, or, where they run in chunks
+    (`head_loss.chunk_tokens`), one chunk's logits and the head weight's fp32 gradient, which is
+    made during forward."""
+    from .head_loss import chunk_tokens
+    chunk = chunk_tokens(tokens, config.vocab_size, dtype, forced) if chunkable else None
+    if chunk is None:
+        return logits_bytes(config, tokens, dtype)
+    return logits_bytes(config, chunk, dtype) + 4 * config.vocab_size * config.hidden_size
+
+
 # Memory the process needs beyond what the split names: the compute kernels' caches and scratch
 # for the model's real shapes (oneDNN primitives, ~15 MiB measured on a 512-wide llama's forward
 # and backward), and the allocator's slack. Forward-only work (inference) needs the smaller one.

@@ -28,6 +28,7 @@ from ..units import parse_bytes
 from . import budget as B
 from .act_engine import ActivationPlanner
 from .block_fn import ParamRefHooks, wrap_layer
+from .head_loss import causal_lm_loss, chunk_tokens
 from .layout import key, make_param_info, nbytes
 from .model import discover_blocks, empty_model, module_param_slots
 from .optimizer import AdamWConfig, OutOfCoreAdamW, StepResult, shard_buffer_bytes
@@ -58,6 +59,8 @@ class EngineConfig:
                                      # finetune's default: the engine computes where it is told)
     gpu_mem: int | str | None = None  # GPU memory the run may use; None: 90% of what is free at start
     defer_commit: bool = True        # a step's last writes and its manifest land during the next forward
+    loss_chunk: int | None = None    # head + loss tokens a chunk: None = when the logits are large
+                                     # (head_loss.chunk_tokens), 0 = never, N = N tokens (tests)
 
     def __post_init__(self):
         self.cpu_mem = parse_bytes(self.cpu_mem, "cpu_mem")
@@ -242,7 +245,8 @@ class Engine(DurableState):
         def sizes(tokens: int) -> tuple[int, int, int]:
             act = B.layer_activation_bytes(self.config, tokens, self.dtype)
             inp = tokens * self.config.hidden_size * torch.empty((), dtype=self.dtype).element_size()
-            return act, inp, B.logits_bytes(self.config, tokens, self.dtype)
+            return act, inp, B.head_loss_bytes(self.config, tokens, self.dtype, self._chunkable(),
+                                               self.cfg.loss_chunk)
 
         def split(tokens: int) -> B.Split:
             if self.on_gpu:  # activations, layer inputs, logits and the held gradient are on the GPU
@@ -405,12 +409,30 @@ class Engine(DurableState):
             input_ids = input_ids.to(self.device)
             labels = labels.to(self.device) if labels is not None else None
             kwargs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        chunk = self._loss_chunk(input_ids.numel()) if labels is not None and torch.is_grad_enabled() else None
         with self.hooks:
             kwargs.setdefault("use_cache", False)
-            out = self.model(input_ids=input_ids, labels=labels, **kwargs)
+            if chunk:
+                from transformers.modeling_outputs import CausalLMOutputWithPast
+                hidden = self.model.base_model(input_ids=input_ids, **kwargs).last_hidden_state
+                out = CausalLMOutputWithPast(loss=causal_lm_loss(hidden, self.model.get_output_embeddings(),
+                                                                 labels, chunk))
+            else:
+                out = self.model(input_ids=input_ids, labels=labels, **kwargs)
         if not torch.is_grad_enabled():
             self._drop_head()
         return out
+
+    def _chunkable(self) -> bool:
+        """Only a plain linear head can run in chunks: a soft-capped or scaled head's logits are not head(h)."""
+        head = self.model.get_output_embeddings()
+        return type(head) is nn.Linear and not getattr(self.config, "final_logit_softcapping", None)
+
+    def _loss_chunk(self, tokens: int) -> int | None:
+        """Tokens a chunk of the head and loss (head_loss), or None for the model's own forward."""
+        if not self._chunkable():
+            return None
+        return chunk_tokens(tokens, self.config.vocab_size, self.dtype, self.cfg.loss_chunk)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of loss / grad_accum; the optimizer consumes the gradients as they appear."""

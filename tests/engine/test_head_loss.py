@@ -1,0 +1,61 @@
+"""The head and loss a chunk at a time: HF's causal-LM loss and its gradients, without whole logits."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tierlm.engine.head_loss import CHUNK_ABOVE, causal_lm_loss, chunk_tokens
+
+from .test_exactness import batches, run_engine, run_reference
+
+
+def hf_loss(hidden, head, labels):
+    logits = head(hidden).float()
+    shifted = F.pad(labels, (0, 1), value=-100)[..., 1:]
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), shifted.reshape(-1), ignore_index=-100)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("chunk", [1, 5, 7, 64])
+def test_loss_and_gradients_equal_hfs_within_rounding(chunk, bias):
+    torch.manual_seed(0)
+    head = nn.Linear(16, 50, bias=bias).double()
+    hidden = torch.randn(2, 7, 16, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 50, (2, 7))
+    labels[0, 3] = labels[1, 0] = -100
+    ref = hf_loss(hidden, head, labels)
+    ref_grads = torch.autograd.grad(ref, [hidden, *head.parameters()])
+    loss = causal_lm_loss(hidden, head, labels, chunk)
+    grads = torch.autograd.grad(loss * 3.0, [hidden, *head.parameters()])  # a scaled loss scales them
+    torch.testing.assert_close(loss, ref.float(), rtol=1e-6, atol=1e-7)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, 3.0 * r, rtol=1e-4, atol=1e-8)  # fp32 softmax in both
+
+
+def test_no_counted_token_gives_zero_not_nan():
+    head = nn.Linear(8, 10)
+    hidden = torch.randn(1, 4, 8, requires_grad=True)
+    loss = causal_lm_loss(hidden, head, torch.full((1, 4), -100), 2)
+    loss.backward()
+    assert loss.item() == 0.0 and not hidden.grad.isnan().any()
+
+
+def test_chunking_only_when_the_logits_are_large():
+    assert chunk_tokens(128, 512, torch.float32) is None                   # tiny: HF's exact path
+    per = 151936 * 16                                                     # Qwen2.5's vocabulary, fp32
+    assert 896 * per > CHUNK_ABOVE and chunk_tokens(896, 151936, torch.float32) == (64 << 20) // per
+    assert chunk_tokens(100, 512, torch.float32, forced=0) is None
+    assert chunk_tokens(100, 512, torch.float32, forced=16) == 16
+    assert chunk_tokens(10, 512, torch.float32, forced=16) is None        # one chunk is the whole
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2's tiny config ties the head to the embedding
+def test_engine_with_chunks_trains_like_torch(make_model_dir, tmp_path, arch):
+    model_dir, model = make_model_dir(arch)
+    data = batches(3)
+    kw = dict(lr=1e-2, wd=0.1, clip=None, accum=1, warmup=1, precision="fp32")
+    _, ref_master, ref_losses, _ = run_reference(model, data, **kw)
+    masters, _, losses, _ = run_engine(model_dir, tmp_path, data, loss_chunk=5, **kw)
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    for n, t in ref_master.items():
+        torch.testing.assert_close(masters[n], t, rtol=1e-4, atol=1e-5, msg=n)

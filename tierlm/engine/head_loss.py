@@ -1,0 +1,86 @@
+"""The head and the causal-LM loss a chunk of tokens at a time, so the logits never exist whole.
+
+A 152K-entry vocabulary makes the logits the largest tensor of a step: at 896 tokens, HF's path holds
+them in the compute dtype, their fp32 upcast, the log-softmax and its gradient, 2.2 GB for Qwen2.5-0.5B,
+more than three of its decoder layers' activations. Here each chunk's logits are made, turned into
+its share of the loss and straight away into its gradients (for the hidden states and for the head's
+weight), and dropped; backward then only scales what forward computed. The FLOPs are those of the
+unchunked path (no recomputation); what is held instead of the logits is the head weight's gradient,
+from the end of forward rather than from the start of backward.
+
+The loss is HF's ForCausalLMLoss (labels shifted left by one, -100 ignored, mean over the counted
+tokens, fp32 softmax). Sums run in another order than one big product, so the result is equal to
+HF's within rounding, not bit for bit: the engine chunks only when the logits are large (CHUNK_ABOVE).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+IGNORE = -100
+CHUNK_ABOVE = 256 << 20     # logits (all four copies) at or below this: HF's own path, exact
+CHUNK_TARGET = 64 << 20     # a chunk's logits, all four copies, about this
+
+
+def logits_bytes_per_token(vocab: int, dtype: torch.dtype) -> int:
+    """The compute-dtype logits, their fp32 upcast, the softmax and its gradient (budget.logits_bytes)."""
+    return vocab * (torch.empty((), dtype=dtype).element_size() + 12)
+
+
+def chunk_tokens(tokens: int, vocab: int, dtype: torch.dtype, forced: int | None = None) -> int | None:
+    """Tokens per chunk for a micro-batch of `tokens`, or None for HF's unchunked path.
+    forced: 0 = never chunk, N > 0 = N tokens a chunk (tests), None = by the rule above."""
+    if forced is not None:
+        return None if forced == 0 or forced >= tokens else forced
+    per = logits_bytes_per_token(vocab, dtype)
+    if tokens * per <= CHUNK_ABOVE:
+        return None
+    return max(1, CHUNK_TARGET // per)
+
+
+class _HeadLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, head, chunk):
+        n = hidden.shape[0]
+        valid = labels != IGNORE
+        count = valid.sum()
+        denom = count.clamp(min=1).to(torch.float32)
+        grad_h = torch.empty_like(hidden)
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if weight.dtype != torch.float32 \
+            else torch.zeros_like(weight)
+        grad_b = None if bias is None else torch.zeros_like(bias, dtype=torch.float32)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for s in range(0, n, chunk):
+            h = hidden[s:s + chunk]
+            lab = labels[s:s + chunk]
+            ok = valid[s:s + chunk]
+            logits = head(h).float()                       # the module: its hooks load the weight
+            lse = torch.logsumexp(logits, -1)
+            tgt = logits.gather(1, lab.clamp(min=0)[:, None])[:, 0]
+            total += ((lse - tgt) * ok).sum()
+            g = logits.sub_(lse[:, None]).exp_()           # softmax, in the logits' memory
+            rows = torch.arange(h.shape[0], device=h.device)
+            g[rows, lab.clamp(min=0)] -= 1.0
+            g.mul_((ok.to(torch.float32) / denom)[:, None])
+            g = g.to(hidden.dtype)
+            grad_h[s:s + chunk] = g @ weight
+            grad_w.addmm_(g.t().to(grad_w.dtype), h.to(grad_w.dtype))
+            if grad_b is not None:
+                grad_b += g.sum(0).to(grad_b.dtype)
+        ctx.save_for_backward(grad_h, grad_w.to(weight.dtype), None if grad_b is None else grad_b.to(bias.dtype))
+        ctx.has_bias = bias is not None
+        return total / denom
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w, grad_b = ctx.saved_tensors
+        return grad_h * grad_out.to(grad_h.dtype), grad_w * grad_out.to(grad_w.dtype), \
+            (grad_b * grad_out.to(grad_b.dtype) if ctx.has_bias else None), None, None, None
+
+
+def causal_lm_loss(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, chunk: int) -> torch.Tensor:
+    """HF's causal-LM loss of `head(hidden)` against `labels` [B, T], `chunk` tokens at a time."""
+    hdim = hidden.shape[-1]
+    shifted = F.pad(labels, (0, 1), value=IGNORE)[..., 1:].reshape(-1)
+    return _HeadLoss.apply(hidden.reshape(-1, hdim), head.weight, head.bias, shifted, head, chunk)
