@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tierlm.engine.head_loss import CHUNK_ABOVE, causal_lm_loss, chunk_tokens
+from tierlm.engine.head_loss import CHUNK_ABOVE, MIN_CHUNK_TOKENS, causal_lm_loss, chunk_tokens
 
 from .test_exactness import batches, run_engine, run_reference
 
@@ -43,7 +43,8 @@ def test_no_counted_token_gives_zero_not_nan():
 def test_chunking_only_when_the_logits_are_large():
     assert chunk_tokens(128, 512, torch.float32) is None                   # tiny: HF's exact path
     per = 151936 * 16                                                     # Qwen2.5's vocabulary, fp32
-    assert 896 * per > CHUNK_ABOVE and chunk_tokens(896, 151936, torch.float32) == (64 << 20) // per
+    assert 896 * per > CHUNK_ABOVE and chunk_tokens(896, 151936, torch.float32) == MIN_CHUNK_TOKENS
+    assert chunk_tokens(16384, 4096, torch.float32) == (64 << 20) // (4096 * 16)  # small rows: by bytes
     assert chunk_tokens(100, 512, torch.float32, forced=0) is None
     assert chunk_tokens(100, 512, torch.float32, forced=16) == 16
     assert chunk_tokens(10, 512, torch.float32, forced=16) is None        # one chunk is the whole

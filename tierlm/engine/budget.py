@@ -114,15 +114,20 @@ def logits_bytes(config, tokens: int, dtype: torch.dtype) -> int:
 
 
 def head_loss_bytes(config, tokens: int, dtype: torch.dtype, chunkable: bool = True,
-                    forced: int | None = None) -> int:
+                    forced: int | None = None, tied: bool = False) -> int:
     """What the head and the loss hold at once: the whole logits, or, where they run in chunks
-    (`head_loss.chunk_tokens`), one chunk's logits and the head weight's fp32 gradient, which is
-    made during forward."""
+    (`head_loss.chunk_tokens`), one chunk's logits and the head weight's gradient, which is made
+    during forward (fp32 while it sums; a tied head's is the gradient the split already holds
+    through backward, so it is not counted twice)."""
     from .head_loss import chunk_tokens
     chunk = chunk_tokens(tokens, config.vocab_size, dtype, forced) if chunkable else None
     if chunk is None:
         return logits_bytes(config, tokens, dtype)
-    return logits_bytes(config, chunk, dtype) + 4 * config.vocab_size * config.hidden_size
+    vh, es = config.vocab_size * config.hidden_size, torch.empty((), dtype=dtype).element_size()
+    head_grad = 4 * vh + (es * vh if dtype != torch.float32 else 0)  # bf16: the fp32 sum and its copy
+    if tied:
+        head_grad -= es * vh
+    return logits_bytes(config, chunk, dtype) + head_grad
 
 
 # Memory the process needs beyond what the split names: the compute kernels' caches and scratch

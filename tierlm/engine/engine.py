@@ -246,7 +246,7 @@ class Engine(DurableState):
             act = B.layer_activation_bytes(self.config, tokens, self.dtype)
             inp = tokens * self.config.hidden_size * torch.empty((), dtype=self.dtype).element_size()
             return act, inp, B.head_loss_bytes(self.config, tokens, self.dtype, self._chunkable(),
-                                               self.cfg.loss_chunk)
+                                               self.cfg.loss_chunk, tied=held > 0)
 
         def split(tokens: int) -> B.Split:
             if self.on_gpu:  # activations, layer inputs, logits and the held gradient are on the GPU

@@ -21,6 +21,12 @@ from torch import nn
 IGNORE = -100
 CHUNK_ABOVE = 256 << 20     # logits (all four copies) at or below this: HF's own path, exact
 CHUNK_TARGET = 64 << 20     # a chunk's logits, all four copies, about this
+# ...but never fewer tokens: each chunk reads the whole head weight three times and adds into its
+# gradient, so small chunks are bound by memory. Qwen2.5-0.5B's head at 896 tokens, fp32, forward
+# and backward on a 2-vCPU EPYC, two runs of benchmarks/head_loss_chunks.py: HF's whole logits
+# 6.29 / 5.28 s; chunks of 27 tokens 13.00 / 11.76 s, 128 tokens 6.53 / 6.80 s, 256 tokens
+# 7.14 / 6.50 s, 448 tokens 6.06 / 5.39 s (128 and 256 within the noise: the smaller one is kept).
+MIN_CHUNK_TOKENS = 128
 
 
 def logits_bytes_per_token(vocab: int, dtype: torch.dtype) -> int:
@@ -36,7 +42,8 @@ def chunk_tokens(tokens: int, vocab: int, dtype: torch.dtype, forced: int | None
     per = logits_bytes_per_token(vocab, dtype)
     if tokens * per <= CHUNK_ABOVE:
         return None
-    return max(1, CHUNK_TARGET // per)
+    chunk = max(MIN_CHUNK_TOKENS, CHUNK_TARGET // per)
+    return None if chunk >= tokens else chunk
 
 
 class _HeadLoss(torch.autograd.Function):
@@ -74,9 +81,11 @@ class _HeadLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        # Scaled in place (the engine backpropagates a graph once): the head weight's gradient, 545 MB
+        # for Qwen2.5-0.5B in fp32, exists once.
         grad_h, grad_w, grad_b = ctx.saved_tensors
-        return grad_h * grad_out.to(grad_h.dtype), grad_w * grad_out.to(grad_w.dtype), \
-            (grad_b * grad_out.to(grad_b.dtype) if ctx.has_bias else None), None, None, None
+        return grad_h.mul_(grad_out.to(grad_h.dtype)), grad_w.mul_(grad_out.to(grad_w.dtype)), \
+            (grad_b.mul_(grad_out.to(grad_b.dtype)) if ctx.has_bias else None), None, None, None
 
 
 def causal_lm_loss(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, chunk: int) -> torch.Tensor:

@@ -253,7 +253,8 @@ def _engine_split(s: ModelShape, task: Task, T: int, act: int, p: Plan):
     try:
         return B.plan_split(task.cpu_mem, ENGINE_BASELINE, block * C.W_BYTES, block * C.GRAD_BYTES,
                             shard * (C.OPT_BYTES + 4 + C.W_BYTES), act, C.layer_input_bytes(s, T), s.layers,
-                            B.head_loss_bytes(C.hf_like_config(s), T, torch.bfloat16), ENGINE_PREFETCH,
+                            B.head_loss_bytes(C.hf_like_config(s), T, torch.bfloat16,
+                                              tied=s.head_params < s.vocab * s.hidden), ENGINE_PREFETCH,
                             # a tied head (no matrix of its own) holds its gradient through backward
                             s.vocab * s.hidden * C.GRAD_BYTES if s.head_params < s.vocab * s.hidden else 0)
     except BudgetError as e:
