@@ -13,8 +13,8 @@ rows on a 2-vCPU AMD EPYC: 142.6 ms in bf16 against 65.8 ms converted on one thr
 
 Where our own kernel builds (`tierlm.infer.native`), one row runs on it rather than `torch.mv`, and
 so do 2..15 rows on those CPUs: it reads each bf16 weight row once for up to four rows of x
-(benchmarks/infer_gemv.py on the EPYC, 2 threads: one row 17.0 GB/s against `mv`'s 13.7, eight rows
-6.0 against `F.linear`'s 2.2).
+(benchmarks/infer_gemv.py on the EPYC, 2 threads: one row 17.4 GB/s against `mv`'s 14.2, eight rows
+6.2 against `F.linear`'s 2.4).
 """
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 
 int8: symmetric, one scale per output channel, `aten._weight_int8pack_mm`; up to NATIVE_MAX_ROWS rows
 (decoding) on our own kernel (`tierlm.infer.native`) where it builds: PyTorch's is compute-bound at a
-few rows on AVX2 CPUs (benchmarks/infer_gemv.py on a 2-vCPU EPYC, 2 threads: one row 13.7 GB/s of
-int8 against 9.5, 32 rows 1.13 against 0.75).
+few rows on AVX2 CPUs (benchmarks/infer_gemv.py on a 2-vCPU EPYC, 2 threads: one row 15.3 GB/s of
+int8 against 9.4, 32 rows 1.15 against 1.13).
 int4: asymmetric, one scale and zero per group of `group` input elements, packed by
 `aten._convert_weight_to_int4pack_for_cpu` and run by `aten._weight_int4pack_mm_for_cpu`
 (the layout gpt-fast/torchao use: value = (q - 8) * scale + zero).
@@ -19,7 +19,7 @@ from torch import nn
 from . import native
 
 MODES = ("int8", "int4")
-NATIVE_MAX_ROWS = 32  # the largest row count measured where ours was faster
+NATIVE_MAX_ROWS = 32  # ours measured faster up to 16 rows (2.4 against 1.8 GB/s), level at 32
 INT4_GROUPS = (32, 64, 128, 256)
 
 
