@@ -24,6 +24,7 @@ from torch import nn
 
 from ..faults import fault
 from ..storage import BudgetError, HostBufferPool, TensorStore
+from ..storage.aligned import round_up
 from ..units import parse_bytes
 from . import budget as B
 from .act_engine import ActivationPlanner
@@ -229,9 +230,10 @@ class Engine(DurableState):
 
     # ---- budget and state --------------------------------------------------------------
     def _plan_budget(self, baseline: int) -> B.Split:
-        def block_bytes(blk, dt):
-            return sum(nbytes(dt, self.infos[n].numel) for n in blk.uses)
-        max_w = max(block_bytes(b, self.dtype) for b in self.blocks)
+        max_w = max(sum(nbytes(self.dtype, self.infos[n].numel) for n in b.uses) for b in self.blocks)
+        # each parameter has its own page-aligned buffer in the window's pool
+        win = B.window_size([{n: round_up(nbytes(self.dtype, self.infos[n].numel)) for n in b.uses}
+                             for b in self.blocks], self.cfg.prefetch)
         max_g = max(sum(nbytes(self.dtype, self.infos[n].numel) for n in b.owns) for b in self.blocks)
         self._max_block_grad = max_g
         shard = min(self.shard_elems, max(i.numel for i in self.infos.values()))
@@ -250,11 +252,11 @@ class Engine(DurableState):
 
         def split(tokens: int) -> B.Split:
             if self.on_gpu:  # activations, layer inputs, logits and the held gradient are on the GPU
-                return B.plan_split(self.cfg.cpu_mem, baseline, max_w, max_g, item, 0, 0, n_layers, 0,
-                                    self.cfg.prefetch, 0, reserve=B.GPU_HOST_RESERVE)
+                return B.plan_split(self.cfg.cpu_mem, baseline, win, max_g, item, 0, 0, n_layers, 0,
+                                    0, reserve=B.GPU_HOST_RESERVE)
             act, inp, logits = sizes(tokens)
-            return B.plan_split(self.cfg.cpu_mem, baseline, max_w, max_g, item, act, inp, n_layers,
-                                logits, self.cfg.prefetch, held)
+            return B.plan_split(self.cfg.cpu_mem, baseline, win, max_g, item, act, inp, n_layers,
+                                logits, held)
 
         def gpu(tokens: int) -> int:
             act, inp, logits = sizes(tokens)

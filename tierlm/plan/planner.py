@@ -249,14 +249,19 @@ def _engine_split(s: ModelShape, task: Task, T: int, act: int, p: Plan):
     from ..storage import BudgetError
 
     block = max(s.layer_params, s.embed_params, s.head_params)
+    tied = s.head_params < s.vocab * s.hidden
+    tok = s.vocab * s.hidden * C.W_BYTES  # a tied head uses the token embedding's matrix
+    blocks = ([{"tok": tok, "pos": s.embed_params * C.W_BYTES - tok}]
+              + [{f"layer{i}": s.layer_params * C.W_BYTES} for i in range(s.layers)]
+              + [{"tok": tok, "head": s.head_params * C.W_BYTES} if tied else {"head": s.head_params * C.W_BYTES}])
     shard = min(B.shard_elems_for(task.cpu_mem), max(s.hidden * s.intermediate, s.vocab * s.hidden))
     try:
-        return B.plan_split(task.cpu_mem, ENGINE_BASELINE, block * C.W_BYTES, block * C.GRAD_BYTES,
+        return B.plan_split(task.cpu_mem, ENGINE_BASELINE, B.window_size(blocks, ENGINE_PREFETCH), block * C.GRAD_BYTES,
                             shard * (C.OPT_BYTES + 4 + C.W_BYTES), act, C.layer_input_bytes(s, T), s.layers,
                             B.head_loss_bytes(C.hf_like_config(s), T, torch.bfloat16,
-                                              tied=s.head_params < s.vocab * s.hidden), ENGINE_PREFETCH,
+                                              tied=tied),
                             # a tied head (no matrix of its own) holds its gradient through backward
-                            s.vocab * s.hidden * C.GRAD_BYTES if s.head_params < s.vocab * s.hidden else 0)
+                            s.vocab * s.hidden * C.GRAD_BYTES if tied else 0)
     except BudgetError as e:
         p.problems.append(str(e))
         return None
@@ -270,7 +275,7 @@ ENGINE_BASELINE = 64 << 20
 INFER_BASELINE = 0
 ENGINE_PREFETCH = 2
 # Layers whose weights are still in the window when backward starts, so backward does not read them
-# again: the window holds prefetch + 2 blocks and the head and the computing layer take two.
+# again: the window holds prefetch + 2 neighbouring blocks and the head and the computing layer take two.
 KEPT_AT_TURN = ENGINE_PREFETCH
 
 

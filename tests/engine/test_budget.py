@@ -1,0 +1,46 @@
+"""The weight window's size: what a step's cycle of blocks needs, not prefetch + 2 of the largest."""
+import pytest
+
+from tierlm.engine.budget import plan_split, window_size
+from tierlm.storage import BudgetError
+
+MB = 1 << 20
+
+
+def qwen_like(layers=24, tied=True):
+    """A 545 MB embedding and 60 MB layers, like Qwen2.5-0.5B in fp32."""
+    head = {"emb": 545 * MB, "norm": 1} if tied else {"lm_head": 545 * MB, "norm": 1}
+    return [{"emb": 545 * MB}] + [{f"l{i}": 60 * MB} for i in range(layers)] + [head]
+
+
+def test_equal_blocks_need_prefetch_plus_two_of_them():
+    blocks = [{"e": 10}] + [{f"l{i}": 10} for i in range(8)] + [{"h": 10}]
+    assert window_size(blocks, 2) == (40, 20)
+    assert window_size(blocks, 4) == (60, 20)
+
+
+def test_one_large_block_is_counted_once_beside_its_neighbours():
+    want, floor = window_size(qwen_like(), 2)
+    assert want == 545 * MB + 3 * 60 * MB + 1  # the head (tied: the embedding's matrix) and 3 layers
+    assert floor == 545 * MB + 60 * MB + 1
+
+
+def test_untied_embedding_and_head_are_never_neighbours():
+    want, _ = window_size(qwen_like(tied=False), 2)
+    assert want == 545 * MB + 3 * 60 * MB + 1
+    # a one-layer model: the cycle embed, layer, head, layer holds both large blocks at once
+    want, _ = window_size(qwen_like(layers=1, tied=False), 2)
+    assert want == 2 * 545 * MB + 60 * MB + 1
+
+
+def test_what_the_window_does_not_need_goes_to_activations():
+    common = dict(baseline=64 * MB, max_block_grad=60 * MB, optimizer_item=80 * MB, layer_act=100 * MB,
+                  layer_input=4 * MB, n_layers=24, logits=200 * MB)
+    small = plan_split(4096 * MB, window_size=window_size(qwen_like(), 2), **common)
+    old = plan_split(4096 * MB, window_size=(4 * 545 * MB, 2 * 545 * MB), **common)
+    assert small.window < old.window
+    assert small.activations == 24 * 100 * MB  # every layer keeps its activations
+    assert old.activations < 10 * 100 * MB     # fewer than half of them did
+    assert small.activations + small.state_cache - old.activations - old.state_cache == old.window - small.window
+    with pytest.raises(BudgetError, match="2 blocks of weights"):
+        plan_split(700 * MB, window_size=window_size(qwen_like(), 2), **common)
