@@ -105,7 +105,8 @@ def test_timeline_is_valid_and_covers_every_layer(tiny, tmp_path):
     assert all(e["dur"] > 0 and e["ts"] >= 0 for e in spans)
     names = {e["name"] for e in spans if e["cat"] == "compute"}
     layers = json.loads((tiny / "config.json").read_text())["num_hidden_layers"]
-    assert names == {f"{d} layers.{i}" for d in ("fwd", "bwd") for i in range(layers)}
+    assert names == {f"{d} layers.{i}" for d in ("fwd", "bwd") for i in range(layers)} | {
+        "fwd head and loss", "bwd head and loss"}
     cats = {e["cat"] for e in spans}
     assert {"compute", "optimizer", "ssd_read", "ssd_write", "wait"} <= cats
     assert (tmp_path / "run" / "timeline.png").stat().st_size > 10_000

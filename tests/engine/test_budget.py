@@ -44,3 +44,23 @@ def test_what_the_window_does_not_need_goes_to_activations():
     assert small.activations + small.state_cache - old.activations - old.state_cache == old.window - small.window
     with pytest.raises(BudgetError, match="2 blocks of weights"):
         plan_split(700 * MB, window_size=window_size(qwen_like(), 2), **common)
+
+
+def test_the_embeddings_gradient_borrows_what_backward_has_freed():
+    """A 545 MB embedding gradient beside 60 MB layers: the share holds the waiting gradients and a
+    layer's; at the end of backward, waiting + the embedding's fit the share and the freed memory."""
+    common = dict(baseline=64 * MB, optimizer_item=80 * MB, layer_act=100 * MB, layer_input=4 * MB,
+                  n_layers=24, logits=200 * MB)
+    win = window_size(qwen_like(), 2)
+    old = plan_split(3840 * MB, window_size=win, max_block_grad=545 * MB, **common)
+    new = plan_split(3840 * MB, window_size=win, max_block_grad=545 * MB, max_layer_grad=60 * MB, **common)
+    assert old.grads == 2 * 545 * MB and old.pending_grads == 545 * MB
+    assert new.grads == 605 * MB and new.activations == old.activations + 485 * MB
+    for s in (old, new):
+        freed = s.activations + 2 * 100 * MB + 24 * 4 * MB
+        assert s.pending_grads + 545 * MB <= s.grads + freed
+        assert s.pending_grads + 60 * MB <= s.grads
+    # with little to free (a GPU holds the activations) the share holds it all, as before
+    gpu = plan_split(3840 * MB, window_size=win, max_block_grad=545 * MB, max_layer_grad=60 * MB,
+                     **{**common, "layer_act": 0, "layer_input": 0, "logits": 0})
+    assert gpu.grads == 2 * 545 * MB and gpu.pending_grads == 545 * MB

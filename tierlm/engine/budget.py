@@ -92,6 +92,7 @@ class Split:
     activations: int     # allowance for saved activations
     compute: int         # one block's transient compute plus logits
     state_cache: int = 0  # optimizer state kept resident between steps (what activations leave)
+    pending_grads: int = 0  # of `grads`: what may wait for the optimizer (the rest: a block in the making)
 
     def describe(self) -> str:
         parts = ["baseline", "window", "optimizer", "grads", "activations", "compute", "state_cache"]
@@ -172,22 +173,37 @@ def window_size(blocks: list[dict[str, int]], prefetch: int) -> WindowSize:
 
 def plan_split(budget: int, baseline: int, window_size: WindowSize, max_block_grad: int,
                optimizer_item: int, layer_act: int, layer_input: int, n_layers: int,
-               logits: int, held_grad: int = 0, reserve: int = TRAINING_RESERVE) -> Split:
-    """window_size: `window_size()` of the model's blocks. held_grad: gradient bytes autograd holds through the whole backward, outside the optimizer's
+               logits: int, held_grad: int = 0, reserve: int = TRAINING_RESERVE,
+               max_layer_grad: int | None = None) -> Split:
+    """window_size: `window_size()` of the model's blocks.
+
+    held_grad: gradient bytes autograd holds through the whole backward, outside the optimizer's
     hand-off: a tied embedding's gradient from the head waits for the embedding's before the two
     are summed and handed over (on Qwen2.5-0.5B in fp32, 544 MB: without it a run under
-    --cpu-mem 4GiB peaked 4.60 GiB beyond the libraries, with it 4.24)."""
+    --cpu-mem 4GiB peaked 4.60 GiB beyond the libraries, with it 4.24).
+
+    max_layer_grad: the largest decoder layer's gradient (default: max_block_grad). The gradients'
+    share holds the gradients waiting for the optimizer (`Split.pending_grads`) and the block
+    backward is making. A block larger than every layer (an embedding: Qwen2.5-0.5B's is 9 layers'
+    worth) makes its gradient last, when every kept activation, layer input and the layer's compute
+    scratch are free again, so what it needs beyond a layer's is taken from those, not set aside for
+    the whole step."""
+    g_layer = min(max_layer_grad or max_block_grad, max_block_grad)
     window, least = window_size
     optimizer = 4 * optimizer_item
-    grads = 2 * max_block_grad
+    freed_at_end = 2 * layer_act + n_layers * layer_input  # beside the activations' share, added below
+    least_grads = max(g_layer, max_block_grad - freed_at_end)
+    # The largest block's worth waiting and, beside it, a layer's in the making, or as much of the
+    # largest block's as keeping every layer's activations would not free (a GPU keeps them there).
+    grads = max_block_grad + max(g_layer, max_block_grad - freed_at_end - n_layers * layer_act)
     compute = 2 * layer_act + logits + reserve + held_grad
-    floor = baseline + least + optimizer_item + max_block_grad + n_layers * layer_input + compute
+    floor = baseline + least + optimizer_item + least_grads + n_layers * layer_input + compute
     if floor > budget:
         raise BudgetError(
             f"--cpu-mem {fmt_bytes(budget)} cannot hold the working set: at least {fmt_bytes(floor)} "
             f"is needed (process baseline {fmt_bytes(baseline)}, 2 blocks of weights "
             f"{fmt_bytes(least)}, one optimizer shard {fmt_bytes(optimizer_item)}, "
-            f"one block of gradients {fmt_bytes(max_block_grad)}, layer inputs "
+            f"one block of gradients {fmt_bytes(least_grads)}, layer inputs "
             f"{fmt_bytes(n_layers * layer_input)}, compute, logits and kernel scratch {fmt_bytes(compute)}). "
             f"Raise --cpu-mem to {fmt_bytes(floor * 1.1)} or more, or lower --batch-size / --seq-len.")
     spare = budget - baseline - compute - n_layers * layer_input
@@ -195,16 +211,20 @@ def plan_split(budget: int, baseline: int, window_size: WindowSize, max_block_gr
     want = window + optimizer + grads
     have = spare
     if want > have:
-        mins = least + optimizer_item + max_block_grad
+        mins = least + optimizer_item + least_grads
         f = (have - mins) / max(want - mins, 1)
         window = least + int(f * (window - least))
         optimizer = optimizer_item + int(f * (optimizer - optimizer_item))
-        grads = max_block_grad + int(f * (grads - max_block_grad))
+        grads = least_grads + int(f * (grads - least_grads))
     acts = max(budget - baseline - window - optimizer - grads - compute, 0)
     # What keeping every layer's activations does not need keeps optimizer state resident instead.
     keep_all = n_layers * layer_act
     cache = max(acts - keep_all, 0)
-    return Split(budget, baseline, window, optimizer, grads, acts - cache, compute, cache)
+    acts -= cache
+    # waiting + the one in the making fit the share while layers run, and fit the share and what
+    # backward has freed when the largest block's gradient is made
+    pending = max(min(grads - g_layer, grads + acts + freed_at_end - max_block_grad), 0)
+    return Split(budget, baseline, window, optimizer, grads, acts, compute, cache, pending)
 
 
 # cuBLAS workspaces, the caching allocator's rounding and fragmentation, kernels' scratch

@@ -158,6 +158,8 @@ class Engine(DurableState):
         self.micro = 0
         self.lr = cfg.optim.lr
         self._held_head: list[str] = []
+        self._t_head: float | None = None
+        self._t_bwd: float | None = None
         self._pins: dict[str, int] = {}
 
     # ---- construction ----------------------------------------------------------------
@@ -235,7 +237,8 @@ class Engine(DurableState):
         win = B.window_size([{n: round_up(nbytes(self.dtype, self.infos[n].numel)) for n in b.uses}
                              for b in self.blocks], self.cfg.prefetch)
         max_g = max(sum(nbytes(self.dtype, self.infos[n].numel) for n in b.owns) for b in self.blocks)
-        self._max_block_grad = max_g
+        layer_g = max(sum(nbytes(self.dtype, self.infos[n].numel) for n in b.owns) for b in self.blocks
+                      if b.kind == "layer")
         shard = min(self.shard_elems, max(i.numel for i in self.infos.values()))
         item = shard_buffer_bytes(shard, None if self.dtype == torch.float32 else self.dtype, self.cfg.optim_states)
         n_layers = sum(b.kind == "layer" for b in self.blocks)
@@ -256,7 +259,7 @@ class Engine(DurableState):
                                     0, reserve=B.GPU_HOST_RESERVE)
             act, inp, logits = sizes(tokens)
             return B.plan_split(self.cfg.cpu_mem, baseline, win, max_g, item, act, inp, n_layers,
-                                logits, held)
+                                logits, held, max_layer_grad=layer_g)
 
         def gpu(tokens: int) -> int:
             act, inp, logits = sizes(tokens)
@@ -297,12 +300,12 @@ class Engine(DurableState):
         return self.cfg.gpu_mem
 
     def _pending_grads(self) -> int:
-        """Gradient bytes that may wait for the optimizer. The split's share must also hold the
-        block autograd is producing meanwhile (it exists before it is handed over). With all of
-        the share pending, Qwen2.5-0.5B (fp32, --cpu-mem 4GiB, 128 tokens) peaked 4.24 GiB beyond
+        """Gradient bytes that may wait for the optimizer (`Split.pending_grads`). The split's share
+        must also hold the block autograd is producing meanwhile (it exists before it is handed
+        over). With all of the share pending, Qwen2.5-0.5B (fp32, --cpu-mem 4GiB, 128 tokens) peaked 4.24 GiB beyond
         the libraries, at the embedding's gradient after the last layer's backward; with this,
         3.98 GiB (one run each: the peak depends on how far the optimizer lags)."""
-        return max(self.split.grads - self._max_block_grad, 0)
+        return self.split.pending_grads
 
     # ---- weights in and out of the modules ---------------------------------------------
     def _load(self, names) -> None:
@@ -342,6 +345,13 @@ class Engine(DurableState):
         if new:
             self._load(new)
             self._held_head.extend(new)
+        if self._t_head is None:
+            self._t_head = time.perf_counter()  # the head and loss compute from here (timeline)
+
+    def _head_computed(self, phase: str, t0: float | None) -> None:
+        if t0 is not None:
+            synchronize(self.device)
+            self.timeline.event("compute", f"{phase} head and loss", t0, time.perf_counter())
 
     def _drop_head(self) -> None:
         if self._held_head:
@@ -379,6 +389,8 @@ class Engine(DurableState):
 
     def block_backward_begin(self, blk) -> None:
         fault("backward.layer")
+        if self._held_head:
+            self._head_computed("bwd", self._t_bwd)
         self._drop_head()  # the head's backward is over once a layer's starts
         self._load(blk.uses)
         self._prefetch_from(blk.index, -1)
@@ -421,6 +433,8 @@ class Engine(DurableState):
                                                                  labels, chunk))
             else:
                 out = self.model(input_ids=input_ids, labels=labels, **kwargs)
+        self._head_computed("fwd", self._t_head)
+        self._t_head = None
         if not torch.is_grad_enabled():
             self._drop_head()
         return out
@@ -446,6 +460,7 @@ class Engine(DurableState):
         self.optimizer.begin_micro(self.micro, self.cfg.grad_accum, self.lr)
         if self.dist is not None:
             self.reducer.begin()
+        self._t_bwd = time.perf_counter()
         try:
             (loss / self.cfg.grad_accum).backward()
         finally:

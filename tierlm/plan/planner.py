@@ -261,7 +261,8 @@ def _engine_split(s: ModelShape, task: Task, T: int, act: int, p: Plan):
                             B.head_loss_bytes(C.hf_like_config(s), T, torch.bfloat16,
                                               tied=tied),
                             # a tied head (no matrix of its own) holds its gradient through backward
-                            s.vocab * s.hidden * C.GRAD_BYTES if tied else 0)
+                            s.vocab * s.hidden * C.GRAD_BYTES if tied else 0,
+                            max_layer_grad=s.layer_params * C.GRAD_BYTES)
     except BudgetError as e:
         p.problems.append(str(e))
         return None
