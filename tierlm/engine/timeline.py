@@ -52,21 +52,17 @@ class Timeline:
     def stall_s(self) -> float:
         return sum(t1 - t0 for lane, _, t0, t1, _, _ in self.events if lane == "wait")
 
+    def lane_spans(self, lane: str) -> list[tuple[float, float]]:
+        """The lane's busy intervals, overlapping events merged (several I/O threads). A wait inside
+        a compute event (backward handing a gradient to an optimizer that is behind, within the
+        layer's span) is cut out of compute: the thread stood still."""
+        spans = _merged((t0, t1) for ln, _, t0, t1, _, _ in self.events if ln == lane)
+        if lane == "compute":
+            spans = _minus(spans, self.lane_spans("wait"))
+        return spans
+
     def lanes_busy_s(self) -> dict[str, float]:
-        """Busy time per lane, overlapping events of one lane merged (several I/O threads)."""
-        out = {}
-        for lane in LANES:
-            spans = sorted((t0, t1) for ln, _, t0, t1, _, _ in self.events if ln == lane)
-            busy, end = 0.0, None
-            for t0, t1 in spans:
-                if end is None or t0 > end:
-                    busy += t1 - t0
-                    end = t1
-                elif t1 > end:
-                    busy += t1 - end
-                    end = t1
-            out[lane] = busy
-        return out
+        return {lane: sum(t1 - t0 for t0, t1 in self.lane_spans(lane)) for lane in LANES}
 
     def save_chrome(self, path) -> Path:
         path = Path(path)
@@ -110,7 +106,7 @@ class Timeline:
         busy = self.lanes_busy_s()
         span = max((e[3] for e in self.events), default=self.origin) - self.origin
         for i, lane in enumerate(LANES):
-            bars = [(t0 - self.origin, t1 - t0) for ln, _, t0, t1, _, _ in self.events if ln == lane]
+            bars = [(t0 - self.origin, t1 - t0) for t0, t1 in self.lane_spans(lane)]
             ax.broken_barh(bars, (len(LANES) - 1 - i - 0.4, 0.8), facecolors=COLORS[lane])
         ax.set_yticks(range(len(LANES)))
         ax.set_yticklabels([f"{lane} ({100 * busy[lane] / span:.0f}%)" if span else lane
@@ -123,6 +119,33 @@ class Timeline:
         fig.savefig(path, dpi=110)
         plt.close(fig)
         return path
+
+
+def _merged(spans) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for t0, t1 in sorted(spans):
+        if out and t0 <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], t1)
+        else:
+            out.append([t0, t1])
+    return [(a, b) for a, b in out]
+
+
+def _minus(spans: list[tuple[float, float]], cuts: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Merged `spans` without the merged `cuts`."""
+    out = []
+    for a, b in spans:
+        for c0, c1 in cuts:
+            if c1 <= a or c0 >= b:
+                continue
+            if c0 > a:
+                out.append((a, c0))
+            a = max(a, c1)
+            if a >= b:
+                break
+        if a < b:
+            out.append((a, b))
+    return out
 
 
 if __name__ == "__main__":
