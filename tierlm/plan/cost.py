@@ -49,15 +49,11 @@ ADAM_ELEMS_PER_CORE = 1.0e9
 # Bytes per parameter in tierlm's layout (bf16 precision): working weights, fp32 master + Adam m, v,
 # and the bf16 gradient the optimizer consumes and saves for an exact clip redo.
 W_BYTES, OPT_BYTES, GRAD_BYTES = 2, 12, 2
-# Through the SSD per step for a parameter whose state lives there: weights read in forward and in
-# backward, optimizer state read and written, new working weights written (DESIGN.md's ~30 bytes); the
-# planner adds the gradient saved when clipping is on, and the redo of a step that clips.
-SSD_READ_PER_PARAM = W_BYTES + W_BYTES + OPT_BYTES
-SSD_WRITE_PER_PARAM = OPT_BYTES + W_BYTES
-# On disk: master, m, v and working weights in two slots (the step reads one and writes the other).
-SSD_STATE_PER_PARAM = 2 * (OPT_BYTES + W_BYTES) + GRAD_BYTES
-# Held in RAM to keep a parameter's state off the SSD: working weights + master + m + v.
-RAM_STATE_PER_PARAM = W_BYTES + OPT_BYTES
+# Through the SSD per step for a parameter whose state lives there (the planner's `_Layout`, per
+# precision): weights read in forward and in backward, optimizer state read and written, new working
+# weights written (DESIGN.md's ~30 bytes in bf16), the gradient saved when clipping is on, and the
+# redo of a step that clips. On disk: state and working weights in two slots (the step reads one and
+# writes the other).
 # DRAM traffic of the CPU optimizer per parameter: read master, m, v and the gradient, write them
 # and the new working weights.
 OPT_DRAM_PER_PARAM = OPT_BYTES + GRAD_BYTES + OPT_BYTES + W_BYTES

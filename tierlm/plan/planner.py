@@ -10,6 +10,7 @@ and writes from the same flash: mixed traffic takes read time + write time.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -151,19 +152,46 @@ def plan(shape: ModelShape, hw: Hardware, task: Task, eff: C.Efficiency | None =
 
 # ---- fine-tuning --------------------------------------------------------------------------------
 
+class _Layout(NamedTuple):
+    """Bytes per parameter of the engine's state in a precision."""
+    w: int        # working weights, as read for compute
+    grad: int     # a gradient
+    w_write: int  # working weights written each step besides the master
+    state: int    # what the optimizer reads and writes: master, m, v
+
+    @property
+    def ram_state(self) -> int:  # held in RAM to keep a parameter off the SSD
+        return self.w_write + self.state
+
+    @property
+    def ssd_state(self) -> int:  # on disk: two slots of state and weights, and a saved gradient
+        return 2 * (self.state + self.w_write) + self.grad
+
+
+def _layout(task: Task) -> _Layout:
+    """bf16: bf16 working weights and gradients beside the fp32 master, m and v. fp32 (what
+    `--precision auto` picks on a CPU without fast bf16): the master is the working weight, so
+    nothing else is written, and gradients are fp32. (An fp32 Qwen2.5-0.5B step read 19.8 bytes a
+    parameter and wrote 12.0; the bf16 layout counted 16 and 14.)"""
+    if task.precision == "fp32":
+        return _Layout(4, 4, 0, C.OPT_BYTES)
+    return _Layout(C.W_BYTES, C.GRAD_BYTES, C.W_BYTES, C.OPT_BYTES)
+
+
 def _finetune(p: Plan, s: ModelShape, hw: Hardware, task: Task, r: C.Rates) -> None:
     T, L, P = task.batch * task.seq_len, s.layers, s.params
     gpu = hw.gpu is not None
+    lay = _layout(task)
     act = C.layer_activation_bytes(s, T, fused_kernels=gpu)
     working = C.compute_working_bytes(s, T)
-    lw = s.layer_params * C.W_BYTES
+    lw = s.layer_params * lay.w
     # The compute device's floor: the layer computing and the one prefetched, one layer's gradients,
     # one layer's saved activations (rebuilt or reloaded for its backward) and the transients.
-    floor = 2 * lw + s.layer_params * C.GRAD_BYTES + act + working
+    floor = 2 * lw + s.layer_params * lay.grad + act + working
     ram = _usable_ram(hw, task)
     # Host staging: with a GPU, pinned buffers for three layers of weights and two of gradients;
     # without one, RAM is the compute device and its floor is the window itself.
-    staging = (3 * lw + 2 * s.layer_params * C.GRAD_BYTES) if gpu else floor
+    staging = (3 * lw + 2 * s.layer_params * lay.grad) if gpu else floor
     inputs = L * C.layer_input_bytes(s, T)  # recompute checkpoints, kept on the host
     dev_spare = 0
     if gpu:
@@ -183,18 +211,18 @@ def _finetune(p: Plan, s: ModelShape, hw: Hardware, task: Task, r: C.Rates) -> N
         host_free = 0
     # Optimizer state resident in RAM saves 32 SSD bytes per 14 RAM bytes, more than an activation
     # byte (2 SSD bytes per byte), so it takes RAM first.
-    resident = min(P, host_free // C.RAM_STATE_PER_PARAM) if task.state_cache else 0
+    resident = min(P, host_free // lay.ram_state) if task.state_cache else 0
     if hw.measured is not None and not gpu and task.cpu_mem is not None:
         # This machine under --cpu-mem: the state the engine will cache is what its own budget split
         # leaves (activations of every layer come first), not the planner's greedy order.
         split = _engine_split(s, task, T, act, p)
         resident = min(P, split.state_cache // C.OPT_BYTES) if split and task.state_cache else 0
-    host_free -= resident * C.RAM_STATE_PER_PARAM
+    host_free -= resident * lay.ram_state
     on_ssd = P - resident
     if on_ssd and not hw.drive:
-        p.problems.append(f"no NVMe: {fmt_bytes(on_ssd * C.RAM_STATE_PER_PARAM)} of optimizer state does not "
+        p.problems.append(f"no NVMe: {fmt_bytes(on_ssd * lay.ram_state)} of optimizer state does not "
                           f"fit in RAM; add drives (e.g. +pm9a3*4) or RAM")
-    need_ssd = on_ssd * C.SSD_STATE_PER_PARAM
+    need_ssd = on_ssd * lay.ssd_state
     # Activations: on the device while it has room, then host RAM, then NVMe or recomputed.
     k_dev = min(L, dev_spare // act) if gpu else 0
     k_ram = min(L - k_dev, host_free // act)
@@ -224,12 +252,12 @@ def _finetune(p: Plan, s: ModelShape, hw: Hardware, task: Task, r: C.Rates) -> N
                      "recomputed": n_rec, "policy": task.activations}
     dev = "gpu" if gpu else "ram"
     p.placement = {
-        dev: {"weight_window": 2 * lw, "gradients": s.layer_params * C.GRAD_BYTES, "activations_working": act,
+        dev: {"weight_window": 2 * lw, "gradients": s.layer_params * lay.grad, "activations_working": act,
               "transients": working, "activations_kept": k_dev * act},
         "ram" if gpu else "ram_beyond_window": {"staging_buffers": staging if gpu else 0, "layer_checkpoints": inputs,
-                                                "resident_state": resident * C.RAM_STATE_PER_PARAM,
+                                                "resident_state": resident * lay.ram_state,
                                                 "activations": k_ram * act, "usable": ram},
-        "nvme": {"state_two_slots": on_ssd * C.SSD_STATE_PER_PARAM, "activations": n_ssd * act,
+        "nvme": {"state_two_slots": on_ssd * lay.ssd_state, "activations": n_ssd * act,
                  "capacity": r.nvme_bytes},
     }
     p.resources_s, p.traffic_bytes = resources, traffic
@@ -250,19 +278,20 @@ def _engine_split(s: ModelShape, task: Task, T: int, act: int, p: Plan):
 
     block = max(s.layer_params, s.embed_params, s.head_params)
     tied = s.head_params < s.vocab * s.hidden
-    tok = s.vocab * s.hidden * C.W_BYTES  # a tied head uses the token embedding's matrix
-    blocks = ([{"tok": tok, "pos": s.embed_params * C.W_BYTES - tok}]
-              + [{f"layer{i}": s.layer_params * C.W_BYTES} for i in range(s.layers)]
-              + [{"tok": tok, "head": s.head_params * C.W_BYTES} if tied else {"head": s.head_params * C.W_BYTES}])
+    lay = _layout(task)
+    tok = s.vocab * s.hidden * lay.w  # a tied head uses the token embedding's matrix
+    blocks = ([{"tok": tok, "pos": s.embed_params * lay.w - tok}]
+              + [{f"layer{i}": s.layer_params * lay.w} for i in range(s.layers)]
+              + [{"tok": tok, "head": s.head_params * lay.w} if tied else {"head": s.head_params * lay.w}])
     shard = min(B.shard_elems_for(task.cpu_mem), max(s.hidden * s.intermediate, s.vocab * s.hidden))
     try:
-        return B.plan_split(task.cpu_mem, ENGINE_BASELINE, B.window_size(blocks, ENGINE_PREFETCH), block * C.GRAD_BYTES,
-                            shard * (C.OPT_BYTES + 4 + C.W_BYTES), act, C.layer_input_bytes(s, T), s.layers,
+        return B.plan_split(task.cpu_mem, ENGINE_BASELINE, B.window_size(blocks, ENGINE_PREFETCH), block * lay.grad,
+                            shard * (C.OPT_BYTES + 4 + lay.w), act, C.layer_input_bytes(s, T), s.layers,
                             B.head_loss_bytes(C.hf_like_config(s), T, torch.bfloat16,
                                               tied=tied),
                             # a tied head (no matrix of its own) holds its gradient through backward
-                            s.vocab * s.hidden * C.GRAD_BYTES if tied else 0,
-                            max_layer_grad=s.layer_params * C.GRAD_BYTES)
+                            s.vocab * s.hidden * lay.grad if tied else 0,
+                            max_layer_grad=s.layer_params * lay.grad)
     except BudgetError as e:
         p.problems.append(str(e))
         return None
@@ -289,17 +318,18 @@ def _finetune_times(s, task, r: C.Rates, T, resident, k_ram, n_ssd, n_rec, act, 
     # gradient saved for an exact clip redo when clipping is on.
     # Catalog hardware is planned with the cache tierlm is designed for (LoHan's: resident state
     # holds the weights too and is written only when evicted), which the engine does not have yet.
-    grad = C.GRAD_BYTES if task.clip != "off" else 0
+    lay = _layout(task)
+    grad = lay.grad if task.clip != "off" else 0
     if r.measured:
         reread = P - min(L, KEPT_AT_TURN) * s.layer_params - s.head_params
-        ssd_r = (P + reread) * C.W_BYTES + (P - resident) * C.OPT_BYTES + n_ssd * act
-        ssd_w = P * (C.SSD_WRITE_PER_PARAM + grad) + n_ssd * act
+        ssd_r = (P + reread) * lay.w + (P - resident) * lay.state + n_ssd * act
+        ssd_w = P * (lay.state + lay.w_write + grad) + n_ssd * act
     else:
-        ssd_r = (P - resident) * C.SSD_READ_PER_PARAM + n_ssd * act
-        ssd_w = (P - resident) * (C.SSD_WRITE_PER_PARAM + grad) + n_ssd * act
+        ssd_r = (P - resident) * (2 * lay.w + lay.state) + n_ssd * act
+        ssd_w = (P - resident) * (lay.state + lay.w_write + grad) + n_ssd * act
     swapped = (k_ram + n_ssd) * act if gpu else 0
-    h2d = (2 * P * C.W_BYTES + swapped) if gpu else 0
-    d2h = (P * C.GRAD_BYTES + swapped) if gpu else 0
+    h2d = (2 * P * lay.w + swapped) if gpu else 0
+    d2h = (P * lay.grad + swapped) if gpu else 0
     # DRAM: every SSD and PCIe byte lands in or leaves from RAM, plus the optimizer's own passes;
     # without a GPU, activations kept in RAM are written and read back once.
     dram = ssd_r + ssd_w + h2d + d2h + P * C.OPT_DRAM_PER_PARAM + (0 if gpu else 2 * k_ram * act)
@@ -333,7 +363,7 @@ def _finetune_times(s, task, r: C.Rates, T, resident, k_ram, n_ssd, n_rec, act, 
         # slot in a second pass (state and saved gradient read, new state written) after the pipeline,
         # with nothing to overlap it.
         streamed = P if r.measured else P - resident
-        rr, rw = (P - resident) * C.OPT_BYTES + streamed * C.GRAD_BYTES, streamed * (C.OPT_BYTES + C.W_BYTES)
+        rr, rw = (P - resident) * lay.state + streamed * lay.grad, streamed * (lay.state + lay.w_write)
         res["clip_redo"] = max((rr / r.ssd_read if r.ssd_read else 0.0) + (rw / r.ssd_write if r.ssd_write else 0.0),
                                P / r.adam_elems)
         step += res["clip_redo"]
