@@ -302,9 +302,9 @@ class Engine(DurableState):
     def _pending_grads(self) -> int:
         """Gradient bytes that may wait for the optimizer (`Split.pending_grads`). The split's share
         must also hold the block autograd is producing meanwhile (it exists before it is handed
-        over). With all of the share pending, Qwen2.5-0.5B (fp32, --cpu-mem 4GiB, 128 tokens) peaked 4.24 GiB beyond
-        the libraries, at the embedding's gradient after the last layer's backward; with this,
-        3.98 GiB (one run each: the peak depends on how far the optimizer lags)."""
+        over). With all of the share pending, Qwen2.5-0.5B (fp32, --cpu-mem 4GiB, 128 tokens)
+        peaked 4.24 GiB beyond the libraries, at the embedding's gradient after the last layer's
+        backward; with this, 3.98 GiB (one run each: the peak depends on how far the optimizer lags)."""
         return self.split.pending_grads
 
     # ---- weights in and out of the modules ---------------------------------------------
