@@ -212,6 +212,7 @@ def _finetune(p: Plan, s: ModelShape, hw: Hardware, task: Task, r: C.Rates) -> N
     # Optimizer state resident in RAM saves 32 SSD bytes per 14 RAM bytes, more than an activation
     # byte (2 SSD bytes per byte), so it takes RAM first.
     resident = min(P, host_free // lay.ram_state) if task.state_cache else 0
+    split = None
     if hw.measured is not None and not gpu and task.cpu_mem is not None:
         # This machine under --cpu-mem: the state the engine will cache is what its own budget split
         # leaves (activations of every layer come first), not the planner's greedy order.
@@ -252,7 +253,9 @@ def _finetune(p: Plan, s: ModelShape, hw: Hardware, task: Task, r: C.Rates) -> N
                      "recomputed": n_rec, "policy": task.activations}
     dev = "gpu" if gpu else "ram"
     p.placement = {
-        dev: {"weight_window": 2 * lw, "gradients": s.layer_params * lay.grad, "activations_working": act,
+        # this machine under --cpu-mem: the engine's own window and gradients' share
+        dev: {"weight_window": split.window if split else 2 * lw,
+              "gradients": split.grads if split else s.layer_params * lay.grad, "activations_working": act,
               "transients": working, "activations_kept": k_dev * act},
         "ram" if gpu else "ram_beyond_window": {"staging_buffers": staging if gpu else 0, "layer_checkpoints": inputs,
                                                 "resident_state": resident * lay.ram_state,
