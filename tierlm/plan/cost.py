@@ -177,8 +177,9 @@ def hf_like_config(s: ModelShape) -> SimpleNamespace:
                            num_key_value_heads=s.kv_heads, vocab_size=s.vocab)
 
 
-def layer_activation_bytes(s: ModelShape, tokens: int, fused_kernels: bool = False) -> int:
-    """bf16 bytes one decoder layer saves for backward.
+def layer_activation_bytes(s: ModelShape, tokens: int, fused_kernels: bool = False,
+                           dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes one decoder layer saves for backward, computing in `dtype`.
 
     tierlm's engine (CPU, transformers' eager modeling code): the engine's own estimate,
     `tierlm.engine.budget.layer_activation_bytes`, so the plan and the run's budget agree. It is what
@@ -193,21 +194,22 @@ def layer_activation_bytes(s: ModelShape, tokens: int, fused_kernels: bool = Fal
     ran on a 24 GB RTX 4090, not fit it; so the two must differ."""
     if fused_kernels:
         elems = 4 * s.hidden + 2 * s.q_dim + 2 * s.kv_dim + (3 if s.gated_mlp else 2) * s.intermediate
-        return 2 * elems * tokens
+        return torch.empty((), dtype=dtype).element_size() * elems * tokens
     from ..engine.budget import layer_activation_bytes as engine_estimate
 
-    return engine_estimate(hf_like_config(s), tokens, torch.bfloat16)
+    return engine_estimate(hf_like_config(s), tokens, dtype)
 
 
-def layer_input_bytes(s: ModelShape, tokens: int) -> int:
-    """The checkpoint a recomputed layer restarts from (bf16 hidden states)."""
-    return 2 * s.hidden * tokens
+def layer_input_bytes(s: ModelShape, tokens: int, elem: int = 2) -> int:
+    """The checkpoint a recomputed layer restarts from (hidden states of `elem` bytes: bf16 2)."""
+    return elem * s.hidden * tokens
 
 
-def compute_working_bytes(s: ModelShape, tokens: int) -> int:
+def compute_working_bytes(s: ModelShape, tokens: int, elem: int = 2) -> int:
     """Transient memory beside the saved activations on the compute device: the widest intermediate
-    and its gradient, and the logits computed in chunks (one bf16 copy of tokens x vocab)."""
-    return 2 * 2 * s.intermediate * tokens + 2 * s.vocab * tokens
+    and its gradient, and the logits computed in chunks (one copy of tokens x vocab), in `elem`-byte
+    elements (bf16 2)."""
+    return elem * (2 * s.intermediate * tokens + s.vocab * tokens)
 
 
 def kv_bytes_per_token(s: ModelShape) -> int:

@@ -153,7 +153,8 @@ def plan(shape: ModelShape, hw: Hardware, task: Task, eff: C.Efficiency | None =
 # ---- fine-tuning --------------------------------------------------------------------------------
 
 class _Layout(NamedTuple):
-    """Bytes per parameter of the engine's state in a precision."""
+    """Bytes per parameter of the engine's state in a precision, and its compute dtype."""
+    dtype: torch.dtype  # activations, layer inputs and transients
     w: int        # working weights, as read for compute
     grad: int     # a gradient
     w_write: int  # working weights written each step besides the master
@@ -174,16 +175,16 @@ def _layout(task: Task) -> _Layout:
     nothing else is written, and gradients are fp32. (An fp32 Qwen2.5-0.5B step read 19.8 bytes a
     parameter and wrote 12.0; the bf16 layout counted 16 and 14.)"""
     if task.precision == "fp32":
-        return _Layout(4, 4, 0, C.OPT_BYTES)
-    return _Layout(C.W_BYTES, C.GRAD_BYTES, C.W_BYTES, C.OPT_BYTES)
+        return _Layout(torch.float32, 4, 4, 0, C.OPT_BYTES)
+    return _Layout(torch.bfloat16, C.W_BYTES, C.GRAD_BYTES, C.W_BYTES, C.OPT_BYTES)
 
 
 def _finetune(p: Plan, s: ModelShape, hw: Hardware, task: Task, r: C.Rates) -> None:
     T, L, P = task.batch * task.seq_len, s.layers, s.params
     gpu = hw.gpu is not None
     lay = _layout(task)
-    act = C.layer_activation_bytes(s, T, fused_kernels=gpu)
-    working = C.compute_working_bytes(s, T)
+    act = C.layer_activation_bytes(s, T, fused_kernels=gpu, dtype=lay.dtype)
+    working = C.compute_working_bytes(s, T, lay.w)
     lw = s.layer_params * lay.w
     # The compute device's floor: the layer computing and the one prefetched, one layer's gradients,
     # one layer's saved activations (rebuilt or reloaded for its backward) and the transients.
@@ -192,7 +193,7 @@ def _finetune(p: Plan, s: ModelShape, hw: Hardware, task: Task, r: C.Rates) -> N
     # Host staging: with a GPU, pinned buffers for three layers of weights and two of gradients;
     # without one, RAM is the compute device and its floor is the window itself.
     staging = (3 * lw + 2 * s.layer_params * lay.grad) if gpu else floor
-    inputs = L * C.layer_input_bytes(s, T)  # recompute checkpoints, kept on the host
+    inputs = L * C.layer_input_bytes(s, T, lay.w)  # recompute checkpoints, kept on the host
     dev_spare = 0
     if gpu:
         if floor > r.gpu_bytes:
@@ -289,8 +290,8 @@ def _engine_split(s: ModelShape, task: Task, T: int, act: int, p: Plan):
     shard = min(B.shard_elems_for(task.cpu_mem), max(s.hidden * s.intermediate, s.vocab * s.hidden))
     try:
         return B.plan_split(task.cpu_mem, ENGINE_BASELINE, B.window_size(blocks, ENGINE_PREFETCH), block * lay.grad,
-                            shard * (C.OPT_BYTES + 4 + lay.w), act, C.layer_input_bytes(s, T), s.layers,
-                            B.head_loss_bytes(C.hf_like_config(s), T, torch.bfloat16,
+                            shard * (C.OPT_BYTES + 4 + lay.w), act, C.layer_input_bytes(s, T, lay.w), s.layers,
+                            B.head_loss_bytes(C.hf_like_config(s), T, lay.dtype,
                                               tied=tied),
                             # a tied head (no matrix of its own) holds its gradient through backward
                             s.vocab * s.hidden * lay.grad if tied else 0,
