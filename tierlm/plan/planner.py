@@ -228,6 +228,10 @@ def _finetune(p: Plan, s: ModelShape, hw: Hardware, task: Task, r: C.Rates) -> N
     # Activations: on the device while it has room, then host RAM, then NVMe or recomputed.
     k_dev = min(L, dev_spare // act) if gpu else 0
     k_ram = min(L - k_dev, host_free // act)
+    if split is not None and task.activations == "auto":
+        # the engine keeps what its split's activation share holds; a layer beyond it is swapped
+        # or recomputed (a policy the user forces is followed whatever the share)
+        k_ram = min(k_ram, split.activations // act)
     rest = L - k_dev - k_ram
     if task.activations == "recompute":
         k_dev = k_ram = rest = 0
