@@ -45,10 +45,10 @@ def _prompt(n):
     return [(7 * i) % 200 + 3 for i in range(n)]
 
 
-def run(model, weights, batch, tokens, prompt_len, cpu_mem, nvme, rates, threads):
+def run(model, weights, batch, tokens, prompt_len, cpu_mem, nvme, rates, threads, lean=True):
     """One engine; a measured generation per thread count. Returns a result per thread count."""
     cfg = InferConfig(cpu_mem=cpu_mem, weights=weights, max_batch=batch, max_seq_len=prompt_len + tokens,
-                      nvme_dir=str(nvme), step_tokens=max(256, prompt_len))
+                      nvme_dir=str(nvme), step_tokens=max(256, prompt_len), lean=lean)
     eng = InferenceEngine(model, cfg)
     b = Batcher(eng, _Tok(), [])
     outs = []
@@ -68,6 +68,7 @@ def run(model, weights, batch, tokens, prompt_len, cpu_mem, nvme, rates, threads
         per_fwd = eng.ram_weight_bytes()
         kv_step = s.kv["decode"] / steps
         out = {"weights": weights, "batch": batch, "threads": th, "placement": eng.placement.describe(),
+               "lean": eng.lean is not None,
                "prefill_tok_s": s.tokens["prefill"] / s.s["prefill"],
                "prefill_gflops": 2 * eng.flop_params * s.tokens["prefill"] / s.s["prefill"] / 1e9,
                "decode_tok_s": s.tokens["decode"] / dec_s,
@@ -158,6 +159,8 @@ def main():
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--kernels", nargs="*", default=["ours"], choices=["ours", "torch"],
                    help="few-row products on tierlm's kernels, PyTorch's, or both side by side")
+    p.add_argument("--paths", nargs="*", default=["lean"], choices=["lean", "hf"],
+                   help="decode steps on tierlm.infer.lean, on transformers' forward, or both side by side")
     a = p.parse_args()
     root = Path(a.dir or tempfile.mkdtemp(prefix="tierlm-bench-"))
     over = {k: v for k, v in (("layers", a.layers), ("hidden", a.hidden)) if v is not None}
@@ -176,8 +179,11 @@ def main():
         for w in a.formats:
             for kern in a.kernels:
                 native.use(kern == "ours")
-                for r in run(model, w, 1, a.tokens, a.prompt_len, "20GiB", root / f"nvme-{w}", rates, a.threads):
-                    results.append(r | {"weights": f"{w} ({kern if kern == 'torch' or native.available() else 'torch'})"})
+                for path in a.paths:
+                    for r in run(model, w, 1, a.tokens, a.prompt_len, "20GiB", root / f"nvme-{w}", rates, a.threads,
+                                 lean=path == "lean"):
+                        k = kern if kern == "torch" or native.available() else "torch"
+                        results.append(r | {"weights": f"{w} ({k}, {'lean' if r['lean'] else 'transformers'} layers)"})
             native.use(True)
         if not a.no_hf:
             results += hf_generate(model, a.tokens, a.prompt_len, a.threads)
@@ -185,7 +191,7 @@ def main():
     else:
         for bsz in a.batches:
             results += run(model, "bf16", bsz, a.tokens, a.prompt_len, a.stream_budget, root / "nvme-stream",
-                           rates, a.threads[:1])
+                           rates, a.threads[:1], lean=a.paths[0] == "lean")
         rows = table_stream(results)
     print(json.dumps({"load_after": os.getloadavg()}), flush=True)
     print(f"\nrates: memory {rates['mem_gbps']:.1f} GB/s (by threads {rates.get('mem_gbps_by_threads')}), "

@@ -26,7 +26,11 @@ def test_products_match_float64(rows, k):
     n = 67
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1))
     q, s = int8_weight(n, k)
-    ref = x.double() @ (q.double() * s.double()[:, None]).T
+    xr = x.double()
+    if rows == 1:  # one row runs in integers: x rounded to 16 bits with one scale (kernels/gemv.c)
+        xs = xr.abs().max() / 32767
+        xr = torch.round(xr / xs) * xs
+    ref = xr @ (q.double() * s.double()[:, None]).T
     got = native.gemv_int8(x, q, s)
     assert got.shape == (rows, n) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5 * k ** 0.5)
@@ -36,19 +40,51 @@ def test_products_match_float64(rows, k):
 
 
 @needs_kernels
+def test_one_row_int8_integer_sums_do_not_overflow():
+    """The largest products (|w| = 128, x at full scale) over a long row: integer sums move to
+    fp32 before they could overflow."""
+    k = 3 * 4096 + 40
+    q = torch.full((3, k), -128, dtype=torch.int8)
+    x = torch.full((1, k), -1.0)
+    got = native.gemv_int8(x, q, torch.ones(3))
+    assert torch.equal(got, torch.full((1, 3), 128.0 * k))
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 3])
+def test_several_matrices_in_one_call_equal_one_call_each(rows):
+    """A layer's q, k and v (or gate and up) in one parallel region: the threads split the rows
+    of all of them, and each output is what its own call gives."""
+    x = torch.randn(rows, 520)
+    mats = [int8_weight(n, 520, seed=n) for n in (64, 8, 8, 130)]
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            ys = native.products(x, [q for q, _ in mats], [s for _, s in mats])
+            assert all(torch.equal(y, native.gemv_int8(x, q, s)) for y, (q, s) in zip(ys, mats))
+            bs = [torch.randn(n, 520).bfloat16() for n in (64, 8, 130)]
+            ys = native.products(x, bs)
+            assert all(torch.equal(y, native.gemv_bf16(x, b)) for y, b in zip(ys, bs))
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_kernels
 def test_result_does_not_depend_on_the_thread_count():
-    x = torch.randn(3, 1000)
     q, s = int8_weight(513, 1000)
     w = torch.randn(513, 1000).bfloat16()
     before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = native.gemv_int8(x, q, s), native.gemv_bf16(x, w)
-        torch.set_num_threads(2)
-        two = native.gemv_int8(x, q, s), native.gemv_bf16(x, w)
-    finally:
-        torch.set_num_threads(before)
-    assert all(torch.equal(a, b) for a, b in zip(one, two))
+    for rows in (1, 3):
+        x = torch.randn(rows, 1000)
+        try:
+            torch.set_num_threads(1)
+            one = native.gemv_int8(x, q, s), native.gemv_bf16(x, w)
+            torch.set_num_threads(2)
+            two = native.gemv_int8(x, q, s), native.gemv_bf16(x, w)
+        finally:
+            torch.set_num_threads(before)
+        assert all(torch.equal(a, b) for a, b in zip(one, two))
 
 
 @needs_kernels
@@ -58,7 +94,11 @@ def test_int8_qlinear_uses_ours_for_few_rows_and_agrees_with_pytorchs_kernel():
         setattr(lin, name, t)
     for rows in (1, 7, 33):  # 33: above NATIVE_MAX_ROWS, PyTorch's kernel itself
         x = torch.randn(rows, 256)
-        torch_y = torch.ops.aten._weight_int8pack_mm(x, lin.qweight, lin.scales)
+        xr = x
+        if rows == 1:  # ours rounds one row to 16 bits (kernels/gemv.c); PyTorch's is given the same x
+            xs = x.abs().max() / 32767
+            xr = torch.round(x / xs) * xs
+        torch_y = torch.ops.aten._weight_int8pack_mm(xr, lin.qweight, lin.scales)
         y = lin(x)
         if rows == 33:
             assert torch.equal(y, torch_y)

@@ -25,6 +25,7 @@ from ..storage.aligned import round_up
 from ..units import fmt_bytes, parse_bytes
 from .gemv import use_gemv
 from .kvcache import SlotKVCache, kv_bytes, kv_geometry
+from .lean import LeanDecoder
 from .weights import LayerStream, PieceStore, fingerprint, plan_pieces
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -46,6 +47,7 @@ class InferConfig:
     direct_io: bool | None = None
     threads: int | None = None       # compute threads (torch.set_num_threads); None: torch's default
     tp: int = 1                      # tensor-parallel processes (torchrun); this one holds 1/tp of each layer
+    lean: bool = True                # decode steps of llama-family models on tierlm.infer.lean
 
     def __post_init__(self):
         self.cpu_mem = parse_bytes(self.cpu_mem, "--cpu-mem")
@@ -218,6 +220,7 @@ class InferenceEngine:
         self.base = self.model.base_model
         self.head = self.model.get_output_embeddings()
         self._window, self._sliding = self._sliding_window()
+        self.lean = LeanDecoder.build(self) if cfg.lean else None
         B.trim()
 
     def _sliding_window(self) -> tuple[int | None, bool]:
@@ -242,6 +245,8 @@ class InferenceEngine:
         pos, mask = self.cache.begin_step(starts, lens, self._window, self._sliding)
         if self.stream:
             self.stream.prefetch_after(None)
+        if q == 1 and self.lean is not None:
+            return self.lean.logits(ids, pos, mask, self.cache)
         out = self.base(input_ids=ids, attention_mask=mask, position_ids=pos,
                         past_key_values=self.cache, use_cache=True)
         last = out.last_hidden_state[torch.arange(len(tokens)), torch.tensor(lens) - 1]

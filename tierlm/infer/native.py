@@ -58,9 +58,8 @@ def _build() -> ctypes.CDLL:
                 os.unlink(tmp)
     dll = ctypes.CDLL(str(lib))
     i64, p, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    dll.tierlm_gemv_i8.argtypes = [p, i64, i64, p, p, p, i64, c_int]
-    dll.tierlm_gemv_bf16.argtypes = [p, i64, i64, p, p, i64, c_int]
-    dll.tierlm_gemv_i8.restype = dll.tierlm_gemv_bf16.restype = None
+    dll.tierlm_gemv_multi.argtypes = [c_int, p, i64, i64, i64, p, p, p, p, c_int]
+    dll.tierlm_gemv_multi.restype = c_int
     dll.tierlm_gemv_isa.restype = c_int
     return dll
 
@@ -107,24 +106,36 @@ def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
     return x.reshape(-1, k).to(torch.float32).contiguous()
 
 
+INT8, BF16 = 0, 1
+
+
+def products(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor] | None = None
+             ) -> list[torch.Tensor]:
+    """x [..., K] times each weight [N_j, K]^T, in one parallel region: int8 weights with fp32
+    scales [N_j] (one per output row), else bf16 weights. fp32 accumulation; returns fp32 [rows, N_j]
+    each. One row against int8 weights rounds x to 16 bits first (kernels/gemv.c)."""
+    k = weights[0].shape[1]
+    xf = _rows(x, k)
+    m, n = xf.shape[0], len(weights)
+    kind = INT8 if scales is not None else BF16
+    ws = [w.contiguous() for w in weights]
+    ss = [t.to(torch.float32).contiguous() for t in scales] if scales is not None else []
+    ys = [torch.empty(m, w.shape[0], dtype=torch.float32) for w in ws]
+    ptr = ctypes.c_void_p * n
+    sp = ptr(*[t.data_ptr() for t in ss]) if ss else None
+    rc = library().tierlm_gemv_multi(kind, xf.data_ptr(), m, k, n, ptr(*[w.data_ptr() for w in ws]), sp,
+                                     ptr(*[y.data_ptr() for y in ys]), (ctypes.c_int64 * n)(*[w.shape[0] for w in ws]),
+                                     torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError(f"tierlm's int8 kernel could not allocate a row of {k} inputs")
+    return ys
+
+
 def gemv_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ (qweight [N, K] int8 * scales [N])^T in fp32 accumulation; returns fp32 [rows, N]."""
-    n, k = qweight.shape
-    xf = _rows(x, k)
-    s = scales.to(torch.float32).contiguous()
-    q = qweight.contiguous()
-    y = torch.empty(xf.shape[0], n, dtype=torch.float32)
-    library().tierlm_gemv_i8(xf.data_ptr(), xf.shape[0], k, q.data_ptr(), s.data_ptr(), y.data_ptr(), n,
-                             torch.get_num_threads())
-    return y
+    return products(x, [qweight], [scales])[0]
 
 
 def gemv_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ weight [N, K] (bf16)^T in fp32 accumulation; returns fp32 [rows, N]."""
-    n, k = weight.shape
-    xf = _rows(x, k)
-    w = weight.contiguous()
-    y = torch.empty(xf.shape[0], n, dtype=torch.float32)
-    library().tierlm_gemv_bf16(xf.data_ptr(), xf.shape[0], k, w.data_ptr(), y.data_ptr(), n,
-                               torch.get_num_threads())
-    return y
+    return products(x, [weight])[0]

@@ -1,0 +1,140 @@
+"""Decode steps of llama-family models without transformers' per-token Python.
+
+A decode step multiplies every weight by one row per sequence: ~2 GB for TinyLlama-1.1B in bf16,
+~70 ms at this machine's memory speed. transformers' modeling code adds ~30 ms of small ops around
+the products (docs/inference.md, "Where decode time goes"): decoder-layer wrappers, kwargs
+plumbing, attention dispatch, a dtype conversion before and after every product. This module runs
+the decoder layer's arithmetic for steps where every row brings one token:
+
+- activations stay fp32 between the products (each of our kernels takes fp32 x and returns fp32
+  y, so nothing is converted around them; a bf16 model's hidden states are then rounded less than
+  in transformers' forward, not more);
+- a layer's q, k and v, and its gate and up, are one kernel call each (`native.products`): one
+  parallel region instead of three or two;
+- norms, rotary embedding (transformers' own rotary module for cos/sin, so every rope variant is
+  theirs), the KV cache update and attention (one query per row: the heads sharing a KV head
+  become its queries, as transformers packs them) are a few torch ops each.
+
+Weights are read from the modules at each call, so streamed layers (installed by the stream just
+before) and resident ones take the same path. Where our kernels do not apply (fp32 or int4
+weights, no C compiler) each product is the module's own forward, so an fp32 model computes what
+transformers computes (tests/infer/test_lean.py compares the logits of every decode step).
+Prefill, and any step where a row brings several tokens, keeps transformers' forward.
+
+Supported: llama, mistral, qwen2 (q/k/v/o projections, RMSNorms before attention and MLP, a gated
+MLP). Anything else (gpt2, tensor parallelism, q/k norms) gets None from `LeanDecoder.build`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import native
+from .gemv import UPCAST_MIN_ROWS, bf16_matmul_is_slow
+from .quant import QLinear
+
+ARCHS = ("llama", "mistral", "qwen2")
+
+
+class Products:
+    """The products of one x with a few linear modules (a layer's q, k, v; its gate and up)."""
+
+    def __init__(self, mods, dtype: torch.dtype):
+        self.mods, self.dtype = list(mods), dtype
+        if all(isinstance(m, QLinear) and m.mode == "int8" for m in self.mods):
+            self.kind = "int8"
+        elif dtype == torch.bfloat16 and not any(isinstance(m, QLinear) for m in self.mods):
+            # (the weights are in the compute dtype; a streamed layer's are not installed yet)
+            self.kind = "bf16"
+        else:
+            self.kind = "module"
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """x fp32 [rows, K] -> fp32 [rows, N] per module."""
+        rows = x.shape[0]
+        if self.kind == "int8" and native.available():
+            ys = native.products(x, [m.qweight for m in self.mods], [m.scales for m in self.mods])
+        elif self.kind == "bf16" and native.available() and \
+                (rows == 1 or (rows < UPCAST_MIN_ROWS and bf16_matmul_is_slow())):
+            ys = native.products(x, [m.weight for m in self.mods])
+        else:
+            xc = x.to(self.dtype)
+            return [m(xc).float() for m in self.mods]
+        return [y if m.bias is None else y + m.bias for y, m in zip(ys, self.mods)]
+
+
+class LeanDecoder:
+    def __init__(self, model, dtype: torch.dtype, stream, streamed: dict[int, int]):
+        base = model.base_model
+        self.embed, self.norm, self.rotary = base.embed_tokens, base.norm, base.rotary_emb
+        self.head = Products([model.get_output_embeddings()], dtype)
+        self.layers = []
+        types = getattr(model.config, "layer_types", None)
+        for i, layer in enumerate(base.layers):
+            a, m = layer.self_attn, layer.mlp
+            self.layers.append((layer, Products([a.q_proj, a.k_proj, a.v_proj], dtype), Products([a.o_proj], dtype),
+                                Products([m.gate_proj, m.up_proj], dtype), Products([m.down_proj], dtype),
+                                bool(types) and types[i] == "sliding_attention"))
+        self.stream = stream
+        self.streamed = streamed  # decoder layer position -> block index the stream knows it by
+
+    @classmethod
+    def build(cls, engine) -> "LeanDecoder | None":
+        """The lean path for this engine's model, or None where transformers' forward must run."""
+        cfg = engine.config
+        if cfg.model_type not in ARCHS or engine.tp is not None:
+            return None
+        base = engine.model.base_model
+        if not all(hasattr(base, a) for a in ("embed_tokens", "norm", "rotary_emb", "layers")):
+            return None
+        for layer in base.layers:
+            attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+            if attn is None or mlp is None or hasattr(attn, "q_norm") or not hasattr(mlp, "gate_proj"):
+                return None
+        streamed = {}
+        if engine.stream:
+            layer_blocks = [b for b in engine.blocks if b.kind == "layer"]
+            streamed = {pos: b.index for pos, b in enumerate(layer_blocks) if b.index in engine.stream.layer_bytes}
+        return cls(engine.model, engine.dtype, engine.stream, streamed)
+
+    @torch.no_grad()
+    def logits(self, ids: torch.Tensor, pos: torch.Tensor, mask, cache) -> torch.Tensor:
+        """ids, pos [B, 1]; mask [B, 1, 1, L] (or {"full_attention", "sliding_attention"});
+        returns fp32 logits [B, vocab]."""
+        x = self.embed(ids).float()
+        cos, sin = self.rotary(x, pos)  # [B, 1, head dim]: broadcast over the heads
+        x = x[:, 0]
+        for i, (layer, qkv, o, gate_up, down, sliding) in enumerate(self.layers):
+            blk = self.streamed.get(i)
+            if blk is not None:
+                self.stream.acquire(blk)
+            m = mask if not isinstance(mask, dict) else mask["sliding_attention" if sliding else "full_attention"]
+            x = _layer(layer, i, x, cos, sin, m, cache, qkv, o, gate_up, down)
+            if blk is not None:
+                self.stream.release(blk)
+        return self.head(_rms(x, self.norm))[0]
+
+
+def _layer(layer, i, x, cos, sin, mask, cache, qkv, o_proj, gate_up, down):
+    b, hd = x.shape[0], layer.self_attn.head_dim
+    q, k, v = qkv(_rms(x, layer.input_layernorm))
+    q, k, v = q.view(b, -1, hd), k.view(b, -1, hd), v.view(b, -1, hd)  # [B, heads, hd]
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
+    kc, vc = cache.update(k[:, :, None], v[:, :, None], i)
+    # one query per row: the heads sharing a KV head become that head's queries
+    q = q.reshape(b, kc.shape[1], -1, hd).to(kc.dtype)
+    att = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, scale=layer.self_attn.scaling)
+    x = x + o_proj(att.reshape(b, -1).float())[0]
+    g, u = gate_up(_rms(x, layer.post_attention_layernorm))
+    return x + down(layer.mlp.act_fn(g) * u)[0]
+
+
+def _rms(x: torch.Tensor, norm) -> torch.Tensor:
+    """transformers' RMSNorm on fp32 x, the same ops in the same order."""
+    return norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
