@@ -45,8 +45,30 @@ def _prompt(n):
     return [(7 * i) % 200 + 3 for i in range(n)]
 
 
-def run(model, weights, batch, tokens, prompt_len, cpu_mem, nvme, rates, threads, lean=True):
-    """One engine; a measured generation per thread count. Returns a result per thread count."""
+_READ_BUF = None
+
+
+def read_gbps(threads: int) -> float:
+    """The memory read rate now, as `tierlm.infer.report`'s probe measures it (best of 3 sums of
+    512 MiB): taken beside each decode measurement, since this machine's rate drifts by 30% or
+    more within minutes and a roofline measured once at the start can be far from the run's."""
+    global _READ_BUF
+    if _READ_BUF is None:
+        _READ_BUF = torch.ones(128 << 20, dtype=torch.float32)
+    torch.set_num_threads(threads)
+    _READ_BUF.sum()
+    best = 0.0
+    for _ in range(3):
+        t = time.perf_counter()
+        _READ_BUF.sum()
+        best = max(best, _READ_BUF.numel() * 4 / (time.perf_counter() - t) / 1e9)
+    return best
+
+
+def run(model, weights, batch, tokens, prompt_len, cpu_mem, nvme, rates, threads, lean=True, rounds=1):
+    """One engine; per thread count, `rounds` measured generations, each between two read probes
+    when in RAM. Returns a result per thread count: the round with the median share of its probes'
+    roofline, with every round's share."""
     cfg = InferConfig(cpu_mem=cpu_mem, weights=weights, max_batch=batch, max_seq_len=prompt_len + tokens,
                       nvme_dir=str(nvme), step_tokens=max(256, prompt_len), lean=lean)
     eng = InferenceEngine(model, cfg)
@@ -57,36 +79,53 @@ def run(model, weights, batch, tokens, prompt_len, cpu_mem, nvme, rates, threads
         # warm-up: the kernels' first calls at this thread count and, streamed, the window's buffers
         b.submit(Request(_prompt(8), SamplingParams(max_tokens=2, ignore_eos=True)))
         b.run_until_idle()
-        b.stats.__init__()
-        if eng.stream:
-            eng.stream.stall_s = 0.0
-        for _ in range(batch):
-            b.submit(Request(_prompt(prompt_len), SamplingParams(max_tokens=tokens, ignore_eos=True)))
-        b.run_until_idle()
-        s = b.stats
-        dec_s, steps = s.s["decode"], max(s.steps["decode"], 1)
-        per_fwd = eng.ram_weight_bytes()
-        kv_step = s.kv["decode"] / steps
-        out = {"weights": weights, "batch": batch, "threads": th, "placement": eng.placement.describe(),
-               "lean": eng.lean is not None,
-               "prefill_tok_s": s.tokens["prefill"] / s.s["prefill"],
-               "prefill_gflops": 2 * eng.flop_params * s.tokens["prefill"] / s.s["prefill"] / 1e9,
-               "decode_tok_s": s.tokens["decode"] / dec_s,
-               "decode_ram_gbps": (s.ram["decode"] + s.kv["decode"]) / dec_s / 1e9,
-               "decode_ssd_gbps": s.ssd["decode"] / dec_s / 1e9,
-               "bytes_per_forward": per_fwd + kv_step}
-        out["mem_roofline_tok_s"] = rates["mem_gbps"] * 1e9 / (per_fwd + kv_step) * batch
-        out["mem_share"] = out["decode_tok_s"] / out["mem_roofline_tok_s"]
-        if eng.stream:
-            streamed = s.ssd["decode"] / steps
-            out["ssd_bytes_per_forward"] = streamed
-            out["ssd_roofline_tok_s"] = rates["ssd_gbps"] * 1e9 / streamed * batch if streamed else None
-            out["ssd_share"] = out["decode_tok_s"] / out["ssd_roofline_tok_s"] if streamed else None
-            out["stall_s"] = eng.stream.stall_s
+        per_round = []
+        for _ in range(rounds):
+            probe = read_gbps(th) if not eng.stream else None
+            torch.set_num_threads(th)
+            b.stats.__init__()
+            if eng.stream:
+                eng.stream.stall_s = 0.0
+            for _ in range(batch):
+                b.submit(Request(_prompt(prompt_len), SamplingParams(max_tokens=tokens, ignore_eos=True)))
+            b.run_until_idle()
+            if probe is not None:
+                probe = max(probe, read_gbps(th))
+                torch.set_num_threads(th)
+            per_round.append(_result(eng, b.stats, weights, batch, th, rates, probe))
+        shares = [r.get("probe_share", 0.0) for r in per_round]
+        out = sorted(per_round, key=lambda r: r.get("probe_share", 0.0))[len(per_round) // 2]
+        out["probe_shares"] = shares
         outs.append(out)
         print(json.dumps(out), flush=True)
     eng.close()
     return outs
+
+
+def _result(eng, s, weights, batch, th, rates, probe):
+    dec_s, steps = s.s["decode"], max(s.steps["decode"], 1)
+    per_fwd = eng.ram_weight_bytes()
+    kv_step = s.kv["decode"] / steps
+    out = {"weights": weights, "batch": batch, "threads": th, "placement": eng.placement.describe(),
+           "lean": eng.lean is not None,
+           "prefill_tok_s": s.tokens["prefill"] / s.s["prefill"],
+           "prefill_gflops": 2 * eng.flop_params * s.tokens["prefill"] / s.s["prefill"] / 1e9,
+           "decode_tok_s": s.tokens["decode"] / dec_s,
+           "decode_ram_gbps": (s.ram["decode"] + s.kv["decode"]) / dec_s / 1e9,
+           "decode_ssd_gbps": s.ssd["decode"] / dec_s / 1e9,
+           "bytes_per_forward": per_fwd + kv_step}
+    out["mem_roofline_tok_s"] = rates["mem_gbps"] * 1e9 / (per_fwd + kv_step) * batch
+    out["mem_share"] = out["decode_tok_s"] / out["mem_roofline_tok_s"]
+    if probe is not None:
+        out["probe_gbps"] = probe
+        out["probe_share"] = out["decode_tok_s"] * (per_fwd + kv_step) / batch / (probe * 1e9)
+    if eng.stream:
+        streamed = s.ssd["decode"] / steps
+        out["ssd_bytes_per_forward"] = streamed
+        out["ssd_roofline_tok_s"] = rates["ssd_gbps"] * 1e9 / streamed * batch if streamed else None
+        out["ssd_share"] = out["decode_tok_s"] / out["ssd_roofline_tok_s"] if streamed else None
+        out["stall_s"] = eng.stream.stall_s
+    return out
 
 
 def hf_generate(model, tokens, prompt_len, threads):
@@ -119,18 +158,27 @@ def table_ram(results, rates):
     # its rate is then measured against the fp32 matmul.
     mm_dtype = "fp32" if bf16_matmul_is_slow() else "bf16"
     mm = rates[f"matmul_{mm_dtype}_gflops"]
-    rows = ["| weights | threads | GB read / token | decode tok/s | roofline tok/s | share | vs transformers.generate "
-            f"| prefill tok/s | prefill GFLOP/s (share of {mm_dtype} matmul) |", "|" + "---|" * 9]
+    rows = ["| weights | threads | GB read / token | decode tok/s | roofline tok/s | share | share of the read rate "
+            "probed beside it (median; each round) | vs transformers.generate "
+            f"| prefill tok/s | prefill GFLOP/s (share of {mm_dtype} matmul) |", "|" + "---|" * 10]
     for r in results:
         if r["weights"].startswith("transformers"):
-            rows.append(f"| {r['weights']} | {r['threads']} | | {r['decode_tok_s']:.2f} | | | 1.00x | "
+            rows.append(f"| {r['weights']} | {r['threads']} | | {r['decode_tok_s']:.2f} | | | | 1.00x | "
                         f"{r['prefill_tok_s']:.1f} | |")
             continue
         sp = f"{r['decode_tok_s'] / hf[r['threads']]:.2f}x" if r["threads"] in hf else ""
         rows.append(f"| {r['weights']} | {r['threads']} | {r['bytes_per_forward'] / 1e9:.2f} | {r['decode_tok_s']:.2f} "
-                    f"| {r['mem_roofline_tok_s']:.2f} | {100 * r['mem_share']:.0f}% | {sp} | {r['prefill_tok_s']:.1f} "
+                    f"| {r['mem_roofline_tok_s']:.2f} | {100 * r['mem_share']:.0f}% | {_shares(r)} | {sp} "
+                    f"| {r['prefill_tok_s']:.1f} "
                     f"| {r['prefill_gflops']:.0f} ({100 * r['prefill_gflops'] / mm:.0f}%) |")
     return rows
+
+
+def _shares(r):
+    if "probe_share" not in r:
+        return ""
+    each = ", ".join(f"{100 * x:.0f}%" for x in r["probe_shares"])
+    return f"**{100 * r['probe_share']:.0f}%** of {r['probe_gbps']:.1f} GB/s ({each})"
 
 
 def table_stream(results):
@@ -157,6 +205,8 @@ def main():
     p.add_argument("--stream-budget", default=None, help="run streamed under this --cpu-mem instead")
     p.add_argument("--batches", nargs="*", type=int, default=[1, 8, 32])
     p.add_argument("--no-hf", action="store_true")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="in RAM: measured generations per configuration, each between two read probes")
     p.add_argument("--kernels", nargs="*", default=["ours"], choices=["ours", "torch"],
                    help="few-row products on tierlm's kernels, PyTorch's, or both side by side")
     p.add_argument("--paths", nargs="*", default=["lean"], choices=["lean", "hf"],
@@ -181,7 +231,7 @@ def main():
                 native.use(kern == "ours")
                 for path in a.paths:
                     for r in run(model, w, 1, a.tokens, a.prompt_len, "20GiB", root / f"nvme-{w}", rates, a.threads,
-                                 lean=path == "lean"):
+                                 lean=path == "lean", rounds=a.rounds):
                         k = kern if kern == "torch" or native.available() else "torch"
                         results.append(r | {"weights": f"{w} ({k}, {'lean' if r['lean'] else 'transformers'} layers)"})
             native.use(True)

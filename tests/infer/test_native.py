@@ -63,6 +63,8 @@ def test_several_matrices_in_one_call_equal_one_call_each(rows):
             torch.set_num_threads(threads)
             ys = native.products(x, [q for q, _ in mats], [s for _, s in mats])
             assert all(torch.equal(y, native.gemv_int8(x, q, s)) for y, (q, s) in zip(ys, mats))
+            side = native.products(x, [q for q, _ in mats], [s for _, s in mats], concat=True)
+            assert torch.equal(side, torch.cat(ys, -1))
             bs = [torch.randn(n, 520).bfloat16() for n in (64, 8, 130)]
             ys = native.products(x, bs)
             assert all(torch.equal(y, native.gemv_bf16(x, b)) for y, b in zip(ys, bs))

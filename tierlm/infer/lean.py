@@ -49,18 +49,22 @@ class Products:
         else:
             self.kind = "module"
 
-    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """x fp32 [rows, K] -> fp32 [rows, N] per module."""
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x fp32 [rows, K] -> fp32 [rows, sum of the modules' outputs], side by side."""
         rows = x.shape[0]
         if self.kind == "int8" and native.available():
-            ys = native.products(x, [m.qweight for m in self.mods], [m.scales for m in self.mods])
+            y = native.products(x, [m.qweight for m in self.mods], [m.scales for m in self.mods], concat=True)
         elif self.kind == "bf16" and native.available() and \
                 (rows == 1 or (rows < UPCAST_MIN_ROWS and bf16_matmul_is_slow())):
-            ys = native.products(x, [m.weight for m in self.mods])
+            y = native.products(x, [m.weight for m in self.mods], concat=True)
         else:
             xc = x.to(self.dtype)
-            return [m(xc).float() for m in self.mods]
-        return [y if m.bias is None else y + m.bias for y, m in zip(ys, self.mods)]
+            ys = [m(xc).float() for m in self.mods]
+            return ys[0] if len(ys) == 1 else torch.cat(ys, -1)
+        biases = [m.bias for m in self.mods]
+        if all(b is None for b in biases):
+            return y
+        return y + torch.cat([torch.zeros(m.out_features) if b is None else b.float() for m, b in zip(self.mods, biases)])
 
 
 class LeanDecoder:
@@ -103,38 +107,41 @@ class LeanDecoder:
         returns fp32 logits [B, vocab]."""
         x = self.embed(ids).float()
         cos, sin = self.rotary(x, pos)  # [B, 1, head dim]: broadcast over the heads
+        # rotate_half(x) * sin == roll(x, half) * sin with the first half of sin negated
+        half = sin.shape[-1] // 2
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), -1)
         x = x[:, 0]
         for i, (layer, qkv, o, gate_up, down, sliding) in enumerate(self.layers):
             blk = self.streamed.get(i)
             if blk is not None:
                 self.stream.acquire(blk)
             m = mask if not isinstance(mask, dict) else mask["sliding_attention" if sliding else "full_attention"]
-            x = _layer(layer, i, x, cos, sin, m, cache, qkv, o, gate_up, down)
+            x = _layer(layer, i, x, cos, sin, half, m, cache, qkv, o, gate_up, down)
             if blk is not None:
                 self.stream.release(blk)
-        return self.head(_rms(x, self.norm))[0]
+        return self.head(_rms(x, self.norm))
 
 
-def _layer(layer, i, x, cos, sin, mask, cache, qkv, o_proj, gate_up, down):
-    b, hd = x.shape[0], layer.self_attn.head_dim
-    q, k, v = qkv(_rms(x, layer.input_layernorm))
-    q, k, v = q.view(b, -1, hd), k.view(b, -1, hd), v.view(b, -1, hd)  # [B, heads, hd]
-    q = q * cos + _rotate_half(q) * sin
-    k = k * cos + _rotate_half(k) * sin
+def _layer(layer, i, x, cos, sin, half, mask, cache, qkv, o_proj, gate_up, down):
+    attn = layer.self_attn
+    b, hd, kvh = x.shape[0], attn.head_dim, cache.k[i].shape[1]
+    y = qkv(_rms(x, layer.input_layernorm))
+    nqk = y.shape[1] - kvh * hd
+    qk = y[:, :nqk].view(b, -1, hd)  # the query and key heads, rotated together
+    qk = qk * cos + torch.roll(qk, half, -1) * sin
+    q, k = qk[:, :-kvh], qk[:, -kvh:]
+    v = y[:, nqk:].view(b, kvh, hd)
     kc, vc = cache.update(k[:, :, None], v[:, :, None], i)
     # one query per row: the heads sharing a KV head become that head's queries
-    q = q.reshape(b, kc.shape[1], -1, hd).to(kc.dtype)
-    att = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, scale=layer.self_attn.scaling)
-    x = x + o_proj(att.reshape(b, -1).float())[0]
-    g, u = gate_up(_rms(x, layer.post_attention_layernorm))
-    return x + down(layer.mlp.act_fn(g) * u)[0]
+    q = q.reshape(b, kvh, -1, hd).to(kc.dtype)
+    att = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, scale=attn.scaling)
+    x = x + o_proj(att.reshape(b, -1).float())
+    gu = gate_up(_rms(x, layer.post_attention_layernorm))
+    inter = gu.shape[1] // 2
+    return x + down(layer.mlp.act_fn(gu[:, :inter]) * gu[:, inter:])
 
 
 def _rms(x: torch.Tensor, norm) -> torch.Tensor:
-    """transformers' RMSNorm on fp32 x, the same ops in the same order."""
-    return norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    """transformers' RMSNorm on fp32 x (the same result: x * rsqrt(mean(x^2) + eps) * weight)."""
+    w = norm.weight
+    return F.rms_norm(x, w.shape, w if w.dtype == x.dtype else w.float(), norm.variance_epsilon)

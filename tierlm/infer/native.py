@@ -58,7 +58,7 @@ def _build() -> ctypes.CDLL:
                 os.unlink(tmp)
     dll = ctypes.CDLL(str(lib))
     i64, p, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    dll.tierlm_gemv_multi.argtypes = [c_int, p, i64, i64, i64, p, p, p, p, c_int]
+    dll.tierlm_gemv_multi.argtypes = [c_int, p, i64, i64, i64, p, p, p, p, i64, c_int]
     dll.tierlm_gemv_multi.restype = c_int
     dll.tierlm_gemv_isa.restype = c_int
     return dll
@@ -109,26 +109,36 @@ def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
 INT8, BF16 = 0, 1
 
 
-def products(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor] | None = None
-             ) -> list[torch.Tensor]:
+def products(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor] | None = None,
+             concat: bool = False) -> list[torch.Tensor] | torch.Tensor:
     """x [..., K] times each weight [N_j, K]^T, in one parallel region: int8 weights with fp32
     scales [N_j] (one per output row), else bf16 weights. fp32 accumulation; returns fp32 [rows, N_j]
-    each. One row against int8 weights rounds x to 16 bits first (kernels/gemv.c)."""
+    each, or with `concat` one [rows, sum N_j] (the outputs side by side, written in place). One
+    row against int8 weights rounds x to 16 bits first (kernels/gemv.c)."""
     k = weights[0].shape[1]
     xf = _rows(x, k)
     m, n = xf.shape[0], len(weights)
     kind = INT8 if scales is not None else BF16
     ws = [w.contiguous() for w in weights]
-    ss = [t.to(torch.float32).contiguous() for t in scales] if scales is not None else []
-    ys = [torch.empty(m, w.shape[0], dtype=torch.float32) for w in ws]
+    ss = [t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous() for t in scales] \
+        if scales is not None else []
+    sizes = [w.shape[0] for w in ws]
+    if concat:
+        out = torch.empty(m, sum(sizes), dtype=torch.float32)
+        offs = [0]
+        for s in sizes[:-1]:
+            offs.append(offs[-1] + s)
+        yp, ldy = [out.data_ptr() + 4 * o for o in offs], out.shape[1]
+    else:
+        ys = [torch.empty(m, s, dtype=torch.float32) for s in sizes]
+        yp, ldy = [y.data_ptr() for y in ys], 0
     ptr = ctypes.c_void_p * n
     sp = ptr(*[t.data_ptr() for t in ss]) if ss else None
     rc = library().tierlm_gemv_multi(kind, xf.data_ptr(), m, k, n, ptr(*[w.data_ptr() for w in ws]), sp,
-                                     ptr(*[y.data_ptr() for y in ys]), (ctypes.c_int64 * n)(*[w.shape[0] for w in ws]),
-                                     torch.get_num_threads())
+                                     ptr(*yp), (ctypes.c_int64 * n)(*sizes), ldy, torch.get_num_threads())
     if rc != 0:
         raise MemoryError(f"tierlm's int8 kernel could not allocate a row of {k} inputs")
-    return ys
+    return out if concat else ys
 
 
 def gemv_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

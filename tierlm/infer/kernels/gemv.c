@@ -229,10 +229,11 @@ static float quantize_row(const float *x, int64_t K, int16_t *xq) {
 /* Rows [r0, r1) of the concatenation of the `nmat` outputs. */
 static void rows_range(int kind, const float *x, const int16_t *xq, float xs, int64_t M, int64_t K,
                        int64_t nmat, const void *const *w, const float *const *s, float *const *y,
-                       const int64_t *N, int64_t r0, int64_t r1, int avx2) {
+                       const int64_t *N, int64_t ldy, int64_t r0, int64_t r1, int avx2) {
     int64_t base = 0;
     for (int64_t j = 0; j < nmat; base += N[j], j++) {
         int64_t lo = r0 > base ? r0 - base : 0, hi = r1 - base < N[j] ? r1 - base : N[j];
+        int64_t ld = ldy ? ldy : N[j];
         if (lo >= hi) continue;
         if (kind == 0 && xq) {
 #if HAVE_X86
@@ -241,24 +242,25 @@ static void rows_range(int kind, const float *x, const int16_t *xq, float xs, in
             rows_i8x16_scalar(xq, xs, K, w[j], s[j], y[j], lo, hi);
         } else if (kind == 0) {
 #if HAVE_X86
-            if (avx2) { rows_i8_avx2(x, M, K, w[j], s[j], y[j], N[j], lo, hi); continue; }
+            if (avx2) { rows_i8_avx2(x, M, K, w[j], s[j], y[j], ld, lo, hi); continue; }
 #endif
-            rows_i8_scalar(x, M, K, w[j], s[j], y[j], N[j], lo, hi);
+            rows_i8_scalar(x, M, K, w[j], s[j], y[j], ld, lo, hi);
         } else {
 #if HAVE_X86
-            if (avx2) { rows_bf16_avx2(x, M, K, w[j], y[j], N[j], lo, hi); continue; }
+            if (avx2) { rows_bf16_avx2(x, M, K, w[j], y[j], ld, lo, hi); continue; }
 #endif
-            rows_bf16_scalar(x, M, K, w[j], y[j], N[j], lo, hi);
+            rows_bf16_scalar(x, M, K, w[j], y[j], ld, lo, hi);
         }
     }
     (void)avx2;
 }
 
-/* y[j] = x @ w[j]^T for j < nmat (kind 0: int8 with scales s[j]; 1: bf16). Threads take
-   contiguous ranges of all the matrices' rows together. Returns -1 if the row buffer for
+/* y[j] = x @ w[j]^T for j < nmat (kind 0: int8 with scales s[j]; 1: bf16); row m of y[j] starts
+   at y[j] + m * ldy (ldy 0: N[j]), so the outputs may be column blocks of one [M, sum N] matrix.
+   Threads take contiguous ranges of all the matrices' rows together. Returns -1 if the row buffer for
    one-row int8 cannot be allocated. */
 int tierlm_gemv_multi(int kind, const float *x, int64_t M, int64_t K, int64_t nmat, const void *const *w,
-                      const float *const *s, float *const *y, const int64_t *N, int threads) {
+                      const float *const *s, float *const *y, const int64_t *N, int64_t ldy, int threads) {
     int avx2 = use_avx2();
     int16_t *xq = NULL;
     float xs = 0.f;
@@ -271,7 +273,8 @@ int tierlm_gemv_multi(int kind, const float *x, int64_t M, int64_t K, int64_t nm
     for (int64_t j = 0; j < nmat; j++) total += N[j];
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int t = 0; t < threads; t++)
-        rows_range(kind, x, xq, xs, M, K, nmat, w, s, y, N, total * t / threads, total * (t + 1) / threads, avx2);
+        rows_range(kind, x, xq, xs, M, K, nmat, w, s, y, N, ldy, total * t / threads, total * (t + 1) / threads,
+                   avx2);
     free(xq);
     return 0;
 }
