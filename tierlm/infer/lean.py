@@ -10,10 +10,12 @@ the decoder layer's arithmetic for steps where every row brings one token:
   y, so nothing is converted around them; a bf16 model's hidden states are then rounded less than
   in transformers' forward, not more);
 - a layer's q, k and v, and its gate and up, are one kernel call each (`native.products`): one
-  parallel region instead of three or two;
-- norms, rotary embedding (transformers' own rotary module for cos/sin, so every rope variant is
-  theirs), the KV cache update and attention (one query per row: the heads sharing a KV head
-  become its queries, as transformers packs them) are a few torch ops each.
+  parallel region instead of three or two, the outputs side by side in one tensor;
+- the RMSNorm before attention and before the MLP, and the MLP's silu(gate) * up, are done by the
+  kernel call that multiplies their result (it prepares its x anyway);
+- rotary embedding (transformers' own rotary module for cos/sin, so every rope variant is theirs;
+  queries and keys rotated together), the KV cache update and attention (one query per row: the
+  heads sharing a KV head become its queries, as transformers packs them) are a few torch ops.
 
 Weights are read from the modules at each call, so streamed layers (installed by the stream just
 before) and resident ones take the same path. Where our kernels do not apply (fp32 or int4
@@ -37,10 +39,11 @@ ARCHS = ("llama", "mistral", "qwen2")
 
 
 class Products:
-    """The products of one x with a few linear modules (a layer's q, k, v; its gate and up)."""
+    """The products of one x with a few linear modules (a layer's q, k, v; its gate and up), the
+    norm before them or the gated activation (`act`, the MLP's) folded into the same call."""
 
-    def __init__(self, mods, dtype: torch.dtype):
-        self.mods, self.dtype = list(mods), dtype
+    def __init__(self, mods, dtype: torch.dtype, act=None, silu: bool = False):
+        self.mods, self.dtype, self.act, self.silu = list(mods), dtype, act, silu
         if all(isinstance(m, QLinear) and m.mode == "int8" for m in self.mods):
             self.kind = "int8"
         elif dtype == torch.bfloat16 and not any(isinstance(m, QLinear) for m in self.mods):
@@ -49,15 +52,26 @@ class Products:
         else:
             self.kind = "module"
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x fp32 [rows, K] -> fp32 [rows, sum of the modules' outputs], side by side."""
+    def __call__(self, x: torch.Tensor, norm=None, glu: bool = False) -> torch.Tensor:
+        """x fp32 [rows, K] (with `glu`, [rows, 2K]: act(x[:, :K]) * x[:, K:] is multiplied; with
+        `norm`, an RMSNorm module, norm(x) is) -> fp32 [rows, sum of the modules' outputs]."""
         rows = x.shape[0]
-        if self.kind == "int8" and native.available():
-            y = native.products(x, [m.qweight for m in self.mods], [m.scales for m in self.mods], concat=True)
-        elif self.kind == "bf16" and native.available() and \
-                (rows == 1 or (rows < UPCAST_MIN_ROWS and bf16_matmul_is_slow())):
-            y = native.products(x, [m.weight for m in self.mods], concat=True)
+        mine = native.available() and (not glu or self.silu) and (
+            self.kind == "int8" or (self.kind == "bf16" and
+                                    (rows == 1 or (rows < UPCAST_MIN_ROWS and bf16_matmul_is_slow()))))
+        if mine:
+            nw = None if norm is None else (norm.weight, norm.variance_epsilon)
+            if self.kind == "int8":
+                y = native.products(x, [m.qweight for m in self.mods], [m.scales for m in self.mods],
+                                    concat=True, norm=nw, glu=glu)
+            else:
+                y = native.products(x, [m.weight for m in self.mods], concat=True, norm=nw, glu=glu)
         else:
+            if glu:
+                half = x.shape[1] // 2
+                x = self.act(x[:, :half]) * x[:, half:]
+            if norm is not None:
+                x = _rms(x, norm)
             xc = x.to(self.dtype)
             ys = [m(xc).float() for m in self.mods]
             return ys[0] if len(ys) == 1 else torch.cat(ys, -1)
@@ -74,10 +88,11 @@ class LeanDecoder:
         self.head = Products([model.get_output_embeddings()], dtype)
         self.layers = []
         types = getattr(model.config, "layer_types", None)
+        silu = getattr(model.config, "hidden_act", None) in ("silu", "swish")  # what our kernel's glu computes
         for i, layer in enumerate(base.layers):
             a, m = layer.self_attn, layer.mlp
             self.layers.append((layer, Products([a.q_proj, a.k_proj, a.v_proj], dtype), Products([a.o_proj], dtype),
-                                Products([m.gate_proj, m.up_proj], dtype), Products([m.down_proj], dtype),
+                                Products([m.gate_proj, m.up_proj], dtype), Products([m.down_proj], dtype, m.act_fn, silu),
                                 bool(types) and types[i] == "sliding_attention"))
         self.stream = stream
         self.streamed = streamed  # decoder layer position -> block index the stream knows it by
@@ -119,13 +134,13 @@ class LeanDecoder:
             x = _layer(layer, i, x, cos, sin, half, m, cache, qkv, o, gate_up, down)
             if blk is not None:
                 self.stream.release(blk)
-        return self.head(_rms(x, self.norm))
+        return self.head(x, norm=self.norm)
 
 
 def _layer(layer, i, x, cos, sin, half, mask, cache, qkv, o_proj, gate_up, down):
     attn = layer.self_attn
     b, hd, kvh = x.shape[0], attn.head_dim, cache.k[i].shape[1]
-    y = qkv(_rms(x, layer.input_layernorm))
+    y = qkv(x, norm=layer.input_layernorm)
     nqk = y.shape[1] - kvh * hd
     qk = y[:, :nqk].view(b, -1, hd)  # the query and key heads, rotated together
     qk = qk * cos + torch.roll(qk, half, -1) * sin
@@ -136,9 +151,7 @@ def _layer(layer, i, x, cos, sin, half, mask, cache, qkv, o_proj, gate_up, down)
     q = q.reshape(b, kvh, -1, hd).to(kc.dtype)
     att = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, scale=attn.scaling)
     x = x + o_proj(att.reshape(b, -1).float())
-    gu = gate_up(_rms(x, layer.post_attention_layernorm))
-    inter = gu.shape[1] // 2
-    return x + down(layer.mlp.act_fn(gu[:, :inter]) * gu[:, inter:])
+    return x + down(gate_up(x, norm=layer.post_attention_layernorm), glu=True)
 
 
 def _rms(x: torch.Tensor, norm) -> torch.Tensor:

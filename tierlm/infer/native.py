@@ -22,6 +22,7 @@ import torch
 
 SRC = Path(__file__).with_name("kernels") / "gemv.c"
 FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-fopenmp"]
+LIBS = ["-lm"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _failed: str | None = None
@@ -41,7 +42,7 @@ def _build() -> ctypes.CDLL:
     if cc is None:
         raise RuntimeError("no C compiler (cc, gcc or clang) on PATH; set CC to one")
     src = SRC.read_bytes()
-    tag = hashlib.sha256(src + cc.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    tag = hashlib.sha256(src + cc.encode() + " ".join(FLAGS + LIBS).encode()).hexdigest()[:16]
     lib = _cache_root() / f"gemv-{tag}.so"
     if not lib.exists():
         lib.parent.mkdir(parents=True, exist_ok=True)
@@ -49,7 +50,7 @@ def _build() -> ctypes.CDLL:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
         os.close(fd)
         try:
-            r = subprocess.run([cc, *FLAGS, str(SRC), "-o", tmp], capture_output=True, text=True)
+            r = subprocess.run([cc, *FLAGS, str(SRC), "-o", tmp, *LIBS], capture_output=True, text=True)
             if r.returncode != 0:
                 raise RuntimeError(f"{cc} failed on {SRC}: {r.stderr.strip()[-800:]}")
             os.replace(tmp, lib)
@@ -58,7 +59,7 @@ def _build() -> ctypes.CDLL:
                 os.unlink(tmp)
     dll = ctypes.CDLL(str(lib))
     i64, p, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    dll.tierlm_gemv_multi.argtypes = [c_int, p, i64, i64, i64, p, p, p, p, i64, c_int]
+    dll.tierlm_gemv_multi.argtypes = [c_int, p, i64, i64, i64, p, p, p, p, i64, c_int, p, c_int, ctypes.c_float, c_int]
     dll.tierlm_gemv_multi.restype = c_int
     dll.tierlm_gemv_isa.restype = c_int
     return dll
@@ -110,13 +111,18 @@ INT8, BF16 = 0, 1
 
 
 def products(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor] | None = None,
-             concat: bool = False) -> list[torch.Tensor] | torch.Tensor:
+             concat: bool = False, norm: tuple[torch.Tensor, float] | None = None, glu: bool = False
+             ) -> list[torch.Tensor] | torch.Tensor:
     """x [..., K] times each weight [N_j, K]^T, in one parallel region: int8 weights with fp32
     scales [N_j] (one per output row), else bf16 weights. fp32 accumulation; returns fp32 [rows, N_j]
-    each, or with `concat` one [rows, sum N_j] (the outputs side by side, written in place). One
-    row against int8 weights rounds x to 16 bits first (kernels/gemv.c)."""
+    each, or with `concat` one [rows, sum N_j] (the outputs side by side, written in place).
+
+    The kernel may first prepare x (so a decoder layer's glue costs no torch ops): `norm` = (weight
+    [K] fp32 or bf16, eps) RMS-normalises each row and scales it by the weight; `glu` takes x as
+    [..., 2K] and multiplies silu(x[..., :K]) * x[..., K:]. One row against int8 weights is rounded
+    to 16 bits (kernels/gemv.c)."""
     k = weights[0].shape[1]
-    xf = _rows(x, k)
+    xf = _rows(x, 2 * k if glu else k)
     m, n = xf.shape[0], len(weights)
     kind = INT8 if scales is not None else BF16
     ws = [w.contiguous() for w in weights]
@@ -132,12 +138,20 @@ def products(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Te
     else:
         ys = [torch.empty(m, s, dtype=torch.float32) for s in sizes]
         yp, ldy = [y.data_ptr() for y in ys], 0
+    nw, nw_bf16, eps = None, 0, 0.0
+    if norm is not None:
+        t, eps = norm
+        if t.dtype not in (torch.float32, torch.bfloat16):
+            t = t.float()
+        t = t.contiguous()
+        nw, nw_bf16 = t.data_ptr(), int(t.dtype == torch.bfloat16)
     ptr = ctypes.c_void_p * n
     sp = ptr(*[t.data_ptr() for t in ss]) if ss else None
     rc = library().tierlm_gemv_multi(kind, xf.data_ptr(), m, k, n, ptr(*[w.data_ptr() for w in ws]), sp,
-                                     ptr(*yp), (ctypes.c_int64 * n)(*sizes), ldy, torch.get_num_threads())
+                                     ptr(*yp), (ctypes.c_int64 * n)(*sizes), ldy, int(glu), nw, nw_bf16, eps,
+                                     torch.get_num_threads())
     if rc != 0:
-        raise MemoryError(f"tierlm's int8 kernel could not allocate a row of {k} inputs")
+        raise MemoryError(f"tierlm's few-row kernel could not allocate {m} rows of {k} inputs")
     return out if concat else ys
 
 

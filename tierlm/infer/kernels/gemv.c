@@ -23,6 +23,7 @@
    `tierlm_gemv_multi` runs several products of the same x in one parallel region (a layer's
    q, k and v; its gate and up): the threads split the rows of all of them, so a small matrix costs
    no fork of its own. */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -207,9 +208,35 @@ static int use_avx2(void) {
 
 int tierlm_gemv_isa(void) { return use_avx2() ? 2 : 0; }
 
+/* The rows the product multiplies, prepared from the caller's (so a layer's glue costs no torch
+   ops of its own): with `glu`, x is [M, 2K] and a row is silu(x[:K]) * x[K:] (a gated MLP's down
+   projection); with a norm weight `nw` (fp32, or bf16 when nw_bf16), a row is RMS-normalised and
+   scaled by it, x * (1 / sqrt(mean(x^2) + eps)) * nw (the norm before attention or the MLP). */
+static void prep_rows(const float *x, int64_t M, int64_t K, int glu, const void *nw, int nw_bf16, float eps,
+                      float *out) {
+    for (int64_t m = 0; m < M; m++) {
+        float *o = out + m * K;
+        if (glu) {
+            const float *g = x + m * 2 * K, *u = g + K;
+            for (int64_t k = 0; k < K; k++) o[k] = g[k] / (1.f + expf(-g[k])) * u[k];
+        } else {
+            memcpy(o, x + m * K, (size_t)K * sizeof(float));
+        }
+        if (nw) {
+            float ss = 0.f;
+            for (int64_t k = 0; k < K; k++) ss += o[k] * o[k];
+            float r = 1.f / sqrtf(ss / (float)K + eps);
+            for (int64_t k = 0; k < K; k++) {
+                float wk = nw_bf16 ? bf16_to_f32(((const uint16_t *)nw)[k]) : ((const float *)nw)[k];
+                o[k] = o[k] * r * wk;
+            }
+        }
+    }
+}
+
 /* x rounded to 16 bits with one scale: x ~= xq * xs. */
 static float quantize_row(const float *x, int64_t K, int16_t *xq) {
-    float m = 0.f;  /* no libm: the library links nothing but the OpenMP runtime */
+    float m = 0.f;
     for (int64_t k = 0; k < K; k++) {
         float a = x[k] < 0.f ? -x[k] : x[k];
         m = a > m ? a : m;
@@ -257,16 +284,27 @@ static void rows_range(int kind, const float *x, const int16_t *xq, float xs, in
 
 /* y[j] = x @ w[j]^T for j < nmat (kind 0: int8 with scales s[j]; 1: bf16); row m of y[j] starts
    at y[j] + m * ldy (ldy 0: N[j]), so the outputs may be column blocks of one [M, sum N] matrix.
-   Threads take contiguous ranges of all the matrices' rows together. Returns -1 if the row buffer for
-   one-row int8 cannot be allocated. */
+   x is first prepared by prep_rows when `glu` or `nw` asks for it. Threads take contiguous ranges
+   of all the matrices' rows together. Returns -1 if a buffer cannot be allocated. */
 int tierlm_gemv_multi(int kind, const float *x, int64_t M, int64_t K, int64_t nmat, const void *const *w,
-                      const float *const *s, float *const *y, const int64_t *N, int64_t ldy, int threads) {
+                      const float *const *s, float *const *y, const int64_t *N, int64_t ldy, int glu,
+                      const void *nw, int nw_bf16, float eps, int threads) {
     int avx2 = use_avx2();
+    float *xp = NULL;
+    if (glu || nw) {
+        xp = (float *)malloc((size_t)(M * K) * sizeof(float));
+        if (!xp) return -1;
+        prep_rows(x, M, K, glu, nw, nw_bf16, eps, xp);
+        x = xp;
+    }
     int16_t *xq = NULL;
     float xs = 0.f;
     if (kind == 0 && M == 1) {
         xq = (int16_t *)malloc((size_t)K * sizeof(int16_t));
-        if (!xq) return -1;
+        if (!xq) {
+            free(xp);
+            return -1;
+        }
         xs = quantize_row(x, K, xq);
     }
     int64_t total = 0;
@@ -276,5 +314,6 @@ int tierlm_gemv_multi(int kind, const float *x, int64_t M, int64_t K, int64_t nm
         rows_range(kind, x, xq, xs, M, K, nmat, w, s, y, N, ldy, total * t / threads, total * (t + 1) / threads,
                    avx2);
     free(xq);
+    free(xp);
     return 0;
 }
