@@ -182,12 +182,14 @@ def _shares(r):
 
 
 def table_stream(results):
-    rows = ["| batch | SSD MB / forward | decode tok/s | SSD roofline tok/s | share | stall s |", "|---|---|---|---|---|---|"]
+    rows = ["| layers | batch | SSD MB / forward | decode tok/s | SSD roofline tok/s | share | stall s |",
+            "|---|---|---|---|---|---|---|"]
     for r in results:
+        layers = "lean" if r.get("lean") else "transformers"
         if "ssd_bytes_per_forward" not in r:
-            rows.append(f"| {r['batch']} | nothing streamed: {r['placement']} (lower --stream-budget) | | | | |")
+            rows.append(f"| {layers} | {r['batch']} | nothing streamed: {r['placement']} (lower --stream-budget) | | | | |")
             continue
-        rows.append(f"| {r['batch']} | {r['ssd_bytes_per_forward'] / 1e6:.0f} | {r['decode_tok_s']:.2f} | "
+        rows.append(f"| {layers} | {r['batch']} | {r['ssd_bytes_per_forward'] / 1e6:.0f} | {r['decode_tok_s']:.2f} | "
                     f"{r['ssd_roofline_tok_s']:.2f} | {100 * r['ssd_share']:.0f}% | {r['stall_s']:.1f} |")
     return rows
 
@@ -239,9 +241,11 @@ def main():
             results += hf_generate(model, a.tokens, a.prompt_len, a.threads)
         rows = table_ram(results, rates)
     else:
-        for bsz in a.batches:
-            results += run(model, "bf16", bsz, a.tokens, a.prompt_len, a.stream_budget, root / "nvme-stream",
-                           rates, a.threads[:1], lean=a.paths[0] == "lean")
+        for path in a.paths:
+            for bsz in a.batches:
+                results += [r | {"path": path} for r in run(model, "bf16", bsz, a.tokens, a.prompt_len, a.stream_budget,
+                                                            root / "nvme-stream", rates, a.threads[:1],
+                                                            lean=path == "lean")]
         rows = table_stream(results)
     print(json.dumps({"load_after": os.getloadavg()}), flush=True)
     print(f"\nrates: memory {rates['mem_gbps']:.1f} GB/s (by threads {rates.get('mem_gbps_by_threads')}), "

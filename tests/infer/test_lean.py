@@ -102,3 +102,23 @@ def _logits(d, tmp_path, lean, dtype="bf16", weights="auto", kind=None):
         return _run(eng)
     finally:
         eng.close()
+
+
+def test_many_rows_take_the_modules_path_and_agree(tmp_path):
+    """Past the rows our kernels serve (int8: 32), the lean step calls each module's own forward
+    (PyTorch's kernel): the logits still match transformers' forward on the same engine."""
+    from tests.conftest import tiny_model
+    d = tmp_path / "bf16-model"
+    tiny_model("llama", **SPREAD).to(torch.bfloat16).save_pretrained(d)
+    rows = 34
+    out = {}
+    for lean in (False, True):
+        cfg = InferConfig(weights="int8", cpu_mem="1GiB", nvme_dir=str(tmp_path / "nvme"), max_batch=rows,
+                          max_seq_len=16, lean=lean)
+        eng = InferenceEngine(d, cfg, library_rss=0)
+        try:
+            eng.step([[3 + r % 50, 7] for r in range(rows)], [0] * rows)
+            out[lean] = eng.step([[(5 * r) % 128] for r in range(rows)], [2] * rows)
+        finally:
+            eng.close()
+    torch.testing.assert_close(out[True], out[False], rtol=0.05, atol=0.05 * out[False].abs().max().item())

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from . import native
 from .gemv import UPCAST_MIN_ROWS, bf16_matmul_is_slow
-from .quant import QLinear
+from .quant import NATIVE_MAX_ROWS, QLinear
 
 ARCHS = ("llama", "mistral", "qwen2")
 
@@ -57,7 +57,7 @@ class Products:
         `norm`, an RMSNorm module, norm(x) is) -> fp32 [rows, sum of the modules' outputs]."""
         rows = x.shape[0]
         mine = native.available() and (not glu or self.silu) and (
-            self.kind == "int8" or (self.kind == "bf16" and
+            (self.kind == "int8" and rows <= NATIVE_MAX_ROWS) or (self.kind == "bf16" and
                                     (rows == 1 or (rows < UPCAST_MIN_ROWS and bf16_matmul_is_slow()))))
         if mine:
             nw = None if norm is None else (norm.weight, norm.variance_epsilon)
