@@ -73,6 +73,20 @@ def test_several_matrices_in_one_call_equal_one_call_each(rows):
 
 
 @needs_kernels
+@pytest.mark.parametrize("rows", [1, 3])
+def test_the_norm_folded_into_the_call_is_an_rmsnorm(rows):
+    x = torch.randn(rows, 300) * 3
+    q, s = int8_weight(40, 300)
+    w = torch.randn(40, 300).bfloat16()
+    for nw in (torch.randn(300), torch.randn(300).bfloat16()):
+        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * nw.float()
+        torch.testing.assert_close(native.products(x, [w], norm=(nw, 1e-5))[0], native.gemv_bf16(normed, w),
+                                   rtol=1e-5, atol=1e-4)
+        got, ref = native.products(x, [q], [s], norm=(nw, 1e-5))[0], native.gemv_int8(normed, q, s)
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-3)  # one row: both rounded to 16 bits
+
+
+@needs_kernels
 def test_result_does_not_depend_on_the_thread_count():
     q, s = int8_weight(513, 1000)
     w = torch.randn(513, 1000).bfloat16()

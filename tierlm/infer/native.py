@@ -59,7 +59,7 @@ def _build() -> ctypes.CDLL:
                 os.unlink(tmp)
     dll = ctypes.CDLL(str(lib))
     i64, p, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    dll.tierlm_gemv_multi.argtypes = [c_int, p, i64, i64, i64, p, p, p, p, i64, c_int, p, c_int, ctypes.c_float, c_int]
+    dll.tierlm_gemv_multi.argtypes = [c_int, p, i64, i64, i64, p, p, p, p, i64, p, c_int, ctypes.c_float, c_int]
     dll.tierlm_gemv_multi.restype = c_int
     dll.tierlm_gemv_isa.restype = c_int
     return dll
@@ -111,18 +111,17 @@ INT8, BF16 = 0, 1
 
 
 def products(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor] | None = None,
-             concat: bool = False, norm: tuple[torch.Tensor, float] | None = None, glu: bool = False
+             concat: bool = False, norm: tuple[torch.Tensor, float] | None = None
              ) -> list[torch.Tensor] | torch.Tensor:
     """x [..., K] times each weight [N_j, K]^T, in one parallel region: int8 weights with fp32
     scales [N_j] (one per output row), else bf16 weights. fp32 accumulation; returns fp32 [rows, N_j]
     each, or with `concat` one [rows, sum N_j] (the outputs side by side, written in place).
 
-    The kernel may first prepare x (so a decoder layer's glue costs no torch ops): `norm` = (weight
-    [K] fp32 or bf16, eps) RMS-normalises each row and scales it by the weight; `glu` takes x as
-    [..., 2K] and multiplies silu(x[..., :K]) * x[..., K:]. One row against int8 weights is rounded
-    to 16 bits (kernels/gemv.c)."""
+    With `norm` = (weight [K] fp32 or bf16, eps) the kernel first RMS-normalises each row and
+    scales it by the weight (a decoder layer's norm, at no torch op of its own). One row against
+    int8 weights is rounded to 16 bits (kernels/gemv.c)."""
     k = weights[0].shape[1]
-    xf = _rows(x, 2 * k if glu else k)
+    xf = _rows(x, k)
     m, n = xf.shape[0], len(weights)
     kind = INT8 if scales is not None else BF16
     ws = [w.contiguous() for w in weights]
@@ -148,7 +147,7 @@ def products(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Te
     ptr = ctypes.c_void_p * n
     sp = ptr(*[t.data_ptr() for t in ss]) if ss else None
     rc = library().tierlm_gemv_multi(kind, xf.data_ptr(), m, k, n, ptr(*[w.data_ptr() for w in ws]), sp,
-                                     ptr(*yp), (ctypes.c_int64 * n)(*sizes), ldy, int(glu), nw, nw_bf16, eps,
+                                     ptr(*yp), (ctypes.c_int64 * n)(*sizes), ldy, nw, nw_bf16, eps,
                                      torch.get_num_threads())
     if rc != 0:
         raise MemoryError(f"tierlm's few-row kernel could not allocate {m} rows of {k} inputs")

@@ -208,28 +208,21 @@ static int use_avx2(void) {
 
 int tierlm_gemv_isa(void) { return use_avx2() ? 2 : 0; }
 
-/* The rows the product multiplies, prepared from the caller's (so a layer's glue costs no torch
-   ops of its own): with `glu`, x is [M, 2K] and a row is silu(x[:K]) * x[K:] (a gated MLP's down
-   projection); with a norm weight `nw` (fp32, or bf16 when nw_bf16), a row is RMS-normalised and
-   scaled by it, x * (1 / sqrt(mean(x^2) + eps)) * nw (the norm before attention or the MLP). */
-static void prep_rows(const float *x, int64_t M, int64_t K, int glu, const void *nw, int nw_bf16, float eps,
-                      float *out) {
+/* The rows the product multiplies, RMS-normalised and scaled by a norm weight `nw` (fp32, or bf16
+   when nw_bf16): x * (1 / sqrt(mean(x^2) + eps)) * nw, the norm before a layer's attention or MLP,
+   so it costs no torch ops of its own (19 us against 35-47 in torch for 2048 inputs). A gated
+   MLP's silu(gate) * up was tried here too and dropped: a scalar expf per input took 90 us for
+   5632 inputs against torch's 35. */
+static void prep_rows(const float *x, int64_t M, int64_t K, const void *nw, int nw_bf16, float eps, float *out) {
     for (int64_t m = 0; m < M; m++) {
+        const float *xr = x + m * K;
         float *o = out + m * K;
-        if (glu) {
-            const float *g = x + m * 2 * K, *u = g + K;
-            for (int64_t k = 0; k < K; k++) o[k] = g[k] / (1.f + expf(-g[k])) * u[k];
-        } else {
-            memcpy(o, x + m * K, (size_t)K * sizeof(float));
-        }
-        if (nw) {
-            float ss = 0.f;
-            for (int64_t k = 0; k < K; k++) ss += o[k] * o[k];
-            float r = 1.f / sqrtf(ss / (float)K + eps);
-            for (int64_t k = 0; k < K; k++) {
-                float wk = nw_bf16 ? bf16_to_f32(((const uint16_t *)nw)[k]) : ((const float *)nw)[k];
-                o[k] = o[k] * r * wk;
-            }
+        float ss = 0.f;
+        for (int64_t k = 0; k < K; k++) ss += xr[k] * xr[k];
+        float r = 1.f / sqrtf(ss / (float)K + eps);
+        for (int64_t k = 0; k < K; k++) {
+            float wk = nw_bf16 ? bf16_to_f32(((const uint16_t *)nw)[k]) : ((const float *)nw)[k];
+            o[k] = xr[k] * r * wk;
         }
     }
 }
@@ -284,17 +277,17 @@ static void rows_range(int kind, const float *x, const int16_t *xq, float xs, in
 
 /* y[j] = x @ w[j]^T for j < nmat (kind 0: int8 with scales s[j]; 1: bf16); row m of y[j] starts
    at y[j] + m * ldy (ldy 0: N[j]), so the outputs may be column blocks of one [M, sum N] matrix.
-   x is first prepared by prep_rows when `glu` or `nw` asks for it. Threads take contiguous ranges
+   With a norm weight `nw`, x is first RMS-normalised by prep_rows. Threads take contiguous ranges
    of all the matrices' rows together. Returns -1 if a buffer cannot be allocated. */
 int tierlm_gemv_multi(int kind, const float *x, int64_t M, int64_t K, int64_t nmat, const void *const *w,
-                      const float *const *s, float *const *y, const int64_t *N, int64_t ldy, int glu,
+                      const float *const *s, float *const *y, const int64_t *N, int64_t ldy,
                       const void *nw, int nw_bf16, float eps, int threads) {
     int avx2 = use_avx2();
     float *xp = NULL;
-    if (glu || nw) {
+    if (nw) {
         xp = (float *)malloc((size_t)(M * K) * sizeof(float));
         if (!xp) return -1;
-        prep_rows(x, M, K, glu, nw, nw_bf16, eps, xp);
+        prep_rows(x, M, K, nw, nw_bf16, eps, xp);
         x = xp;
     }
     int16_t *xq = NULL;
