@@ -19,6 +19,14 @@ def int8_weight(n, k, seed=0):
     return torch.round(w / scale[:, None]).clamp(-128, 127).to(torch.int8), scale
 
 
+def round16(x):
+    """One row as the int8 kernel sees it: x * (32767 / max|x|) rounded half away from zero, in fp32
+    as the kernel computes it, times the scale back."""
+    m = x.abs().max()
+    v = x * (torch.tensor(32767.0) / m)
+    return torch.trunc(v + 0.5 * torch.sign(v)) * (m / 32767)
+
+
 @needs_kernels
 @pytest.mark.parametrize("rows", [1, 2, 4, 5, 9])
 @pytest.mark.parametrize("k", [16, 40, 2056])  # whole vectors, a tail only, vectors and a tail
@@ -28,8 +36,7 @@ def test_products_match_float64(rows, k):
     q, s = int8_weight(n, k)
     xr = x.double()
     if rows == 1:  # one row runs in integers: x rounded to 16 bits with one scale (kernels/gemv.c)
-        xs = xr.abs().max() / 32767
-        xr = torch.round(xr / xs) * xs
+        xr = round16(x).double()
     ref = xr @ (q.double() * s.double()[:, None]).T
     got = native.gemv_int8(x, q, s)
     assert got.shape == (rows, n) and got.dtype == torch.float32
@@ -87,6 +94,21 @@ def test_the_norm_folded_into_the_call_is_an_rmsnorm(rows):
 
 
 @needs_kernels
+def test_a_kept_call_equals_a_fresh_one_and_follows_moved_weights():
+    """native.Products keeps its argument arrays between calls; when a weight moves (a streamed
+    layer in another buffer) it rebuilds them, and its fp32 scales stay those of its modules."""
+    mats = [int8_weight(n, 256, seed=n) for n in (32, 8)]
+    scales = [s.bfloat16() for _, s in mats]  # as QLinear holds them in a bf16 model
+    nw = torch.randn(256).bfloat16()
+    call = native.Products()
+    for step in range(3):
+        qs = [q.clone() for q, _ in mats] if step == 2 else [q for q, _ in mats]  # step 2: new buffers
+        x = torch.randn(1, 256)
+        want = native.products(x, qs, scales, concat=True, norm=(nw, 1e-6))
+        assert torch.equal(call(x, qs, scales, norm=(nw, 1e-6)), want)
+
+
+@needs_kernels
 def test_result_does_not_depend_on_the_thread_count():
     q, s = int8_weight(513, 1000)
     w = torch.randn(513, 1000).bfloat16()
@@ -112,8 +134,7 @@ def test_int8_qlinear_uses_ours_for_few_rows_and_agrees_with_pytorchs_kernel():
         x = torch.randn(rows, 256)
         xr = x
         if rows == 1:  # ours rounds one row to 16 bits (kernels/gemv.c); PyTorch's is given the same x
-            xs = x.abs().max() / 32767
-            xr = torch.round(x / xs) * xs
+            xr = round16(x)
         torch_y = torch.ops.aten._weight_int8pack_mm(xr, lin.qweight, lin.scales)
         y = lin(x)
         if rows == 33:

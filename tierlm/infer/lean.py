@@ -44,6 +44,7 @@ class Products:
 
     def __init__(self, mods, dtype: torch.dtype):
         self.mods, self.dtype = list(mods), dtype
+        self.call = native.Products()
         if all(isinstance(m, QLinear) and m.mode == "int8" for m in self.mods):
             self.kind = "int8"
         elif dtype == torch.bfloat16 and not any(isinstance(m, QLinear) for m in self.mods):
@@ -62,10 +63,9 @@ class Products:
         if mine:
             nw = None if norm is None else (norm.weight, norm.variance_epsilon)
             if self.kind == "int8":
-                y = native.products(x, [m.qweight for m in self.mods], [m.scales for m in self.mods],
-                                    concat=True, norm=nw)
+                y = self.call(x, [m.qweight for m in self.mods], [m.scales for m in self.mods], norm=nw)
             else:
-                y = native.products(x, [m.weight for m in self.mods], concat=True, norm=nw)
+                y = self.call(x, [m.weight for m in self.mods], norm=nw)
         else:
             if norm is not None:
                 x = _rms(x, norm)
