@@ -107,6 +107,16 @@ def test_a_kept_call_equals_a_fresh_one_and_follows_moved_weights():
         want = native.products(x, qs, scales, concat=True, norm=(nw, 1e-6))
         assert torch.equal(call(x, qs, scales, norm=(nw, 1e-6)), want)
 
+    # fp32 scales in a buffer that then holds another layer's: the kept scales are a copy
+    (q, s), = [int8_weight(16, 256, seed=3)]
+    call, x = native.Products(), torch.randn(1, 256)
+    buf = s.clone()
+    want = native.gemv_int8(x, q, s)
+    assert torch.equal(call(x, [q], [buf])[:, :16], want)
+    buf.zero_()
+    q2 = q.clone()  # the layer installed elsewhere, its scales too
+    assert torch.equal(call(x, [q2], [s.clone()]), want)
+
 
 @needs_kernels
 def test_result_does_not_depend_on_the_thread_count():

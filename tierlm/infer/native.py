@@ -110,6 +110,16 @@ def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
 INT8, BF16 = 0, 1
 
 
+def _norm_args(norm: tuple[torch.Tensor, float] | None):
+    """(pointer, is bf16, eps, the tensor to keep alive) of an RMSNorm weight for the kernel."""
+    if norm is None:
+        return None, 0, 0.0, None
+    t, eps = norm
+    if t.dtype not in (torch.float32, torch.bfloat16) or not t.is_contiguous():
+        t = t.float().contiguous()
+    return t.data_ptr(), int(t.dtype == torch.bfloat16), eps, t
+
+
 def products(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor] | None = None,
              concat: bool = False, norm: tuple[torch.Tensor, float] | None = None
              ) -> list[torch.Tensor] | torch.Tensor:
@@ -137,13 +147,7 @@ def products(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Te
     else:
         ys = [torch.empty(m, s, dtype=torch.float32) for s in sizes]
         yp, ldy = [y.data_ptr() for y in ys], 0
-    nw, nw_bf16, eps = None, 0, 0.0
-    if norm is not None:
-        t, eps = norm
-        if t.dtype not in (torch.float32, torch.bfloat16):
-            t = t.float()
-        t = t.contiguous()
-        nw, nw_bf16 = t.data_ptr(), int(t.dtype == torch.bfloat16)
+    nw, nw_bf16, eps, _keep = _norm_args(norm)
     ptr = ctypes.c_void_p * n
     sp = ptr(*[t.data_ptr() for t in ss]) if ss else None
     rc = library().tierlm_gemv_multi(kind, xf.data_ptr(), m, k, n, ptr(*[w.data_ptr() for w in ws]), sp,
@@ -173,7 +177,9 @@ class Products:
                 return products(x, weights, scales, concat=True, norm=norm)
             n = len(weights)
             if scales is not None and self._scales is None:
-                self._scales = [t.float().contiguous() for t in scales]
+                # a copy even when already fp32: a streamed layer's scales live in a window buffer
+                # that later holds another layer's
+                self._scales = [t.to(torch.float32, copy=True).contiguous() for t in scales]
             self._w = (ctypes.c_void_p * n)(*key)
             self._s = (ctypes.c_void_p * n)(*[t.data_ptr() for t in self._scales]) if scales is not None else None
             sizes = [w.shape[0] for w in weights]
@@ -186,12 +192,7 @@ class Products:
         m = xf.shape[0]
         out = torch.empty(m, self._total, dtype=torch.float32)
         base = out.data_ptr()
-        nw, nw_bf16, eps = None, 0, 0.0
-        if norm is not None:
-            t, eps = norm
-            if t.dtype not in (torch.float32, torch.bfloat16) or not t.is_contiguous():
-                t = t.float().contiguous()
-            nw, nw_bf16 = t.data_ptr(), int(t.dtype == torch.bfloat16)
+        nw, nw_bf16, eps, _keep = _norm_args(norm)
         rc = library().tierlm_gemv_multi(INT8 if scales is not None else BF16, xf.data_ptr(), m, k, len(key),
                                          self._w, self._s, self._ptrs(*[base + o for o in self._offs]), self._n,
                                          self._total, nw, nw_bf16, eps, torch.get_num_threads())
