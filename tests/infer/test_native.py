@@ -95,12 +95,12 @@ def test_the_norm_folded_into_the_call_is_an_rmsnorm(rows):
 
 @needs_kernels
 def test_a_kept_call_equals_a_fresh_one_and_follows_moved_weights():
-    """native.Products keeps its argument arrays between calls; when a weight moves (a streamed
+    """native.KeptCall keeps its argument arrays between calls; when a weight moves (a streamed
     layer in another buffer) it rebuilds them, and its fp32 scales stay those of its modules."""
     mats = [int8_weight(n, 256, seed=n) for n in (32, 8)]
     scales = [s.bfloat16() for _, s in mats]  # as QLinear holds them in a bf16 model
     nw = torch.randn(256).bfloat16()
-    call = native.Products()
+    call = native.KeptCall()
     for step in range(3):
         qs = [q.clone() for q, _ in mats] if step == 2 else [q for q, _ in mats]  # step 2: new buffers
         x = torch.randn(1, 256)
@@ -109,7 +109,7 @@ def test_a_kept_call_equals_a_fresh_one_and_follows_moved_weights():
 
     # fp32 scales in a buffer that then holds another layer's: the kept scales are a copy
     (q, s), = [int8_weight(16, 256, seed=3)]
-    call, x = native.Products(), torch.randn(1, 256)
+    call, x = native.KeptCall(), torch.randn(1, 256)
     buf = s.clone()
     want = native.gemv_int8(x, q, s)
     assert torch.equal(call(x, [q], [buf])[:, :16], want)

@@ -9,7 +9,7 @@ the decoder layer's arithmetic for steps where every row brings one token:
 - activations stay fp32 between the products (each of our kernels takes fp32 x and returns fp32
   y, so nothing is converted around them; a bf16 model's hidden states are then rounded less than
   in transformers' forward, not more);
-- a layer's q, k and v, and its gate and up, are one kernel call each (`native.Products`): one
+- a layer's q, k and v, and its gate and up, are one kernel call each (`native.KeptCall`): one
   parallel region instead of three or two, the outputs side by side in one tensor;
 - the RMSNorm before attention and before the MLP is done by the kernel call that multiplies its
   result (it prepares its x anyway: 19 against 35-47 us in torch ops);
@@ -44,7 +44,7 @@ class Products:
 
     def __init__(self, mods, dtype: torch.dtype):
         self.mods, self.dtype = list(mods), dtype
-        self.call = native.Products()
+        self.call = native.KeptCall()
         if all(isinstance(m, QLinear) and m.mode == "int8" for m in self.mods):
             self.kind = "int8"
         elif dtype == torch.bfloat16 and not any(isinstance(m, QLinear) for m in self.mods):

@@ -158,7 +158,7 @@ def products(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Te
     return out if concat else ys
 
 
-class Products:
+class KeptCall:
     """`products(x, weights, scales, concat=True, norm=...)` for the same modules every call (a
     decoder layer's q/k/v, say), with the argument arrays kept between calls: a decode step makes
     ~90 calls, and building them (and converting bf16 int8 scales to fp32) took ~30-40 us of each.

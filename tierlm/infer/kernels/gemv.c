@@ -15,8 +15,8 @@
    One row of x against int8 weights (decoding one sequence) runs in integers: x is rounded to
    16 bits with one scale for the row (a relative error of 2^-16 of its largest element, far below
    the weights' own 2^-8) and each product is a vpmaddwd of 16 weight/x pairs, half the vector work
-   of converting every weight to fp32 (benchmarks/infer_gemv.py on a 2-vCPU EPYC, 2 threads: 28.2
-   against 25.2 GB/s of int8, a plain read 32.5). Integer sums are moved to fp32 every I16_BLOCK
+   of converting every weight to fp32 (a scratch comparison of the two loops on a 277 MB matrix,
+   2-vCPU EPYC, 2 threads: 28.2 against 25.2 GB/s of int8, a plain read 32.5; docs/inference.md). Integer sums are moved to fp32 every I16_BLOCK
    inputs, before they could overflow: a lane adds two products of |w| <= 128 and |x| <= 32767 per
    32 inputs, so 4096 inputs stay below 2^31.
 
