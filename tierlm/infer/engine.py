@@ -6,7 +6,8 @@ HF safetensors into RAM; the rest are written once to the NVMe store in their fi
 stream through a window of (prefetch + 1) layers. transformers' own modeling code runs each
 forward, so attention, rotary embeddings and every architecture's details are theirs; a step
 is one forward over every sequence in the batch, so each streamed layer is read once per step
-whatever the batch size.
+whatever the batch size. Rows of different lengths (a prompt chunk beside decoding rows) run
+packed, without padding (`packed.py`); decode steps of llama-family models run on `lean.py`.
 
     eng = InferenceEngine("models/tiny", InferConfig(cpu_mem="2GiB", max_batch=4))
     logits = eng.step([[1, 2, 3], [7]], starts=[0, 0])   # rows are KV-cache slots 0 and 1
@@ -25,6 +26,7 @@ from ..storage.aligned import round_up
 from ..units import fmt_bytes, parse_bytes
 from .gemv import use_gemv
 from .kvcache import SlotKVCache, kv_bytes, kv_geometry
+from . import packed as packed_attention
 from .lean import LeanDecoder
 from .weights import LayerStream, PieceStore, fingerprint, plan_pieces
 
@@ -48,6 +50,7 @@ class InferConfig:
     threads: int | None = None       # compute threads (torch.set_num_threads); None: torch's default
     tp: int = 1                      # tensor-parallel processes (torchrun); this one holds 1/tp of each layer
     lean: bool = True                # decode steps of llama-family models on tierlm.infer.lean
+    packed: bool = True              # rows of different lengths in one step run unpadded (infer.packed)
 
     def __post_init__(self):
         self.cpu_mem = parse_bytes(self.cpu_mem, "--cpu-mem")
@@ -101,7 +104,9 @@ def scratch_bytes(config, cfg: InferConfig, max_len: int, dtype: torch.dtype) ->
     h = config.hidden_size
     inter = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * h
     heads = config.num_attention_heads
-    tokens = max(cfg.step_tokens, cfg.max_batch)
+    # a step feeds at most step_tokens of prompts beside one token of every other row; padded
+    # (packed=False), every row is as long as the longest prompt chunk
+    tokens = cfg.step_tokens + cfg.max_batch if cfg.packed else cfg.step_tokens * cfg.max_batch
     act = tokens * (12 * h + 4 * inter) * 4
     scores = tokens * heads * (max_len + 1) * 4
     logits = cfg.max_batch * config.vocab_size * 4 * 3
@@ -217,6 +222,7 @@ class InferenceEngine:
         self.load_s = time.perf_counter() - t0
         self.streamed_bytes = sum(self.stream.layer_bytes.values()) if self.stream else 0
         self.cache = SlotKVCache(cache_config, cfg.max_batch, self.max_len, self.dtype)
+        packed_attention.install(self.model, config, self.cache)
         self.base = self.model.base_model
         self.head = self.model.get_output_embeddings()
         self._window, self._sliding = self._sliding_window()
@@ -241,15 +247,27 @@ class InferenceEngine:
             self.tp.lead_step(tokens, starts)  # rank 0 tells the other shards what to compute
         lens = [len(t) for t in tokens]
         q = max(lens)
-        ids = torch.tensor([t + [t[-1]] * (q - len(t)) for t in tokens], dtype=torch.long)
-        pos, mask = self.cache.begin_step(starts, lens, self._window, self._sliding)
+        # rows of different lengths run packed (tierlm.infer.packed): padding them would compute
+        # rows x q tokens where sum(lens) are real
+        packed = self.cfg.packed and len(tokens) > 1 and sum(lens) < len(tokens) * q
+        if packed:
+            ids = torch.tensor([sum(tokens, [])], dtype=torch.long)
+        else:
+            ids = torch.tensor([t + [t[-1]] * (q - len(t)) for t in tokens], dtype=torch.long)
+        pos, mask = self.cache.begin_step(starts, lens, self._window, self._sliding, packed=packed)
         if self.stream:
             self.stream.prefetch_after(None)
         if q == 1 and self.lean is not None:
             return self.lean.logits(ids, pos, mask, self.cache)
-        out = self.base(input_ids=ids, attention_mask=mask, position_ids=pos,
-                        past_key_values=self.cache, use_cache=True)
-        last = out.last_hidden_state[torch.arange(len(tokens)), torch.tensor(lens) - 1]
+        try:
+            out = self.base(input_ids=ids, attention_mask=mask, position_ids=pos,
+                            past_key_values=self.cache, use_cache=True)
+        finally:
+            self.cache.segments = None  # a later forward without begin_step (perplexity) is not packed
+        if packed:
+            last = out.last_hidden_state[0, torch.tensor(lens).cumsum(0) - 1]
+        else:
+            last = out.last_hidden_state[torch.arange(len(tokens)), torch.tensor(lens) - 1]
         return self.head(last).float()
 
     @torch.no_grad()

@@ -8,6 +8,8 @@ view, not a gathered copy; a finishing sequence's slot is filled by moving the l
 The object is what transformers' attention layers call `past_key_values.update(k, v, layer)` on.
 Each row writes its new keys at its own positions (continuous batching: the sequences in a batch
 have different lengths), and the step's 4-D mask (built here too) hides what a row must not see.
+A packed step (`tierlm.infer.packed`) feeds the rows' tokens as one row: each token's keys go to
+its own slot and `segments` tells the attention which tokens are whose.
 """
 from __future__ import annotations
 
@@ -44,29 +46,44 @@ class SlotKVCache:
         self._write_pos: torch.Tensor | None = None
         self._single: int | None = None
         self._kv_len = 0
+        self._write_slot: torch.Tensor | None = None
+        self.segments: list[tuple[int, int, int]] | None = None  # packed: (offset, tokens, keys) a row
         self.bytes_read = 0  # KV bytes the attention read, for the bandwidth report
 
     # ---- the step's geometry ------------------------------------------------------------
     def begin_step(self, starts: list[int], lengths: list[int], window: int | None = None,
-                   sliding_layers: bool = False):
+                   sliding_layers: bool = False, packed: bool = False):
         """Row b (slot b) holds `starts[b]` positions and appends `lengths[b]` new tokens this
-        step. Returns (position_ids [B, Q], attention mask [B, 1, Q, L] or a dict of them)."""
+        step. Returns (position_ids [B, Q], attention mask [B, 1, Q, L] or a dict of them); packed,
+        the rows' tokens side by side as one row: position_ids [1, T] and masks [1, 1, T, L]."""
         rows, q = len(starts), max(lengths)
         if rows > self.slots:
             raise BudgetError(f"{rows} sequences in a step but the KV cache has {self.slots} slots")
         ends = [s + n for s, n in zip(starts, lengths)]
         if max(ends) > self.max_len:
             raise BudgetError(f"a sequence reached {max(ends)} positions; the KV cache holds {self.max_len}")
-        start = torch.tensor(starts)[:, None]
-        n = torch.tensor(lengths)[:, None]
-        j = torch.arange(q)[None, :]
-        real = j < n
-        pos = start + torch.minimum(j, n - 1)           # padding repeats the row's last position
-        self._write_pos = torch.where(real, start + j, torch.full_like(j, self.max_len))
         self._rows = rows
         self._kv_len = max(ends)
-        # one row has no padding: its keys go to a contiguous range, a slice copy, not index_put
-        self._single = starts[0] if rows == 1 else None
+        self.segments = None
+        self._write_slot = None
+        if packed:
+            pos = torch.cat([torch.arange(s, e) for s, e in zip(starts, ends)])[None, :]
+            self._write_pos = pos[0]
+            self._write_slot = torch.repeat_interleave(torch.arange(rows), torch.tensor(lengths))
+            offs = [0]
+            for n_ in lengths[:-1]:
+                offs.append(offs[-1] + n_)
+            self.segments = list(zip(offs, lengths, ends))
+            self._single = None
+        else:
+            start = torch.tensor(starts)[:, None]
+            n = torch.tensor(lengths)[:, None]
+            j = torch.arange(q)[None, :]
+            real = j < n
+            pos = start + torch.minimum(j, n - 1)           # padding repeats the row's last position
+            self._write_pos = torch.where(real, start + j, torch.full_like(j, self.max_len))
+            # one row has no padding: its keys go to a contiguous range, a slice copy, not index_put
+            self._single = starts[0] if rows == 1 else None
         k = torch.arange(self._kv_len)[None, None, :]
         full = k <= pos[:, :, None]
         masks = full
@@ -82,7 +99,12 @@ class SlotKVCache:
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         b, h, q, d = key.shape
         kc, vc = self.k[layer_idx], self.v[layer_idx]
-        if self._single is not None and b == 1:
+        if self._write_slot is not None:  # packed: token t goes to its row's slot
+            slot, pos = self._write_slot, self._write_pos
+            kc[slot, :, pos] = key[0].transpose(0, 1).to(kc.dtype)
+            vc[slot, :, pos] = value[0].transpose(0, 1).to(vc.dtype)
+            b = self._rows
+        elif self._single is not None and b == 1:
             s = self._single
             kc[0, :, s:s + q].copy_(key[0])
             vc[0, :, s:s + q].copy_(value[0])
@@ -93,7 +115,8 @@ class SlotKVCache:
             kc[slot, head, pos] = key.to(kc.dtype)
             vc[slot, head, pos] = value.to(vc.dtype)
         L = self._kv_len
-        self.bytes_read += 2 * b * h * L * d * kc.element_size()
+        keys = sum(e for _, _, e in self.segments) if self.segments else b * L  # packed rows read to their end
+        self.bytes_read += 2 * keys * h * d * kc.element_size()
         return kc[:b, :, :L], vc[:b, :, :L]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
