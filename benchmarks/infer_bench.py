@@ -213,6 +213,8 @@ def main():
                    help="few-row products on tierlm's kernels, PyTorch's, or both side by side")
     p.add_argument("--paths", nargs="*", default=["lean"], choices=["lean", "hf"],
                    help="decode steps on tierlm.infer.lean, on transformers' forward, or both side by side")
+    p.add_argument("--prefetch", nargs="*", type=int, default=[1024],
+                   help="bytes our kernels prefetch ahead of the row they multiply (0: off), side by side")
     a = p.parse_args()
     root = Path(a.dir or tempfile.mkdtemp(prefix="tierlm-bench-"))
     over = {k: v for k, v in (("layers", a.layers), ("hidden", a.hidden)) if v is not None}
@@ -231,11 +233,14 @@ def main():
         for w in a.formats:
             for kern in a.kernels:
                 native.use(kern == "ours")
-                for path in a.paths:
+                for path, pf in [(path, pf) for path in a.paths for pf in (a.prefetch if kern == "ours" else [0])]:
+                    native.set_prefetch(pf)
                     for r in run(model, w, 1, a.tokens, a.prompt_len, "20GiB", root / f"nvme-{w}", rates, a.threads,
                                  lean=path == "lean", rounds=a.rounds):
                         k = kern if kern == "torch" or native.available() else "torch"
+                        k += f", prefetch {pf}" if len(a.prefetch) > 1 and k == "ours" else ""
                         results.append(r | {"weights": f"{w} ({k}, {'lean' if r['lean'] else 'transformers'} layers)"})
+                native.set_prefetch(1024)
             native.use(True)
         if not a.no_hf:
             results += hf_generate(model, a.tokens, a.prompt_len, a.threads)

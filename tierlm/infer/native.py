@@ -62,6 +62,7 @@ def _build() -> ctypes.CDLL:
     dll.tierlm_gemv_multi.argtypes = [c_int, p, i64, i64, i64, p, p, p, p, i64, p, c_int, ctypes.c_float, c_int]
     dll.tierlm_gemv_multi.restype = c_int
     dll.tierlm_gemv_isa.restype = c_int
+    dll.tierlm_gemv_set_prefetch.argtypes = [i64]
     return dll
 
 
@@ -91,6 +92,14 @@ def use(on: bool) -> None:
     """Route the callers to our kernels (where they build) or to PyTorch's from now on."""
     global _switched_off
     _switched_off = not on
+
+
+def set_prefetch(nbytes: int) -> None:
+    """How far ahead of the row being multiplied the AVX2 kernels prefetch weights (0: not at
+    all); the kernels start at 1024 bytes. For side-by-side benchmarks."""
+    lib = library()
+    if lib is not None:
+        lib.tierlm_gemv_set_prefetch(int(nbytes))
 
 
 def why_unavailable() -> str | None:

@@ -87,6 +87,13 @@ static void rows_bf16_scalar(const float *x, int64_t M, int64_t K, const uint16_
     }
 }
 
+/* Weights are read once, row after row: a software prefetch this far ahead of the row being
+   multiplied kept more reads in flight than the hardware's own prefetch did. A 1 GB int8 matrix,
+   one row, 2 threads, five interleaved rounds: 18.3 GB/s without (median), 21.0 with 1024 bytes
+   (768 and 1536 within noise of it), `sum` 23.7 (scratch comparison, 2026-11-23). 0 turns it off. */
+static int64_t prefetch_bytes = 1024;
+void tierlm_gemv_set_prefetch(int64_t bytes) { prefetch_bytes = bytes; }
+
 #if HAVE_X86
 TARGET_AVX2 static inline float hsum(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -95,6 +102,9 @@ TARGET_AVX2 static inline float hsum(__m256 v) {
     lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
     return _mm_cvtss_f32(lo);
 }
+
+#define PREFETCH(p) \
+    do { if (prefetch_bytes) _mm_prefetch((const char *)(p) + prefetch_bytes, _MM_HINT_T0); } while (0)
 
 TARGET_AVX2 static inline __m256 load_i8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
@@ -115,6 +125,7 @@ TARGET_AVX2 static inline __m256 load_bf16(const uint16_t *p) {
         if (mb == 1) {                                                                             \
             __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;                            \
             for (; k + 32 <= K; k += 32) {                                                         \
+                PREFETCH(wr + k);                                                                  \
                 c0 = _mm256_fmadd_ps(LOAD(wr + k), _mm256_loadu_ps(x + k), c0);                    \
                 c1 = _mm256_fmadd_ps(LOAD(wr + k + 8), _mm256_loadu_ps(x + k + 8), c1);            \
                 c2 = _mm256_fmadd_ps(LOAD(wr + k + 16), _mm256_loadu_ps(x + k + 16), c2);          \
@@ -128,6 +139,7 @@ TARGET_AVX2 static inline __m256 load_bf16(const uint16_t *p) {
         __m256 a0[4], a1[4];                                                                       \
         for (int i = 0; i < 4; i++) a0[i] = a1[i] = _mm256_setzero_ps();                           \
         for (; k + 16 <= K; k += 16) {                                                             \
+            PREFETCH(wr + k);                                                                      \
             __m256 w0 = LOAD(wr + k), w1 = LOAD(wr + k + 8);                                       \
             for (int i = 0; i < mb; i++) {                                                         \
                 a0[i] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + i * K + k), a0[i]);                \
@@ -153,6 +165,7 @@ TARGET_AVX2 static float row_i8x16_avx2(const int16_t *xq, int64_t K, const int8
         int64_t e = k + I16_BLOCK <= K ? k + I16_BLOCK : K;
         __m256i c0 = _mm256_setzero_si256(), c1 = c0;
         for (; k + 32 <= e; k += 32) {
+            PREFETCH(wr + k);
             __m256i a = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + k)));
             __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + k + 16)));
             c0 = _mm256_add_epi32(c0, _mm256_madd_epi16(a, _mm256_loadu_si256((const __m256i *)(xq + k))));
