@@ -1,4 +1,4 @@
-"""Our few-row int8 and bf16 kernels (tierlm.infer.native) against a float64 product, and the fallback."""
+"""Our few-row int8, int4 and bf16 kernels (tierlm.infer.native) against a float64 product, and the fallback."""
 import os
 import subprocess
 import sys
@@ -25,6 +25,54 @@ def round16(x):
     m = x.abs().max()
     v = x * (torch.tensor(32767.0) / m)
     return torch.trunc(v + 0.5 * torch.sign(v)) * (m / 32767)
+
+
+def int4_weight(n, k, group, seed=0):
+    """Our int4 layout of a random weight: (packed, (scale, lo) pairs, q as fp32 [n, k])."""
+    from tierlm.infer.quant import _int4, dequant_int4
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+    t = _int4(w, torch.float32, group, "tierlm")
+    unit = torch.stack([torch.ones(n, k // group), torch.zeros(n, k // group)], -1)
+    return t["qweight"], t["scales"], dequant_int4(t["qweight"], unit, group)
+
+
+def int4_reference(x, sl, q, group):
+    """What the int4 kernel computes, in float64: every row of x rounded to 16 bits against
+    scale * q, plus lo times each group's sum of x itself (kernels/gemv.c)."""
+    rows, k = x.shape
+    xr = torch.stack([round16(r) for r in x]).double()
+    scale, lo = sl[..., 0].double(), sl[..., 1].double()
+    w = (q.double().view(q.shape[0], -1, group) * scale[..., None]).view(q.shape[0], k)
+    return xr @ w.T + x.double().view(rows, -1, group).sum(-1) @ lo.T
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 3, 5])
+@pytest.mark.parametrize("k,group", [(64, 32), (2048, 128), (768, 256)])
+def test_int4_products_match_float64(rows, k, group):
+    from tierlm.infer.quant import dequant_int4
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(2))
+    qw, sl, q = int4_weight(67, k, group)
+    got = native.gemv_int4(x, qw, sl, group)
+    assert got.shape == (rows, 67) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), int4_reference(x, sl, q, group), rtol=1e-5, atol=1e-5 * k ** 0.5)
+    # and within x's 16-bit rounding of the product with the weights the int4 values stand for
+    plain = x.double() @ dequant_int4(qw, sl, group).double().T
+    torch.testing.assert_close(got.double(), plain, rtol=1e-3, atol=1e-3 * k ** 0.5)
+
+
+def test_int4_packing_round_trips():
+    from tierlm.infer.quant import dequant_int4, pack_int4
+    q = torch.randint(0, 16, (5, 96), generator=torch.Generator().manual_seed(0))
+    unit = torch.stack([torch.ones(5, 3), torch.zeros(5, 3)], -1)
+    assert torch.equal(dequant_int4(pack_int4(q), unit, 32), q.float())
+
+
+@needs_kernels
+def test_int4_group_must_divide_the_row_in_multiples_of_32():
+    qw, sl, _ = int4_weight(8, 96, 32)
+    with pytest.raises(ValueError, match="int4 group 48"):
+        native.gemv_int4(torch.randn(1, 96), qw, torch.ones(8, 2, 2), 48)
 
 
 @needs_kernels
@@ -77,6 +125,17 @@ def test_several_matrices_in_one_call_equal_one_call_each(rows):
             assert all(torch.equal(y, native.gemv_bf16(x, b)) for y, b in zip(ys, bs))
     finally:
         torch.set_num_threads(before)
+    x = torch.randn(rows, 512)
+    m4 = [int4_weight(n, 512, 64, seed=n) for n in (64, 8, 130)]
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            ys = native.products(x, [a for a, _, _ in m4], [b for _, b, _ in m4], group=64)
+            assert all(torch.equal(y, native.gemv_int4(x, a, b, 64)) for y, (a, b, _) in zip(ys, m4))
+            side = native.products(x, [a for a, _, _ in m4], [b for _, b, _ in m4], concat=True, group=64)
+            assert torch.equal(side, torch.cat(ys, -1))
+    finally:
+        torch.set_num_threads(before)
 
 
 @needs_kernels
@@ -91,6 +150,12 @@ def test_the_norm_folded_into_the_call_is_an_rmsnorm(rows):
                                    rtol=1e-5, atol=1e-4)
         got, ref = native.products(x, [q], [s], norm=(nw, 1e-5))[0], native.gemv_int8(normed, q, s)
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-3)  # one row: both rounded to 16 bits
+        qw, sl, _ = int4_weight(40, 320, 32)
+        x4 = torch.randn(rows, 320) * 3
+        n4 = nw.repeat(2)[:320]
+        normed = x4 * torch.rsqrt(x4.pow(2).mean(-1, keepdim=True) + 1e-5) * n4.float()
+        torch.testing.assert_close(native.products(x4, [qw], [sl], norm=(n4, 1e-5), group=32)[0],
+                                   native.gemv_int4(normed, qw, sl, 32), rtol=1e-4, atol=1e-3)
 
 
 @needs_kernels
@@ -119,6 +184,18 @@ def test_a_kept_call_equals_a_fresh_one_and_follows_moved_weights():
 
 
 @needs_kernels
+def test_a_kept_int4_call_follows_moved_weights_and_scales():
+    """int4's (scale, lo) pairs are used where they are: a layer installed elsewhere moves both."""
+    qw, sl, _ = int4_weight(48, 256, 64)
+    call, x = native.KeptCall(), torch.randn(2, 256)
+    want = native.gemv_int4(x, qw, sl, 64)
+    assert torch.equal(call(x, [qw], [sl], group=64), want)
+    qw2, sl2 = qw.clone(), sl.clone()
+    sl.zero_()  # the old buffer now holds another layer's
+    assert torch.equal(call(x, [qw2], [sl2], group=64), want)
+
+
+@needs_kernels
 def test_result_does_not_depend_on_the_thread_count():
     q, s = int8_weight(513, 1000)
     w = torch.randn(513, 1000).bfloat16()
@@ -133,6 +210,16 @@ def test_result_does_not_depend_on_the_thread_count():
         finally:
             torch.set_num_threads(before)
         assert all(torch.equal(a, b) for a, b in zip(one, two))
+    qw, sl, _ = int4_weight(513, 1024, 128)
+    x = torch.randn(3, 1024)
+    try:
+        torch.set_num_threads(1)
+        one = native.gemv_int4(x, qw, sl, 128)
+        torch.set_num_threads(2)
+        two = native.gemv_int4(x, qw, sl, 128)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
 
 
 @needs_kernels
@@ -153,6 +240,24 @@ def test_int8_qlinear_uses_ours_for_few_rows_and_agrees_with_pytorchs_kernel():
             torch.testing.assert_close(y, torch_y, rtol=1e-5, atol=1e-4)
 
 
+@needs_kernels
+def test_int4_qlinear_uses_ours_for_few_rows_and_fp32_for_many():
+    from tierlm.infer.quant import dequant_int4
+    lin = QLinear(256, 96, "int4", group=64)
+    assert lin.layout == "tierlm"
+    for name, t in lin.quantize(torch.randn(96, 256), None, torch.float32).items():
+        setattr(lin, name, t)
+    w = dequant_int4(lin.qweight, lin.scales, 64)
+    for rows in (1, 7, 33):  # 33: above NATIVE_MAX_ROWS, dequantised and F.linear
+        x = torch.randn(rows, 256)
+        y = lin(x)
+        if rows == 33:
+            assert torch.equal(y, torch.nn.functional.linear(x, w))
+        else:
+            assert torch.equal(y, native.gemv_int4(x, lin.qweight, lin.scales, 64))
+            torch.testing.assert_close(y, x @ w.T, rtol=1e-3, atol=1e-3 * 256 ** 0.5)  # x rounded to 16 bits
+
+
 def run_py(code, **env):
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env={**os.environ, **env}, timeout=120)
@@ -164,6 +269,12 @@ def test_switched_off_it_says_so_and_int8_runs_on_pytorchs_kernel():
                "[setattr(l, n, t) for n, t in l.quantize(torch.randn(8, 64), None, torch.float32).items()]\n"
                "x = torch.randn(1, 64)\n"
                "assert torch.equal(l(x), torch.ops.aten._weight_int8pack_mm(x, l.qweight, l.scales))\n"
+               "l4 = QLinear(128, 16, 'int4', group=32)\n"
+               "assert l4.layout == 'torch'\n"
+               "w = torch.randn(16, 128)\n"
+               "[setattr(l4, n, t) for n, t in l4.quantize(w, None, torch.float32).items()]\n"
+               "x = torch.randn(1, 128)\n"
+               "torch.testing.assert_close(l4(x), x @ w.T, rtol=0.2, atol=0.2 * float((x @ w.T).abs().max()))\n"
                "print(native.available(), native.why_unavailable())", TIERLM_NATIVE="0")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False TIERLM_NATIVE=0"

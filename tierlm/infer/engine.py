@@ -28,6 +28,7 @@ from .gemv import use_gemv
 from .kvcache import SlotKVCache, kv_bytes, kv_geometry
 from . import packed as packed_attention
 from .lean import LeanDecoder
+from .quant import int4_layout
 from .weights import LayerStream, PieceStore, fingerprint, plan_pieces
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -108,6 +109,8 @@ def scratch_bytes(config, cfg: InferConfig, max_len: int, dtype: torch.dtype) ->
     # (packed=False), every row is as long as the longest prompt chunk
     tokens = cfg.step_tokens + cfg.max_batch if cfg.packed else cfg.step_tokens * cfg.max_batch
     act = tokens * (12 * h + 4 * inter) * 4
+    if cfg.quant == "int4":  # a prefill dequantises one matrix to fp32 (and its unpacked q)
+        act += 2 * 4 * inter * h
     scores = tokens * heads * (max_len + 1) * 4
     logits = cfg.max_batch * config.vocab_size * 4 * 3
     return act + scores + logits + B.RUNTIME_RESERVE
@@ -205,7 +208,8 @@ class InferenceEngine:
             if self.tp:  # each shard streams its own slices
                 root = root / tp_tag[1:]
             self.pool = HostBufferPool(self.placement.window, name="layer stream window")
-            self.store = PieceStore(root, self.pool, fingerprint(self.model_dir, self.dtype, f"{cfg.quant}{tp_tag}"),
+            layout = f"-{int4_layout()}" if cfg.quant == "int4" else ""
+            self.store = PieceStore(root, self.pool, fingerprint(self.model_dir, self.dtype, f"{cfg.quant}{layout}{tp_tag}"),
                                     cfg.io_threads, cfg.direct_io)
             for i in streamed:
                 for p in self.pieces[i]:

@@ -18,8 +18,8 @@ the decoder layer's arithmetic for steps where every row brings one token:
   heads sharing a KV head become its queries, as transformers packs them) are a few torch ops.
 
 Weights are read from the modules at each call, so streamed layers (installed by the stream just
-before) and resident ones take the same path. Where our kernels do not apply (fp32 or int4
-weights, no C compiler) each product is the module's own forward, so an fp32 model computes what
+before) and resident ones take the same path. Where our kernels do not apply (fp32 weights, int4
+in PyTorch's layout, no C compiler) each product is the module's own forward, so an fp32 model computes what
 transformers computes (tests/infer/test_lean.py compares the logits of every decode step).
 Prefill, and any step where a row brings several tokens, keeps transformers' forward.
 
@@ -47,6 +47,9 @@ class Products:
         self.call = native.KeptCall()
         if all(isinstance(m, QLinear) and m.mode == "int8" for m in self.mods):
             self.kind = "int8"
+        elif all(isinstance(m, QLinear) and m.layout == "tierlm" and m.group == self.mods[0].group
+                 for m in self.mods):
+            self.kind = "int4"
         elif dtype == torch.bfloat16 and not any(isinstance(m, QLinear) for m in self.mods):
             # (the weights are in the compute dtype; a streamed layer's are not installed yet)
             self.kind = "bf16"
@@ -58,12 +61,15 @@ class Products:
         modules' outputs]."""
         rows = x.shape[0]
         mine = native.available() and (
-            (self.kind == "int8" and rows <= NATIVE_MAX_ROWS) or
+            (self.kind in ("int8", "int4") and rows <= NATIVE_MAX_ROWS) or
             (self.kind == "bf16" and (rows == 1 or (rows < UPCAST_MIN_ROWS and bf16_matmul_is_slow()))))
         if mine:
             nw = None if norm is None else (norm.weight, norm.variance_epsilon)
             if self.kind == "int8":
                 y = self.call(x, [m.qweight for m in self.mods], [m.scales for m in self.mods], norm=nw)
+            elif self.kind == "int4":
+                y = self.call(x, [m.qweight for m in self.mods], [m.scales for m in self.mods], norm=nw,
+                              group=self.mods[0].group)
             else:
                 y = self.call(x, [m.weight for m in self.mods], norm=nw)
         else:

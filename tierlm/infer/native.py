@@ -59,7 +59,8 @@ def _build() -> ctypes.CDLL:
                 os.unlink(tmp)
     dll = ctypes.CDLL(str(lib))
     i64, p, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    dll.tierlm_gemv_multi.argtypes = [c_int, p, i64, i64, i64, p, p, p, p, i64, p, c_int, ctypes.c_float, c_int]
+    dll.tierlm_gemv_multi.argtypes = [c_int, p, i64, i64, i64, p, p, p, p, i64, p, c_int, ctypes.c_float, c_int,
+                                      i64]
     dll.tierlm_gemv_multi.restype = c_int
     dll.tierlm_gemv_isa.restype = c_int
     dll.tierlm_gemv_set_prefetch.argtypes = [i64]
@@ -116,7 +117,7 @@ def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
     return x.reshape(-1, k).to(torch.float32).contiguous()
 
 
-INT8, BF16 = 0, 1
+INT8, BF16, INT4 = 0, 1, 2
 
 
 def _norm_args(norm: tuple[torch.Tensor, float] | None):
@@ -130,19 +131,21 @@ def _norm_args(norm: tuple[torch.Tensor, float] | None):
 
 
 def products(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor] | None = None,
-             concat: bool = False, norm: tuple[torch.Tensor, float] | None = None
+             concat: bool = False, norm: tuple[torch.Tensor, float] | None = None, group: int = 0
              ) -> list[torch.Tensor] | torch.Tensor:
     """x [..., K] times each weight [N_j, K]^T, in one parallel region: int8 weights with fp32
-    scales [N_j] (one per output row), else bf16 weights. fp32 accumulation; returns fp32 [rows, N_j]
-    each, or with `concat` one [rows, sum N_j] (the outputs side by side, written in place).
+    scales [N_j] (one per output row), else bf16 weights; with `group`, int4 weights [N_j, K/2]
+    (uint8, kernels/gemv.c's nibble order) with fp32 (scale, lo) pairs [N_j, K/group, 2]. fp32
+    accumulation; returns fp32 [rows, N_j] each, or with `concat` one [rows, sum N_j] (the outputs
+    side by side, written in place).
 
     With `norm` = (weight [K] fp32 or bf16, eps) the kernel first RMS-normalises each row and
     scales it by the weight (a decoder layer's norm, at no torch op of its own). One row against
-    int8 weights is rounded to 16 bits (kernels/gemv.c)."""
-    k = weights[0].shape[1]
+    int8 weights, and every row against int4 weights, is rounded to 16 bits (kernels/gemv.c)."""
+    k = weights[0].shape[1] * (2 if group else 1)
     xf = _rows(x, k)
     m, n = xf.shape[0], len(weights)
-    kind = INT8 if scales is not None else BF16
+    kind = INT4 if group else INT8 if scales is not None else BF16
     ws = [w.contiguous() for w in weights]
     ss = [t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous() for t in scales] \
         if scales is not None else []
@@ -161,10 +164,16 @@ def products(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Te
     sp = ptr(*[t.data_ptr() for t in ss]) if ss else None
     rc = library().tierlm_gemv_multi(kind, xf.data_ptr(), m, k, n, ptr(*[w.data_ptr() for w in ws]), sp,
                                      ptr(*yp), (ctypes.c_int64 * n)(*sizes), ldy, nw, nw_bf16, eps,
-                                     torch.get_num_threads())
+                                     torch.get_num_threads(), group)
+    _check(rc, m, k, group)
+    return out if concat else ys
+
+
+def _check(rc: int, m: int, k: int, group: int) -> None:
+    if rc == -2:
+        raise ValueError(f"int4 group {group} must be a multiple of 32 that divides the {k} inputs")
     if rc != 0:
         raise MemoryError(f"tierlm's few-row kernel could not allocate {m} rows of {k} inputs")
-    return out if concat else ys
 
 
 class KeptCall:
@@ -179,22 +188,29 @@ class KeptCall:
         self._scales = None
 
     def __call__(self, x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor] | None = None,
-                 norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
-        key = tuple(w.data_ptr() for w in weights)
+                 norm: tuple[torch.Tensor, float] | None = None, group: int = 0) -> torch.Tensor:
+        # int4's (scale, lo) pairs are as large as a sixteenth of the weights: used where they
+        # are (fp32 already), so they are part of the key
+        key = tuple(w.data_ptr() for w in weights) + (tuple(t.data_ptr() for t in scales) if group else ())
         if key != self._key:
-            if any(not w.is_contiguous() for w in weights):
-                return products(x, weights, scales, concat=True, norm=norm)
+            if any(not w.is_contiguous() for w in weights) or \
+                    group and any(t.dtype != torch.float32 or not t.is_contiguous() for t in scales):
+                return products(x, weights, scales, concat=True, norm=norm, group=group)
             n = len(weights)
-            if scales is not None and self._scales is None:
+            if group:
+                self._scales = list(scales)
+            elif scales is not None and self._scales is None:
                 # a copy even when already fp32: a streamed layer's scales live in a window buffer
                 # that later holds another layer's
                 self._scales = [t.to(torch.float32, copy=True).contiguous() for t in scales]
-            self._w = (ctypes.c_void_p * n)(*key)
+            self._w = (ctypes.c_void_p * n)(*key[:n])
             self._s = (ctypes.c_void_p * n)(*[t.data_ptr() for t in self._scales]) if scales is not None else None
             sizes = [w.shape[0] for w in weights]
             self._n = (ctypes.c_int64 * n)(*sizes)
             self._offs = [4 * sum(sizes[:j]) for j in range(n)]
-            self._total, self._k, self._ptrs = sum(sizes), weights[0].shape[1], ctypes.c_void_p * n
+            self._total, self._ptrs = sum(sizes), ctypes.c_void_p * n
+            self._k = weights[0].shape[1] * (2 if group else 1)
+            self._kind = INT4 if group else INT8 if scales is not None else BF16
             self._key = key
         k = self._k
         xf = x if x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous() else _rows(x, k)
@@ -202,17 +218,21 @@ class KeptCall:
         out = torch.empty(m, self._total, dtype=torch.float32)
         base = out.data_ptr()
         nw, nw_bf16, eps, _keep = _norm_args(norm)
-        rc = library().tierlm_gemv_multi(INT8 if scales is not None else BF16, xf.data_ptr(), m, k, len(key),
-                                         self._w, self._s, self._ptrs(*[base + o for o in self._offs]), self._n,
-                                         self._total, nw, nw_bf16, eps, torch.get_num_threads())
-        if rc != 0:
-            raise MemoryError(f"tierlm's few-row kernel could not allocate {m} rows of {k} inputs")
+        rc = library().tierlm_gemv_multi(self._kind, xf.data_ptr(), m, k, len(weights), self._w, self._s,
+                                         self._ptrs(*[base + o for o in self._offs]), self._n, self._total,
+                                         nw, nw_bf16, eps, torch.get_num_threads(), group)
+        _check(rc, m, k, group)
         return out
 
 
 def gemv_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ (qweight [N, K] int8 * scales [N])^T in fp32 accumulation; returns fp32 [rows, N]."""
     return products(x, [qweight], [scales])[0]
+
+
+def gemv_int4(x: torch.Tensor, qweight: torch.Tensor, scale_lo: torch.Tensor, group: int) -> torch.Tensor:
+    """x [..., K] @ W^T for int4 W (qweight [N, K/2], scale_lo [N, K/group, 2] fp32); fp32 [rows, N]."""
+    return products(x, [qweight], [scale_lo], group=group)[0]
 
 
 def gemv_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

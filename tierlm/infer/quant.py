@@ -4,9 +4,14 @@ int8: symmetric, one scale per output channel, `aten._weight_int8pack_mm`; up to
 (decoding) on our own kernel (`tierlm.infer.native`) where it builds: PyTorch's is compute-bound at a
 few rows on AVX2 CPUs (benchmarks/infer_gemv.py on a 2-vCPU EPYC, 2 threads: one row 15.3 GB/s of
 int8 against 9.4, 32 rows 1.15 against 1.13).
-int4: asymmetric, one scale and zero per group of `group` input elements, packed by
-`aten._convert_weight_to_int4pack_for_cpu` and run by `aten._weight_int4pack_mm_for_cpu`
-(the layout gpt-fast/torchao use: value = (q - 8) * scale + zero).
+int4: asymmetric, one scale and offset per group of `group` input elements (w = q * scale + lo,
+q in 0..15). Where our kernels build, in their own layout (`int4_layout()` "tierlm": nibbles in
+kernels/gemv.c's order, fp32 (scale, lo) pairs [N, K/group, 2]): up to NATIVE_MAX_ROWS rows on
+our kernel, more rows dequantised to fp32 a matrix at a time and multiplied by `F.linear`.
+PyTorch's `aten._weight_int4pack_mm_for_cpu` reads int4 at ~5 GB/s at one row here, a quarter of
+our int8 kernel, so int4 was the slowest format to decode. Without a compiler, PyTorch's layout
+("torch": `aten._convert_weight_to_int4pack_for_cpu`, the layout gpt-fast/torchao use:
+value = (q - 8) * scale + zero) and its kernel.
 
 Only the decoder layers' linear maps are quantised: embeddings, norms and the head stay in the
 compute dtype (the head is where most of the quality goes, and it is read once per token anyway).
@@ -14,6 +19,7 @@ compute dtype (the head is where most of the quality goes, and it is read once p
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import native
@@ -30,12 +36,36 @@ def _int8(w: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return {"qweight": q, "scales": scale.to(dtype)}
 
 
-def _int4(w: torch.Tensor, dtype: torch.dtype, group: int) -> dict[str, torch.Tensor]:
+def int4_layout() -> str:
+    """"tierlm" where our kernels build and are switched on (`native.use`) when a module is made,
+    else "torch"; the stored layers' fingerprint names it."""
+    return "tierlm" if native.available() else "torch"
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """q [N, K] in 0..15 -> [N, K/2] uint8: in each block of 32 inputs, byte i holds input i in its
+    low nibble and input i + 16 in its high one (kernels/gemv.c)."""
+    n, k = q.shape
+    b = q.to(torch.uint8).view(n, k // 32, 2, 16)
+    return (b[:, :, 0] | (b[:, :, 1] << 4)).reshape(n, k // 2)
+
+
+def dequant_int4(qweight: torch.Tensor, scale_lo: torch.Tensor, group: int) -> torch.Tensor:
+    """Our int4 layout back to fp32 [N, K]."""
+    n, k = qweight.shape[0], qweight.shape[1] * 2
+    b = qweight.view(n, k // 32, 1, 16)
+    q = torch.cat([b & 15, b >> 4], 2).reshape(n, k // group, group).float()
+    return (q * scale_lo[..., :1] + scale_lo[..., 1:]).reshape(n, k)
+
+
+def _int4(w: torch.Tensor, dtype: torch.dtype, group: int, layout: str) -> dict[str, torch.Tensor]:
     n, k = w.shape
     g = w.float().reshape(n, k // group, group)
     lo, hi = g.amin(-1), g.amax(-1)
     scale = ((hi - lo) / 15).clamp(min=1e-6)
     q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).reshape(n, k)
+    if layout == "tierlm":
+        return {"qweight": pack_int4(q), "scales": torch.stack([scale, lo], -1).contiguous()}
     zero = lo + 8 * scale
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
     sz = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(dtype)  # [k/group, n, 2]
@@ -57,6 +87,7 @@ class QLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features, self.mode, self.group = in_features, out_features, mode, group
         self.has_bias = has_bias
+        self.layout = int4_layout() if mode == "int4" else None
         self.qweight = self.scales = self.bias = None
 
     def tensor_names(self) -> list[str]:
@@ -64,7 +95,7 @@ class QLinear(nn.Module):
 
     def quantize(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> dict:
         """weight [out, in] in any float dtype -> the tensors this module holds."""
-        out = _int8(weight, dtype) if self.mode == "int8" else _int4(weight, dtype, self.group)
+        out = _int8(weight, dtype) if self.mode == "int8" else _int4(weight, dtype, self.group, self.layout)
         if self.has_bias:
             out["bias"] = bias.to(dtype)
         return out
@@ -72,9 +103,13 @@ class QLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if self.mode == "int8" and x2.shape[0] <= NATIVE_MAX_ROWS and x2.device.type == "cpu" \
-                and native.available():
+        few = x2.shape[0] <= NATIVE_MAX_ROWS and x2.device.type == "cpu" and native.available()
+        if self.mode == "int8" and few:
             y = native.gemv_int8(x2, self.qweight, self.scales).to(x.dtype)
+        elif self.layout == "tierlm" and few:
+            y = native.gemv_int4(x2, self.qweight, self.scales, self.group).to(x.dtype)
+        elif self.layout == "tierlm":  # a prefill: one matrix in fp32 at a time (scratch_bytes counts it)
+            y = F.linear(x2.float(), dequant_int4(self.qweight, self.scales, self.group)).to(x.dtype)
         elif self.mode == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
         else:

@@ -103,7 +103,7 @@ def _qlinear_pieces(q: QLinear, conv: bool, wname: str, bname: str | None, dtype
     if q.mode == "int8":
         sizes = {"qweight": n * k, "scales": n * _esize(dtype)}
     else:
-        sizes = {"qweight": n * k // 2, "scales": (k // q.group) * n * 2 * _esize(dtype)}
+        sizes = {"qweight": n * k // 2, "scales": (k // q.group) * n * 2 * (4 if q.layout == "tierlm" else _esize(dtype))}
     sizes["bias"] = n * _esize(dtype)
     base = wname[: -len(".weight")]
     return [Piece(f"{base}.{t}", [(q, t)], sizes[t], make_one(t), is_param=False) for t in names]

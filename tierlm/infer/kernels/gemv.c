@@ -20,6 +20,13 @@
    inputs, before they could overflow: a lane adds two products of |w| <= 128 and |x| <= 32767 per
    32 inputs, so 4096 inputs stay below 2^31.
 
+   int4 weights (kind 2), group-wise: q in 0..15, w = q * scale + lo for each group of `group`
+   inputs of a row; a row is K/2 bytes, and in each block of 32 inputs byte i holds input i in its
+   low nibble and input i + 16 in its high one (two masks and one shift unpack 32 weights). Every row
+   of x is rounded to 16 bits as above and each group's sum of q * x is a vpmaddwd chain in
+   integers (< 256 * 15 * 32767 < 2^31); y = xs * sum_g scale_g * sum(q * xq) + sum_g lo_g * sum(x)
+   over the group, the second sum computed once per call from x itself.
+
    `tierlm_gemv_multi` runs several products of the same x in one parallel region (a layer's
    q, k and v; its gate and up): the threads split the rows of all of them, so a small matrix costs
    no fork of its own. */
@@ -58,6 +65,32 @@ static void rows_i8x16_scalar(const int16_t *xq, float xs, int64_t K, const int8
             acc += (float)part;
         }
         y[n] = acc * xs * s[n];
+    }
+}
+
+static inline int i4_at(const uint8_t *wr, int64_t k) {
+    uint8_t b = wr[(k >> 5) * 16 + (k & 15)];
+    return (k & 16) ? b >> 4 : b & 15;
+}
+
+static void rows_i4_scalar(const int16_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K,
+                           const uint8_t *w, const float *sz, int64_t group, float *y, int64_t ldy,
+                           int64_t n0, int64_t n1) {
+    int64_t G = K / group;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *wr = w + n * (K / 2);
+        const float *s = sz + n * G * 2;
+        for (int64_t m = 0; m < M; m++) {
+            const int16_t *xm = xq + m * K;
+            float acc = 0.f, r = 0.f;
+            for (int64_t g = 0; g < G; g++) {
+                int32_t part = 0;
+                for (int64_t k = g * group; k < (g + 1) * group; k++) part += i4_at(wr, k) * (int32_t)xm[k];
+                acc += (float)part * s[2 * g];
+                r += s[2 * g + 1] * xsum[m * G + g];
+            }
+            y[m * ldy + n] = acc * xs[m] + r;
+        }
     }
 }
 
@@ -183,6 +216,36 @@ TARGET_AVX2 static void rows_i8x16_avx2(const int16_t *xq, float xs, int64_t K, 
     for (int64_t n = n0; n < n1; n++) y[n] = row_i8x16_avx2(xq, K, w + n * K) * xs * s[n];
 }
 
+TARGET_AVX2 static void rows_i4_avx2(const int16_t *xq, const float *xs, const float *xsum, int64_t M,
+                                     int64_t K, const uint8_t *w, const float *sz, int64_t group, float *y,
+                                     int64_t ldy, int64_t n0, int64_t n1) {
+    int64_t G = K / group;
+    const __m128i low = _mm_set1_epi8(15);
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *wr = w + n * (K / 2);
+        const float *s = sz + n * G * 2;
+        for (int64_t m = 0; m < M; m++) {
+            const int16_t *xm = xq + m * K;
+            __m256 acc = _mm256_setzero_ps();
+            float r = 0.f;
+            for (int64_t g = 0; g < G; g++) {
+                __m256i c0 = _mm256_setzero_si256(), c1 = c0;
+                for (int64_t k = g * group; k < (g + 1) * group; k += 32) {
+                    PREFETCH(wr + k / 2);
+                    __m128i b = _mm_loadu_si128((const __m128i *)(wr + k / 2));
+                    __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(b, low));
+                    __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), low));
+                    c0 = _mm256_add_epi32(c0, _mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)(xm + k))));
+                    c1 = _mm256_add_epi32(c1, _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xm + k + 16))));
+                }
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(c0, c1)), _mm256_set1_ps(s[2 * g]), acc);
+                r += s[2 * g + 1] * xsum[m * G + g];
+            }
+            y[m * ldy + n] = hsum(acc) * xs[m] + r;
+        }
+    }
+}
+
 TARGET_AVX2 static void rows_i8_avx2(const float *x, int64_t M, int64_t K, const int8_t *w,
                                      const float *s, float *y, int64_t N, int64_t n0, int64_t n1) {
     float out[4];
@@ -260,7 +323,8 @@ static float quantize_row(const float *x, int64_t K, int16_t *xq) {
 }
 
 /* Rows [r0, r1) of the concatenation of the `nmat` outputs. */
-static void rows_range(int kind, const float *x, const int16_t *xq, float xs, int64_t M, int64_t K,
+static void rows_range(int kind, const float *x, const int16_t *xq, const float *xs, const float *xsum,
+                       int64_t group, int64_t M, int64_t K,
                        int64_t nmat, const void *const *w, const float *const *s, float *const *y,
                        const int64_t *N, int64_t ldy, int64_t r0, int64_t r1, int avx2) {
     int64_t base = 0;
@@ -268,11 +332,16 @@ static void rows_range(int kind, const float *x, const int16_t *xq, float xs, in
         int64_t lo = r0 > base ? r0 - base : 0, hi = r1 - base < N[j] ? r1 - base : N[j];
         int64_t ld = ldy ? ldy : N[j];
         if (lo >= hi) continue;
-        if (kind == 0 && xq) {
+        if (kind == 2) {
 #if HAVE_X86
-            if (avx2) { rows_i8x16_avx2(xq, xs, K, w[j], s[j], y[j], lo, hi); continue; }
+            if (avx2) { rows_i4_avx2(xq, xs, xsum, M, K, w[j], s[j], group, y[j], ld, lo, hi); continue; }
 #endif
-            rows_i8x16_scalar(xq, xs, K, w[j], s[j], y[j], lo, hi);
+            rows_i4_scalar(xq, xs, xsum, M, K, w[j], s[j], group, y[j], ld, lo, hi);
+        } else if (kind == 0 && xq) {
+#if HAVE_X86
+            if (avx2) { rows_i8x16_avx2(xq, xs[0], K, w[j], s[j], y[j], lo, hi); continue; }
+#endif
+            rows_i8x16_scalar(xq, xs[0], K, w[j], s[j], y[j], lo, hi);
         } else if (kind == 0) {
 #if HAVE_X86
             if (avx2) { rows_i8_avx2(x, M, K, w[j], s[j], y[j], ld, lo, hi); continue; }
@@ -288,13 +357,15 @@ static void rows_range(int kind, const float *x, const int16_t *xq, float xs, in
     (void)avx2;
 }
 
-/* y[j] = x @ w[j]^T for j < nmat (kind 0: int8 with scales s[j]; 1: bf16); row m of y[j] starts
+/* y[j] = x @ w[j]^T for j < nmat (kind 0: int8 with scales s[j]; 1: bf16; 2: int4 with (scale, lo)
+   pairs s[j] [N][K/group][2]); row m of y[j] starts
    at y[j] + m * ldy (ldy 0: N[j]), so the outputs may be column blocks of one [M, sum N] matrix.
    With a norm weight `nw`, x is first RMS-normalised by prep_rows. Threads take contiguous ranges
-   of all the matrices' rows together. Returns -1 if a buffer cannot be allocated. */
+   of all the matrices' rows together. Returns -1 if a buffer cannot be allocated, -2 for an int4
+   group that is not a multiple of 32 dividing K. */
 int tierlm_gemv_multi(int kind, const float *x, int64_t M, int64_t K, int64_t nmat, const void *const *w,
                       const float *const *s, float *const *y, const int64_t *N, int64_t ldy,
-                      const void *nw, int nw_bf16, float eps, int threads) {
+                      const void *nw, int nw_bf16, float eps, int threads, int64_t group) {
     int avx2 = use_avx2();
     float *xp = NULL;
     if (nw) {
@@ -304,22 +375,39 @@ int tierlm_gemv_multi(int kind, const float *x, int64_t M, int64_t K, int64_t nm
         x = xp;
     }
     int16_t *xq = NULL;
-    float xs = 0.f;
-    if (kind == 0 && M == 1) {
-        xq = (int16_t *)malloc((size_t)K * sizeof(int16_t));
-        if (!xq) {
+    float *xs = NULL, *xsum = NULL;
+    if (kind == 2 && (group <= 0 || group % 32 || K % group)) {
+        free(xp);
+        return -2;
+    }
+    if ((kind == 0 && M == 1) || kind == 2) {
+        int64_t G = kind == 2 ? K / group : 0;
+        xq = (int16_t *)malloc((size_t)(M * K) * sizeof(int16_t));
+        xs = (float *)malloc((size_t)(M + M * G) * sizeof(float));
+        if (!xq || !xs) {
+            free(xq);
+            free(xs);
             free(xp);
             return -1;
         }
-        xs = quantize_row(x, K, xq);
+        xsum = xs + M;
+        for (int64_t m = 0; m < M; m++) {
+            xs[m] = quantize_row(x + m * K, K, xq + m * K);
+            for (int64_t g = 0; g < G; g++) {
+                float t = 0.f;
+                for (int64_t k = g * group; k < (g + 1) * group; k++) t += x[m * K + k];
+                xsum[m * G + g] = t;
+            }
+        }
     }
     int64_t total = 0;
     for (int64_t j = 0; j < nmat; j++) total += N[j];
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int t = 0; t < threads; t++)
-        rows_range(kind, x, xq, xs, M, K, nmat, w, s, y, N, ldy, total * t / threads, total * (t + 1) / threads,
-                   avx2);
+        rows_range(kind, x, xq, xs, xsum, group, M, K, nmat, w, s, y, N, ldy, total * t / threads,
+                   total * (t + 1) / threads, avx2);
     free(xq);
+    free(xs);
     free(xp);
     return 0;
 }
