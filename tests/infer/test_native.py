@@ -61,6 +61,16 @@ def test_int4_products_match_float64(rows, k, group):
     torch.testing.assert_close(got.double(), plain, rtol=1e-3, atol=1e-3 * k ** 0.5)
 
 
+@needs_kernels
+def test_int4_dequantised_by_our_kernel_equals_torch_ops():
+    from tierlm.infer.quant import dequant_int4
+    for k, group in ((64, 32), (2048, 128), (768, 256)):
+        qw, sl, _ = int4_weight(37, k, group)
+        # the kernel's fused multiply-add rounds once where torch's mul and add round twice
+        torch.testing.assert_close(native.dequant_int4(qw, sl, group), dequant_int4(qw, sl, group),
+                                   rtol=1e-6, atol=1e-6)
+
+
 def test_int4_packing_round_trips():
     from tierlm.infer.quant import dequant_int4, pack_int4
     q = torch.randint(0, 16, (5, 96), generator=torch.Generator().manual_seed(0))
@@ -252,7 +262,8 @@ def test_int4_qlinear_uses_ours_for_few_rows_and_fp32_for_many():
         x = torch.randn(rows, 256)
         y = lin(x)
         if rows == 33:
-            assert torch.equal(y, torch.nn.functional.linear(x, w))
+            assert torch.equal(y, torch.nn.functional.linear(x, native.dequant_int4(lin.qweight, lin.scales, 64)))
+            torch.testing.assert_close(y, x @ w.T, rtol=1e-5, atol=1e-4)
         else:
             assert torch.equal(y, native.gemv_int4(x, lin.qweight, lin.scales, 64))
             torch.testing.assert_close(y, x @ w.T, rtol=1e-3, atol=1e-3 * 256 ** 0.5)  # x rounded to 16 bits

@@ -109,8 +109,8 @@ def scratch_bytes(config, cfg: InferConfig, max_len: int, dtype: torch.dtype) ->
     # (packed=False), every row is as long as the longest prompt chunk
     tokens = cfg.step_tokens + cfg.max_batch if cfg.packed else cfg.step_tokens * cfg.max_batch
     act = tokens * (12 * h + 4 * inter) * 4
-    if cfg.quant == "int4":  # a prefill dequantises one matrix to fp32 (and its unpacked q)
-        act += 2 * 4 * inter * h
+    if cfg.quant == "int4":  # a prefill dequantises one matrix to fp32 at a time
+        act += 4 * inter * h
     scores = tokens * heads * (max_len + 1) * 4
     logits = cfg.max_batch * config.vocab_size * 4 * 3
     return act + scores + logits + B.RUNTIME_RESERVE

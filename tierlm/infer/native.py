@@ -64,6 +64,8 @@ def _build() -> ctypes.CDLL:
     dll.tierlm_gemv_multi.restype = c_int
     dll.tierlm_gemv_isa.restype = c_int
     dll.tierlm_gemv_set_prefetch.argtypes = [i64]
+    dll.tierlm_dequant_int4.argtypes = [p, p, i64, i64, i64, p, c_int]
+    dll.tierlm_dequant_int4.restype = None
     return dll
 
 
@@ -233,6 +235,17 @@ def gemv_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> t
 def gemv_int4(x: torch.Tensor, qweight: torch.Tensor, scale_lo: torch.Tensor, group: int) -> torch.Tensor:
     """x [..., K] @ W^T for int4 W (qweight [N, K/2], scale_lo [N, K/group, 2] fp32); fp32 [rows, N]."""
     return products(x, [qweight], [scale_lo], group=group)[0]
+
+
+def dequant_int4(qweight: torch.Tensor, scale_lo: torch.Tensor, group: int) -> torch.Tensor:
+    """Our int4 layout back to fp32 [N, K] (quant.dequant_int4's result, at memory speed)."""
+    n, k = qweight.shape[0], qweight.shape[1] * 2
+    if k % group or group % 32 or scale_lo.dtype != torch.float32:
+        raise ValueError(f"int4 group {group} must be a multiple of 32 that divides the {k} inputs (fp32 scales)")
+    qw, sl = qweight.contiguous(), scale_lo.contiguous()
+    out = torch.empty(n, k, dtype=torch.float32)
+    library().tierlm_dequant_int4(qw.data_ptr(), sl.data_ptr(), n, k, group, out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 def gemv_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

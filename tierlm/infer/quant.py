@@ -51,7 +51,7 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
 
 
 def dequant_int4(qweight: torch.Tensor, scale_lo: torch.Tensor, group: int) -> torch.Tensor:
-    """Our int4 layout back to fp32 [N, K]."""
+    """Our int4 layout back to fp32 [N, K] in torch ops (the reference for native.dequant_int4)."""
     n, k = qweight.shape[0], qweight.shape[1] * 2
     b = qweight.view(n, k // 32, 1, 16)
     q = torch.cat([b & 15, b >> 4], 2).reshape(n, k // group, group).float()
@@ -109,7 +109,8 @@ class QLinear(nn.Module):
         elif self.layout == "tierlm" and few:
             y = native.gemv_int4(x2, self.qweight, self.scales, self.group).to(x.dtype)
         elif self.layout == "tierlm":  # a prefill: one matrix in fp32 at a time (scratch_bytes counts it)
-            y = F.linear(x2.float(), dequant_int4(self.qweight, self.scales, self.group)).to(x.dtype)
+            deq = native.dequant_int4 if native.available() else dequant_int4
+            y = F.linear(x2.float(), deq(self.qweight, self.scales, self.group)).to(x.dtype)
         elif self.mode == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
         else:

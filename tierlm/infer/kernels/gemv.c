@@ -246,6 +246,19 @@ TARGET_AVX2 static void rows_i4_avx2(const int16_t *xq, const float *xs, const f
     }
 }
 
+TARGET_AVX2 static void dequant_row_i4_avx2(const uint8_t *wr, const float *s, int64_t K, int64_t group,
+                                            float *o) {
+    const __m128i low = _mm_set1_epi8(15);
+    for (int64_t k = 0; k < K; k += 32) {
+        __m256 sc = _mm256_set1_ps(s[2 * (k / group)]), lo = _mm256_set1_ps(s[2 * (k / group) + 1]);
+        __m128i b = _mm_loadu_si128((const __m128i *)(wr + k / 2));
+        __m128i l = _mm_and_si128(b, low), h = _mm_and_si128(_mm_srli_epi16(b, 4), low);
+        __m128i parts[4] = {l, _mm_srli_si128(l, 8), h, _mm_srli_si128(h, 8)};
+        for (int i = 0; i < 4; i++)
+            _mm256_storeu_ps(o + k + 8 * i, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i])), sc, lo));
+    }
+}
+
 TARGET_AVX2 static void rows_i8_avx2(const float *x, int64_t M, int64_t K, const int8_t *w,
                                      const float *s, float *y, int64_t N, int64_t n0, int64_t n1) {
     float out[4];
@@ -283,6 +296,29 @@ static int use_avx2(void) {
 }
 
 int tierlm_gemv_isa(void) { return use_avx2() ? 2 : 0; }
+
+/* int4 weights back to fp32 [N, K] for products of many rows (a prefill), which then run as one
+   fp32 matrix product: PyTorch's int4 kernel read 5-6 GB/s here, and the same unpacking in torch
+   ops took ~6 s for a 1.1B model's 64-token prefill (a pass per op over every weight). */
+void tierlm_dequant_int4(const uint8_t *w, const float *sz, int64_t N, int64_t K, int64_t group, float *out,
+                         int threads) {
+    int64_t G = K / group;
+    int avx2 = use_avx2();
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *wr = w + n * (K / 2);
+        const float *s = sz + n * G * 2;
+        float *o = out + n * K;
+#if HAVE_X86
+        if (avx2) {
+            dequant_row_i4_avx2(wr, s, K, group, o);
+            continue;
+        }
+#endif
+        for (int64_t k = 0; k < K; k++) o[k] = (float)i4_at(wr, k) * s[2 * (k / group)] + s[2 * (k / group) + 1];
+    }
+    (void)avx2;
+}
 
 /* The rows the product multiplies, RMS-normalised and scaled by a norm weight `nw` (fp32, or bf16
    when nw_bf16): x * (1 / sqrt(mean(x^2) + eps)) * nw, the norm before a layer's attention or MLP,
