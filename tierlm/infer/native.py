@@ -237,13 +237,19 @@ def gemv_int4(x: torch.Tensor, qweight: torch.Tensor, scale_lo: torch.Tensor, gr
     return products(x, [qweight], [scale_lo], group=group)[0]
 
 
-def dequant_int4(qweight: torch.Tensor, scale_lo: torch.Tensor, group: int) -> torch.Tensor:
-    """Our int4 layout back to fp32 [N, K] (quant.dequant_int4's result, at memory speed)."""
+def dequant_int4(qweight: torch.Tensor, scale_lo: torch.Tensor, group: int,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """Our int4 layout back to fp32 [N, K] (quant.dequant_int4's result, at memory speed), into
+    `out` (N * K fp32 elements, contiguous) when given."""
     n, k = qweight.shape[0], qweight.shape[1] * 2
     if k % group or group % 32 or scale_lo.dtype != torch.float32:
         raise ValueError(f"int4 group {group} must be a multiple of 32 that divides the {k} inputs (fp32 scales)")
     qw, sl = qweight.contiguous(), scale_lo.contiguous()
-    out = torch.empty(n, k, dtype=torch.float32)
+    if out is None:
+        out = torch.empty(n, k, dtype=torch.float32)
+    elif out.numel() != n * k or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"dequant_int4 needs {n} x {k} contiguous fp32 elements to write into")
+    out = out.view(n, k)
     library().tierlm_dequant_int4(qw.data_ptr(), sl.data_ptr(), n, k, group, out.data_ptr(), torch.get_num_threads())
     return out
 

@@ -18,6 +18,8 @@ compute dtype (the head is where most of the quality goes, and it is read once p
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -56,6 +58,20 @@ def dequant_int4(qweight: torch.Tensor, scale_lo: torch.Tensor, group: int) -> t
     b = qweight.view(n, k // 32, 1, 16)
     q = torch.cat([b & 15, b >> 4], 2).reshape(n, k // group, group).float()
     return (q * scale_lo[..., :1] + scale_lo[..., 1:]).reshape(n, k)
+
+
+_deq = threading.local()
+
+
+def _scratch(numel: int) -> torch.Tensor:
+    """fp32 room for one dequantised matrix, kept between calls: a fresh 46 MB buffer a matrix
+    made the kernel zero and fault in 4.4 GB of new pages for each prefill forward of a 1.1B model
+    (`scratch_bytes` counts the largest matrix)."""
+    buf = getattr(_deq, "buf", None)
+    if buf is None or buf.numel() < numel:
+        buf = _deq.buf = None  # the old one goes before the new one is made
+        buf = _deq.buf = torch.empty(numel, dtype=torch.float32)
+    return buf[:numel]
 
 
 def _int4(w: torch.Tensor, dtype: torch.dtype, group: int, layout: str) -> dict[str, torch.Tensor]:
@@ -109,8 +125,12 @@ class QLinear(nn.Module):
         elif self.layout == "tierlm" and few:
             y = native.gemv_int4(x2, self.qweight, self.scales, self.group).to(x.dtype)
         elif self.layout == "tierlm":  # a prefill: one matrix in fp32 at a time (scratch_bytes counts it)
-            deq = native.dequant_int4 if native.available() else dequant_int4
-            y = F.linear(x2.float(), deq(self.qweight, self.scales, self.group)).to(x.dtype)
+            if native.available():
+                w = native.dequant_int4(self.qweight, self.scales, self.group,
+                                        out=_scratch(self.out_features * self.in_features))
+            else:
+                w = dequant_int4(self.qweight, self.scales, self.group)
+            y = F.linear(x2.float(), w).to(x.dtype)
         elif self.mode == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
         else:
