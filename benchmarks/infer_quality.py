@@ -103,6 +103,9 @@ def main():
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--eval-tokens", type=int, default=16384)
+    p.add_argument("--window", type=int, default=256,
+                   help="tokens scored per forward; 32 or fewer runs the few-row kernels decoding uses "
+                        "(int8 and int4 round x there), more runs the prefill path")
     a = p.parse_args()
     root = Path(a.dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -121,10 +124,11 @@ def main():
         for w in ("fp32", "bf16", "int8", "int4"):
             eng = InferenceEngine(model, InferConfig(cpu_mem="2GiB", weights=w, max_seq_len=512,
                                                      nvme_dir=str(root / f"store-{w}")))
-            rows[(name, w)] = perplexity(eng, ids, window=256)
+            rows[(name, w)] = perplexity(eng, ids, window=a.window)
             eng.close()
             print(json.dumps({"text": name, "tokens": len(ids), "weights": w, "ppl": rows[(name, w)]}), flush=True)
-    print("\n| text | tokens | fp32 | bf16 | int8 (vs bf16) | int4 (vs bf16) |\n|---|---|---|---|---|---|")
+    print(f"\nwindows of {a.window} tokens")
+    print("| text | tokens | fp32 | bf16 | int8 (vs bf16) | int4 (vs bf16) |\n|---|---|---|---|---|---|")
     for name, text in evals.items():
         b = rows[(name, "bf16")]
         n = min(len(tok(text).input_ids), a.eval_tokens)

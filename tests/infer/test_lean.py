@@ -92,10 +92,12 @@ def test_lean_on_our_kernels_is_as_close_to_fp32_as_transformers_forward(arch, t
         assert _err(lean, ref) < (0.1 if weights == "bf16" else 0.2), weights
     # int4's own rounding is coarse at these widths (~0.7 of the logits' size here, for both paths):
     # the lean path must compute what transformers' forward computes on the same int4 weights, up to
-    # that forward's bf16 activations (0.04 here; a wrong layer errs by the logits' size)
+    # that forward's bf16 activations, which the kernel then rounds to 8 bits a group (0.14-0.21
+    # apart here; the lean path without its folded norm is 1.4-1.8 apart, checked)
     hf = _logits(d, tmp_path, False, weights="int4")
     lean = _logits(d, tmp_path, True, weights="int4", kind="int4")
-    assert _err(lean, hf) < 0.1
+    assert _err(lean, hf) < 0.4
+    assert _err(lean, ref) < _err(hf, ref) * 1.15
 
 
 def _logits(d, tmp_path, lean, dtype="bf16", weights="auto", kind=None):

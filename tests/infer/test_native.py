@@ -36,11 +36,21 @@ def int4_weight(n, k, group, seed=0):
     return t["qweight"], t["scales"], dequant_int4(t["qweight"], unit, group)
 
 
+def round8_groups(x, group):
+    """Rows as the int4 kernel sees them for groups of a multiple of 64: each group times
+    127 / max|group| rounded half away from zero (fp32, as the kernel computes it), scaled back."""
+    xg = x.view(x.shape[0], -1, group)
+    m = xg.abs().amax(-1, keepdim=True)
+    v = xg * (torch.tensor(127.0) / m)
+    return (torch.trunc(v + 0.5 * torch.sign(v)) * (m / 127)).view(x.shape)
+
+
 def int4_reference(x, sl, q, group):
-    """What the int4 kernel computes, in float64: every row of x rounded to 16 bits against
-    scale * q, plus lo times each group's sum of x itself (kernels/gemv.c)."""
+    """What the int4 kernel computes, in float64: x rounded (8 bits a group for groups of a multiple
+    of 64, else 16 bits a row) against scale * q, plus lo times each group's sum of x itself
+    (kernels/gemv.c)."""
     rows, k = x.shape
-    xr = torch.stack([round16(r) for r in x]).double()
+    xr = (round8_groups(x, group) if group % 64 == 0 else torch.stack([round16(r) for r in x])).double()
     scale, lo = sl[..., 0].double(), sl[..., 1].double()
     w = (q.double().view(q.shape[0], -1, group) * scale[..., None]).view(q.shape[0], k)
     return xr @ w.T + x.double().view(rows, -1, group).sum(-1) @ lo.T
@@ -56,9 +66,10 @@ def test_int4_products_match_float64(rows, k, group):
     got = native.gemv_int4(x, qw, sl, group)
     assert got.shape == (rows, 67) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), int4_reference(x, sl, q, group), rtol=1e-5, atol=1e-5 * k ** 0.5)
-    # and within x's 16-bit rounding of the product with the weights the int4 values stand for
+    # and within x's rounding of the product with the weights the int4 values stand for (8 bits:
+    # ~1% of the largest output here; 16 bits: ~1e-5)
     plain = x.double() @ dequant_int4(qw, sl, group).double().T
-    torch.testing.assert_close(got.double(), plain, rtol=1e-3, atol=1e-3 * k ** 0.5)
+    assert ((got.double() - plain).abs().max() / plain.abs().max()).item() < (0.03 if group % 64 == 0 else 1e-4)
 
 
 @needs_kernels
@@ -266,7 +277,8 @@ def test_int4_qlinear_uses_ours_for_few_rows_and_fp32_for_many():
             torch.testing.assert_close(y, x @ w.T, rtol=1e-5, atol=1e-4)
         else:
             assert torch.equal(y, native.gemv_int4(x, lin.qweight, lin.scales, 64))
-            torch.testing.assert_close(y, x @ w.T, rtol=1e-3, atol=1e-3 * 256 ** 0.5)  # x rounded to 16 bits
+            ref = x @ w.T  # x rounded to 8 bits a group of 64
+            assert ((y - ref).abs().max() / ref.abs().max()).item() < 0.03
 
 
 def run_py(code, **env):

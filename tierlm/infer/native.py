@@ -143,7 +143,8 @@ def products(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Te
 
     With `norm` = (weight [K] fp32 or bf16, eps) the kernel first RMS-normalises each row and
     scales it by the weight (a decoder layer's norm, at no torch op of its own). One row against
-    int8 weights, and every row against int4 weights, is rounded to 16 bits (kernels/gemv.c)."""
+    int8 weights is rounded to 16 bits; every row against int4 weights to 8 bits a group (groups of
+    a multiple of 64) or 16 bits (kernels/gemv.c)."""
     k = weights[0].shape[1] * (2 if group else 1)
     xf = _rows(x, k)
     m, n = xf.shape[0], len(weights)

@@ -22,10 +22,13 @@
 
    int4 weights (kind 2), group-wise: q in 0..15, w = q * scale + lo for each group of `group`
    inputs of a row; a row is K/2 bytes, and in each block of 32 inputs byte i holds input i in its
-   low nibble and input i + 16 in its high one (two masks and one shift unpack 32 weights). Every row
-   of x is rounded to 16 bits as above and each group's sum of q * x is a vpmaddwd chain in
-   integers (< 256 * 15 * 32767 < 2^31); y = xs * sum_g scale_g * sum(q * xq) + sum_g lo_g * sum(x)
-   over the group, the second sum computed once per call from x itself.
+   low nibble and input i + 16 in its high one (two masks and one shift unpack 32 weights). For
+   groups of a multiple of 64, x is rounded to 8 bits with one scale per group (as llama.cpp's int4
+   dot products do: a relative error of 2^-8 of the group's largest element, against the weights'
+   own 2^-4) and 64 weights are one 32-byte load and a vpmaddubsw pair (rows_i4x8); otherwise every
+   row of x is rounded to 16 bits as above and each group's sum of q * x is a vpmaddwd chain
+   (< 256 * 15 * 32767 < 2^31). y = sum_g scale_g * xs_g * sum(q * xq) + sum_g lo_g * sum(x) over
+   the group, the second sum computed once per call from x itself.
 
    `tierlm_gemv_multi` runs several products of the same x in one parallel region (a layer's
    q, k and v; its gate and up): the threads split the rows of all of them, so a small matrix costs
@@ -90,6 +93,34 @@ static void rows_i4_scalar(const int16_t *xq, const float *xs, const float *xsum
                 r += s[2 * g + 1] * xsum[m * G + g];
             }
             y[m * ldy + n] = acc * xs[m] + r;
+        }
+    }
+}
+
+/* Where of a 64-input block the 8-bit x of input i sits: the int4 kernel's 32-byte load unpacks to
+   inputs 0-15 and 32-47 (low nibbles), then 16-31 and 48-63 (high), so x is stored in that order. */
+static inline int64_t x8_pos(int64_t k) {
+    int64_t i = k & 63;
+    return (k & ~(int64_t)63) | (i & 15) | ((i & 16) << 1) | ((i & 32) >> 1);
+}
+
+static void rows_i4x8_scalar(const int8_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K,
+                             const uint8_t *w, const float *sz, int64_t group, float *y, int64_t ldy,
+                             int64_t n0, int64_t n1) {
+    int64_t G = K / group;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *wr = w + n * (K / 2);
+        const float *s = sz + n * G * 2;
+        for (int64_t m = 0; m < M; m++) {
+            const int8_t *xm = xq + m * K;
+            float acc = 0.f, r = 0.f;
+            for (int64_t g = 0; g < G; g++) {
+                int32_t part = 0;
+                for (int64_t k = g * group; k < (g + 1) * group; k++) part += i4_at(wr, k) * (int32_t)xm[x8_pos(k)];
+                acc += (float)part * (s[2 * g] * xs[m * G + g]);
+                r += s[2 * g + 1] * xsum[m * G + g];
+            }
+            y[m * ldy + n] = acc + r;
         }
     }
 }
@@ -246,6 +277,40 @@ TARGET_AVX2 static void rows_i4_avx2(const int16_t *xq, const float *xs, const f
     }
 }
 
+/* int4 weights against 8-bit x (groups of a multiple of 64): a 32-byte load is 64 weights; the
+   low and high nibbles multiply x with vpmaddubsw (15 * 127 * 2 per pair, their sum < 2^15), and
+   vpmaddwd by ones widens to 32 bits: 7 vector operations per 64 weights against 18 with 16-bit x. */
+TARGET_AVX2 static void rows_i4x8_avx2(const int8_t *xq, const float *xs, const float *xsum, int64_t M,
+                                       int64_t K, const uint8_t *w, const float *sz, int64_t group, float *y,
+                                       int64_t ldy, int64_t n0, int64_t n1) {
+    int64_t G = K / group;
+    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *wr = w + n * (K / 2);
+        const float *s = sz + n * G * 2;
+        for (int64_t m = 0; m < M; m++) {
+            const int8_t *xm = xq + m * K;
+            __m256 acc = _mm256_setzero_ps();
+            float r = 0.f;
+            for (int64_t g = 0; g < G; g++) {
+                __m256i c = _mm256_setzero_si256();
+                for (int64_t k = g * group; k < (g + 1) * group; k += 64) {
+                    PREFETCH(wr + k / 2);
+                    __m256i b = _mm256_loadu_si256((const __m256i *)(wr + k / 2));
+                    __m256i lo = _mm256_and_si256(b, low), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+                    __m256i p = _mm256_add_epi16(
+                        _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(xm + k))),
+                        _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xm + k + 32))));
+                    c = _mm256_add_epi32(c, _mm256_madd_epi16(p, ones));
+                }
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c), _mm256_set1_ps(s[2 * g] * xs[m * G + g]), acc);
+                r += s[2 * g + 1] * xsum[m * G + g];
+            }
+            y[m * ldy + n] = hsum(acc) + r;
+        }
+    }
+}
+
 TARGET_AVX2 static void dequant_row_i4_avx2(const uint8_t *wr, const float *s, int64_t K, int64_t group,
                                             float *o) {
     const __m128i low = _mm_set1_epi8(15);
@@ -358,6 +423,23 @@ static float quantize_row(const float *x, int64_t K, int16_t *xq) {
     return m / 32767.f;
 }
 
+/* x rounded to 8 bits with one scale per group (x ~= xq * xs[g]), stored in x8_pos order. */
+static void quantize_row_i8g(const float *x, int64_t K, int64_t group, int8_t *xq, float *xs) {
+    for (int64_t g = 0; g < K / group; g++) {
+        float m = 0.f;
+        for (int64_t k = g * group; k < (g + 1) * group; k++) {
+            float a = x[k] < 0.f ? -x[k] : x[k];
+            m = a > m ? a : m;
+        }
+        float inv = m > 0.f ? 127.f / m : 0.f;
+        xs[g] = m / 127.f;
+        for (int64_t k = g * group; k < (g + 1) * group; k++) {
+            float v = x[k] * inv;
+            xq[x8_pos(k)] = (int8_t)(v < 0.f ? v - 0.5f : v + 0.5f);  /* nearest, halves away from zero */
+        }
+    }
+}
+
 /* Rows [r0, r1) of the concatenation of the `nmat` outputs. */
 static void rows_range(int kind, const float *x, const int16_t *xq, const float *xs, const float *xsum,
                        int64_t group, int64_t M, int64_t K,
@@ -368,7 +450,12 @@ static void rows_range(int kind, const float *x, const int16_t *xq, const float 
         int64_t lo = r0 > base ? r0 - base : 0, hi = r1 - base < N[j] ? r1 - base : N[j];
         int64_t ld = ldy ? ldy : N[j];
         if (lo >= hi) continue;
-        if (kind == 2) {
+        if (kind == 2 && group % 64 == 0) {
+#if HAVE_X86
+            if (avx2) { rows_i4x8_avx2((const int8_t *)xq, xs, xsum, M, K, w[j], s[j], group, y[j], ld, lo, hi); continue; }
+#endif
+            rows_i4x8_scalar((const int8_t *)xq, xs, xsum, M, K, w[j], s[j], group, y[j], ld, lo, hi);
+        } else if (kind == 2) {
 #if HAVE_X86
             if (avx2) { rows_i4_avx2(xq, xs, xsum, M, K, w[j], s[j], group, y[j], ld, lo, hi); continue; }
 #endif
@@ -418,17 +505,21 @@ int tierlm_gemv_multi(int kind, const float *x, int64_t M, int64_t K, int64_t nm
     }
     if ((kind == 0 && M == 1) || kind == 2) {
         int64_t G = kind == 2 ? K / group : 0;
+        int x8 = kind == 2 && group % 64 == 0;  /* 8-bit x, one scale per group (rows_i4x8) */
         xq = (int16_t *)malloc((size_t)(M * K) * sizeof(int16_t));
-        xs = (float *)malloc((size_t)(M + M * G) * sizeof(float));
+        xs = (float *)malloc((size_t)(M * (G + 1) + M * G) * sizeof(float));
         if (!xq || !xs) {
             free(xq);
             free(xs);
             free(xp);
             return -1;
         }
-        xsum = xs + M;
+        xsum = xs + M * (G + 1);
         for (int64_t m = 0; m < M; m++) {
-            xs[m] = quantize_row(x + m * K, K, xq + m * K);
+            if (x8)
+                quantize_row_i8g(x + m * K, K, group, (int8_t *)xq + m * K, xs + m * G);
+            else
+                xs[m] = quantize_row(x + m * K, K, xq + m * K);
             for (int64_t g = 0; g < G; g++) {
                 float t = 0.f;
                 for (int64_t k = g * group; k < (g + 1) * group; k++) t += x[m * K + k];
