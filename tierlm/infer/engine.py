@@ -24,9 +24,9 @@ from ..engine import budget as B
 from ..storage import BudgetError, HostBufferPool
 from ..storage.aligned import round_up
 from ..units import fmt_bytes, parse_bytes
+from . import packed as packed_attention
 from .gemv import use_gemv
 from .kvcache import SlotKVCache, kv_bytes, kv_geometry
-from . import packed as packed_attention
 from .lean import LeanDecoder
 from .quant import int4_layout
 from .weights import LayerStream, PieceStore, fingerprint, plan_pieces
