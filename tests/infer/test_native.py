@@ -1,5 +1,6 @@
 """Our few-row int8, int4 and bf16 kernels (tierlm.infer.native) against a float64 product, and the fallback."""
 import os
+import re
 import subprocess
 import sys
 
@@ -284,6 +285,22 @@ def test_int4_qlinear_uses_ours_for_few_rows_and_fp32_for_many():
 def run_py(code, **env):
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env={**os.environ, **env}, timeout=120)
+
+
+@needs_kernels
+@pytest.mark.skipif(os.environ.get("TIERLM_NATIVE_PORTABLE", "0") != "0", reason="already the portable loops")
+def test_the_portable_loops_pass_the_kernel_tests_too():
+    """TIERLM_NATIVE_PORTABLE=1 runs the loops a CPU without AVX2 runs (ARM servers, older x86),
+    which this machine would otherwise never run: the product tests pass on them too."""
+    r = run_py("from tierlm.infer import native\nprint(native.isa())", TIERLM_NATIVE_PORTABLE="1")
+    assert r.returncode == 0 and r.stdout.strip() == "portable", r.stderr
+    tests = "float64 or several or norm or kept or thread or dequantised or qlinear"
+    r = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider", __file__,
+                        "-k", tests], capture_output=True, text=True, timeout=900,
+                       env={**os.environ, "TIERLM_NATIVE_PORTABLE": "1"})
+    assert r.returncode == 0, r.stdout[-3000:]
+    summary = r.stdout.strip().splitlines()[-1]
+    assert re.search(r"\d+ passed", summary) and "skipped" not in summary, summary
 
 
 def test_switched_off_it_says_so_and_int8_runs_on_pytorchs_kernel():

@@ -76,27 +76,6 @@ static inline int i4_at(const uint8_t *wr, int64_t k) {
     return (k & 16) ? b >> 4 : b & 15;
 }
 
-static void rows_i4_scalar(const int16_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K,
-                           const uint8_t *w, const float *sz, int64_t group, float *y, int64_t ldy,
-                           int64_t n0, int64_t n1) {
-    int64_t G = K / group;
-    for (int64_t n = n0; n < n1; n++) {
-        const uint8_t *wr = w + n * (K / 2);
-        const float *s = sz + n * G * 2;
-        for (int64_t m = 0; m < M; m++) {
-            const int16_t *xm = xq + m * K;
-            float acc = 0.f, r = 0.f;
-            for (int64_t g = 0; g < G; g++) {
-                int32_t part = 0;
-                for (int64_t k = g * group; k < (g + 1) * group; k++) part += i4_at(wr, k) * (int32_t)xm[k];
-                acc += (float)part * s[2 * g];
-                r += s[2 * g + 1] * xsum[m * G + g];
-            }
-            y[m * ldy + n] = acc * xs[m] + r;
-        }
-    }
-}
-
 /* Where of a 64-input block the 8-bit x of input i sits: the int4 kernel's 32-byte load unpacks to
    inputs 0-15 and 32-47 (low nibbles), then 16-31 and 48-63 (high), so x is stored in that order. */
 static inline int64_t x8_pos(int64_t k) {
@@ -104,23 +83,27 @@ static inline int64_t x8_pos(int64_t k) {
     return (k & ~(int64_t)63) | (i & 15) | ((i & 16) << 1) | ((i & 32) >> 1);
 }
 
-static void rows_i4x8_scalar(const int8_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K,
-                             const uint8_t *w, const float *sz, int64_t group, float *y, int64_t ldy,
-                             int64_t n0, int64_t n1) {
+/* The portable int4 loop for both roundings of x: 8 bits a group (`x8`, in x8_pos order, scales
+   xs[m * G + g]) or 16 bits a row (scale xs[m]). */
+static void rows_i4_scalar(const void *xq, int x8, const float *xs, const float *xsum, int64_t M, int64_t K,
+                           const uint8_t *w, const float *sz, int64_t group, float *y, int64_t ldy,
+                           int64_t n0, int64_t n1) {
     int64_t G = K / group;
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *wr = w + n * (K / 2);
         const float *s = sz + n * G * 2;
         for (int64_t m = 0; m < M; m++) {
-            const int8_t *xm = xq + m * K;
+            const int8_t *x8m = (const int8_t *)xq + m * K;
+            const int16_t *x16m = (const int16_t *)xq + m * K;
             float acc = 0.f, r = 0.f;
             for (int64_t g = 0; g < G; g++) {
                 int32_t part = 0;
-                for (int64_t k = g * group; k < (g + 1) * group; k++) part += i4_at(wr, k) * (int32_t)xm[x8_pos(k)];
-                acc += (float)part * (s[2 * g] * xs[m * G + g]);
+                for (int64_t k = g * group; k < (g + 1) * group; k++)
+                    part += i4_at(wr, k) * (x8 ? (int32_t)x8m[x8_pos(k)] : (int32_t)x16m[k]);
+                acc += (float)part * (x8 ? s[2 * g] * xs[m * G + g] : s[2 * g]);
                 r += s[2 * g + 1] * xsum[m * G + g];
             }
-            y[m * ldy + n] = acc + r;
+            y[m * ldy + n] = (x8 ? acc : acc * xs[m]) + r;
         }
     }
 }
@@ -352,7 +335,10 @@ static int use_avx2(void) {
     static int cached = -1;
     if (cached < 0) {
         __builtin_cpu_init();
-        cached = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+        /* TIERLM_NATIVE_PORTABLE=1: the portable loops, as on a CPU without AVX2 (tests run them) */
+        const char *portable = getenv("TIERLM_NATIVE_PORTABLE");
+        cached = !(portable && *portable && strcmp(portable, "0")) &&
+                 __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     }
     return cached;
 #else
@@ -454,12 +440,12 @@ static void rows_range(int kind, const float *x, const int16_t *xq, const float 
 #if HAVE_X86
             if (avx2) { rows_i4x8_avx2((const int8_t *)xq, xs, xsum, M, K, w[j], s[j], group, y[j], ld, lo, hi); continue; }
 #endif
-            rows_i4x8_scalar((const int8_t *)xq, xs, xsum, M, K, w[j], s[j], group, y[j], ld, lo, hi);
+            rows_i4_scalar(xq, 1, xs, xsum, M, K, w[j], s[j], group, y[j], ld, lo, hi);
         } else if (kind == 2) {
 #if HAVE_X86
             if (avx2) { rows_i4_avx2(xq, xs, xsum, M, K, w[j], s[j], group, y[j], ld, lo, hi); continue; }
 #endif
-            rows_i4_scalar(xq, xs, xsum, M, K, w[j], s[j], group, y[j], ld, lo, hi);
+            rows_i4_scalar(xq, 0, xs, xsum, M, K, w[j], s[j], group, y[j], ld, lo, hi);
         } else if (kind == 0 && xq) {
 #if HAVE_X86
             if (avx2) { rows_i8x16_avx2(xq, xs[0], K, w[j], s[j], y[j], lo, hi); continue; }
