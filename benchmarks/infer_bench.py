@@ -65,12 +65,12 @@ def read_gbps(threads: int) -> float:
     return best
 
 
-def run(model, weights, batch, tokens, prompt_len, cpu_mem, nvme, rates, threads, lean=True, rounds=1):
+def run(model, weights, batch, tokens, prompt_len, cpu_mem, nvme, rates, threads, path="fused", rounds=1):
     """One engine; per thread count, `rounds` measured generations, each between two read probes
     when in RAM. Returns a result per thread count: the round with the median share of its probes'
     roofline, with every round's share."""
     cfg = InferConfig(cpu_mem=cpu_mem, weights=weights, max_batch=batch, max_seq_len=prompt_len + tokens,
-                      nvme_dir=str(nvme), step_tokens=max(256, prompt_len), lean=lean)
+                      nvme_dir=str(nvme), step_tokens=max(256, prompt_len), lean=path != "hf", fused=path == "fused")
     eng = InferenceEngine(model, cfg)
     b = Batcher(eng, _Tok(), [])
     outs = []
@@ -102,12 +102,19 @@ def run(model, weights, batch, tokens, prompt_len, cpu_mem, nvme, rates, threads
     return outs
 
 
+def _layers(eng) -> str:
+    """Which decode path ran: fused layers, lean per-product calls, or transformers' layers."""
+    if eng.lean is None:
+        return "transformers"
+    return "fused" if eng.lean.fused is not None else "lean"
+
+
 def _result(eng, s, weights, batch, th, rates, probe):
     dec_s, steps = s.s["decode"], max(s.steps["decode"], 1)
     per_fwd = eng.ram_weight_bytes()
     kv_step = s.kv["decode"] / steps
     out = {"weights": weights, "batch": batch, "threads": th, "placement": eng.placement.describe(),
-           "lean": eng.lean is not None,
+           "lean": eng.lean is not None, "layers": _layers(eng),
            "prefill_tok_s": s.tokens["prefill"] / s.s["prefill"],
            "prefill_gflops": 2 * eng.flop_params * s.tokens["prefill"] / s.s["prefill"] / 1e9,
            "decode_tok_s": s.tokens["decode"] / dec_s,
@@ -185,7 +192,7 @@ def table_stream(results):
     rows = ["| layers | batch | SSD MB / forward | decode tok/s | SSD roofline tok/s | share | stall s |",
             "|---|---|---|---|---|---|---|"]
     for r in results:
-        layers = "lean" if r.get("lean") else "transformers"
+        layers = r.get("layers", "lean" if r.get("lean") else "transformers")
         if "ssd_bytes_per_forward" not in r:
             rows.append(f"| {layers} | {r['batch']} | nothing streamed: {r['placement']} (lower --stream-budget) | | | | |")
             continue
@@ -211,8 +218,9 @@ def main():
                    help="in RAM: measured generations per configuration, each between two read probes")
     p.add_argument("--kernels", nargs="*", default=["ours"], choices=["ours", "torch"],
                    help="few-row products on tierlm's kernels, PyTorch's, or both side by side")
-    p.add_argument("--paths", nargs="*", default=["lean"], choices=["lean", "hf"],
-                   help="decode steps on tierlm.infer.lean, on transformers' forward, or both side by side")
+    p.add_argument("--paths", nargs="*", default=["fused"], choices=["fused", "lean", "hf"],
+                   help="decode steps with each layer one C call (tierlm.infer.fused), on tierlm.infer.lean's "
+                        "per-product calls, on transformers' forward; several: side by side")
     p.add_argument("--prefetch", nargs="*", type=int, default=[1024],
                    help="bytes our kernels prefetch ahead of the row they multiply (0: off), side by side")
     a = p.parse_args()
@@ -236,10 +244,10 @@ def main():
                 for path, pf in [(path, pf) for path in a.paths for pf in (a.prefetch if kern == "ours" else [0])]:
                     native.set_prefetch(pf)
                     for r in run(model, w, 1, a.tokens, a.prompt_len, "20GiB", root / f"nvme-{w}", rates, a.threads,
-                                 lean=path == "lean", rounds=a.rounds):
+                                 path=path, rounds=a.rounds):
                         k = kern if kern == "torch" or native.available() else "torch"
                         k += f", prefetch {pf}" if len(a.prefetch) > 1 and k == "ours" else ""
-                        results.append(r | {"weights": f"{w} ({k}, {'lean' if r['lean'] else 'transformers'} layers)"})
+                        results.append(r | {"weights": f"{w} ({k}, {r['layers']} layers)"})
                 native.set_prefetch(1024)
             native.use(True)
         if not a.no_hf:
@@ -250,7 +258,7 @@ def main():
             for bsz in a.batches:
                 results += [r | {"path": path} for r in run(model, "bf16", bsz, a.tokens, a.prompt_len, a.stream_budget,
                                                             root / "nvme-stream", rates, a.threads[:1],
-                                                            lean=path == "lean")]
+                                                            path=path)]
         rows = table_stream(results)
     print(json.dumps({"load_after": os.getloadavg()}), flush=True)
     print(f"\nrates: memory {rates['mem_gbps']:.1f} GB/s (by threads {rates.get('mem_gbps_by_threads')}), "

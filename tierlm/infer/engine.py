@@ -14,6 +14,7 @@ packed, without padding (`packed.py`); decode steps of llama-family models run o
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +52,7 @@ class InferConfig:
     threads: int | None = None       # compute threads (torch.set_num_threads); None: torch's default
     tp: int = 1                      # tensor-parallel processes (torchrun); this one holds 1/tp of each layer
     lean: bool = True                # decode steps of llama-family models on tierlm.infer.lean
+    fused: bool = True               # ... each layer of them in one C call (tierlm.infer.fused)
     packed: bool = True              # rows of different lengths in one step run unpadded (infer.packed)
 
     def __post_init__(self):
@@ -101,7 +103,8 @@ class Placement:
 
 def scratch_bytes(config, cfg: InferConfig, max_len: int, dtype: torch.dtype) -> int:
     """Transient memory of one forward of `step_tokens` tokens (an upper estimate): a layer's
-    activations in fp32, attention scores over the whole cache, the logits, the kernels' caches."""
+    activations in fp32, attention scores over the whole cache, the logits, the kernels' caches,
+    and the fused decode layer's buffers."""
     h = config.hidden_size
     inter = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * h
     heads = config.num_attention_heads
@@ -113,7 +116,10 @@ def scratch_bytes(config, cfg: InferConfig, max_len: int, dtype: torch.dtype) ->
         act += 4 * inter * h
     scores = tokens * heads * (max_len + 1) * 4
     logits = cfg.max_batch * config.vocab_size * 4 * 3
-    return act + scores + logits + B.RUNTIME_RESERVE
+    # the fused decode layer's buffers (kernels/layer.c), kept between steps: a row's x, q/k/v,
+    # attention, gate/up, silu and their integer roundings, and each thread's scores
+    fused = cfg.max_batch * (7 * h + 4 * inter) * 4 + (os.cpu_count() or 1) * (max_len + 1) * 4
+    return act + scores + logits + fused + B.RUNTIME_RESERVE
 
 
 def plan_placement(cfg: InferConfig, baseline: int, fixed: int, layer_bytes: int, layers: int,

@@ -115,9 +115,14 @@ class SlotKVCache:
             kc[slot, head, pos] = key.to(kc.dtype)
             vc[slot, head, pos] = value.to(vc.dtype)
         L = self._kv_len
-        keys = sum(e for _, _, e in self.segments) if self.segments else b * L  # packed rows read to their end
-        self.bytes_read += 2 * keys * h * d * kc.element_size()
+        self.note_read(b, layer_idx)
         return kc[:b, :, :L], vc[:b, :, :L]
+
+    def note_read(self, rows: int, layer_idx: int) -> None:
+        """Count the KV bytes a layer's attention reads this step (for the bandwidth report)."""
+        kc = self.k[layer_idx]
+        keys = sum(e for _, _, e in self.segments) if self.segments else rows * self._kv_len  # packed rows read to their end
+        self.bytes_read += 2 * keys * kc.shape[1] * kc.shape[3] * kc.element_size()
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._kv_len

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from . import native
+from .fused import FusedLayer, StepArgs
 from .gemv import UPCAST_MIN_ROWS, bf16_matmul_is_slow
 from .quant import NATIVE_MAX_ROWS, QLinear
 
@@ -85,7 +86,7 @@ class Products:
 
 
 class LeanDecoder:
-    def __init__(self, model, dtype: torch.dtype, stream, streamed: dict[int, int]):
+    def __init__(self, model, dtype: torch.dtype, stream, streamed: dict[int, int], fused: bool = True):
         base = model.base_model
         self.embed, self.norm, self.rotary = base.embed_tokens, base.norm, base.rotary_emb
         self.head = Products([model.get_output_embeddings()], dtype)
@@ -98,6 +99,10 @@ class LeanDecoder:
                                 bool(types) and types[i] == "sliding_attention"))
         self.stream = stream
         self.streamed = streamed  # decoder layer position -> block index the stream knows it by
+        # each layer in one C call where the kernels take its weights (fused.py)
+        self.fused = [FusedLayer(layer, model.config) for layer in base.layers] \
+            if fused and FusedLayer.supports(model.config) else None
+        self._scratch: dict = {}
 
     @classmethod
     def build(cls, engine) -> "LeanDecoder | None":
@@ -116,7 +121,7 @@ class LeanDecoder:
         if engine.stream:
             layer_blocks = [b for b in engine.blocks if b.kind == "layer"]
             streamed = {pos: b.index for pos, b in enumerate(layer_blocks) if b.index in engine.stream.layer_bytes}
-        return cls(engine.model, engine.dtype, engine.stream, streamed)
+        return cls(engine.model, engine.dtype, engine.stream, streamed, fused=engine.cfg.fused)
 
     @torch.no_grad()
     def logits(self, ids: torch.Tensor, pos: torch.Tensor, mask, cache) -> torch.Tensor:
@@ -124,16 +129,24 @@ class LeanDecoder:
         returns fp32 logits [B, vocab]."""
         x = self.embed(ids).float()
         cos, sin = self.rotary(x, pos)  # [B, 1, head dim]: broadcast over the heads
+        raw_sin = sin
         # rotate_half(x) * sin == roll(x, half) * sin with the first half of sin negated
         half = sin.shape[-1] // 2
         sin = torch.cat((-sin[..., :half], sin[..., half:]), -1)
-        x = x[:, 0]
+        x = x[:, 0].contiguous()
+        step = None
         for i, (layer, qkv, o, gate_up, down, sliding) in enumerate(self.layers):
             blk = self.streamed.get(i)
             if blk is not None:
                 self.stream.acquire(blk)
-            m = mask if not isinstance(mask, dict) else mask["sliding_attention" if sliding else "full_attention"]
-            x = _layer(layer, i, x, cos, sin, half, m, cache, qkv, o, gate_up, down)
+            if self.fused is not None and self.fused[i].ready(x.shape[0]):
+                if step is None:
+                    step = StepArgs(cos, raw_sin, mask, cache, self._scratch)
+                self.fused[i](x, step, sliding, cache.k[i], cache.v[i])
+                cache.note_read(x.shape[0], i)
+            else:
+                m = mask if not isinstance(mask, dict) else mask["sliding_attention" if sliding else "full_attention"]
+                x = _layer(layer, i, x, cos, sin, half, m, cache, qkv, o, gate_up, down)
             if blk is not None:
                 self.stream.release(blk)
         return self.head(x, norm=self.norm)

@@ -1,4 +1,4 @@
-"""Our few-row int8 and bf16 products (kernels/gemv.c), built once per machine and loaded with ctypes.
+"""Our few-row products (kernels/gemv.c) and fused decoder layer (kernels/layer.c), built once per machine and loaded with ctypes.
 
 The C file needs no PyTorch headers, so the build is one compiler call of about a second, cached
 under the tierlm cache directory by a hash of the source, the compiler and its flags. Where no C
@@ -20,7 +20,9 @@ from pathlib import Path
 
 import torch
 
-SRC = Path(__file__).with_name("kernels") / "gemv.c"
+KERNELS = Path(__file__).with_name("kernels")
+SRC = [KERNELS / "gemv.c", KERNELS / "layer.c"]  # compiled together; gemv.h is what they share
+HEADERS = [KERNELS / "gemv.h"]
 FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-fopenmp"]
 LIBS = ["-lm"]
 _lock = threading.Lock()
@@ -41,7 +43,7 @@ def _build() -> ctypes.CDLL:
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc, gcc or clang) on PATH; set CC to one")
-    src = SRC.read_bytes()
+    src = b"".join(f.read_bytes() for f in SRC + HEADERS)
     tag = hashlib.sha256(src + cc.encode() + " ".join(FLAGS + LIBS).encode()).hexdigest()[:16]
     lib = _cache_root() / f"gemv-{tag}.so"
     if not lib.exists():
@@ -50,9 +52,9 @@ def _build() -> ctypes.CDLL:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
         os.close(fd)
         try:
-            r = subprocess.run([cc, *FLAGS, str(SRC), "-o", tmp, *LIBS], capture_output=True, text=True)
+            r = subprocess.run([cc, *FLAGS, *map(str, SRC), "-o", tmp, *LIBS], capture_output=True, text=True)
             if r.returncode != 0:
-                raise RuntimeError(f"{cc} failed on {SRC}: {r.stderr.strip()[-800:]}")
+                raise RuntimeError(f"{cc} failed on {' and '.join(str(f) for f in SRC)}: {r.stderr.strip()[-800:]}")
             os.replace(tmp, lib)
         finally:
             if os.path.exists(tmp):
@@ -66,6 +68,10 @@ def _build() -> ctypes.CDLL:
     dll.tierlm_gemv_set_prefetch.argtypes = [i64]
     dll.tierlm_dequant_int4.argtypes = [p, p, i64, i64, i64, p, c_int]
     dll.tierlm_dequant_int4.restype = None
+    dll.tierlm_layer_decode.argtypes = [p, p, p, p, p, p]
+    dll.tierlm_layer_decode.restype = c_int
+    dll.tierlm_layer_scratch_bytes.argtypes = [p, p]
+    dll.tierlm_layer_scratch_bytes.restype = i64
     return dll
 
 
@@ -119,7 +125,7 @@ def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
     return x.reshape(-1, k).to(torch.float32).contiguous()
 
 
-INT8, BF16, INT4 = 0, 1, 2
+INT8, BF16, INT4, FP32 = 0, 1, 2, 3
 
 
 def _norm_args(norm: tuple[torch.Tensor, float] | None):

@@ -33,25 +33,7 @@
    `tierlm_gemv_multi` runs several products of the same x in one parallel region (a layer's
    q, k and v; its gate and up): the threads split the rows of all of them, so a small matrix costs
    no fork of its own. */
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define HAVE_X86 1
-#define TARGET_AVX2 __attribute__((target("avx2,fma")))
-#else
-#define HAVE_X86 0
-#endif
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
+#include "gemv.h"
 
 #define I16_BLOCK 4096
 
@@ -117,6 +99,19 @@ static void rows_i8_scalar(const float *x, int64_t M, int64_t K, const int8_t *w
             float acc = 0.f;
             for (int64_t k = 0; k < K; k++) acc += xm[k] * (float)wr[k];
             y[m * N + n] = acc * s[n];
+        }
+    }
+}
+
+static void rows_f32_scalar(const float *x, int64_t M, int64_t K, const float *w,
+                            float *y, int64_t N, int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++) {
+        const float *wr = w + n * K;
+        for (int64_t m = 0; m < M; m++) {
+            const float *xm = x + m * K;
+            float acc = 0.f;
+            for (int64_t k = 0; k < K; k++) acc += xm[k] * wr[k];
+            y[m * N + n] = acc;
         }
     }
 }
@@ -203,6 +198,8 @@ TARGET_AVX2 static inline __m256 load_bf16(const uint16_t *p) {
 #define I8_CONV(v) ((float)(v))
 ROW_KERNEL(row_i8_avx2, int8_t, load_i8, I8_CONV)
 ROW_KERNEL(row_bf16_avx2, uint16_t, load_bf16, bf16_to_f32)
+#define F32_CONV(v) (v)
+ROW_KERNEL(row_f32_avx2, float, _mm256_loadu_ps, F32_CONV)
 
 /* One row in integers (see the header); the tail past a multiple of 32 inputs is scalar. */
 TARGET_AVX2 static float row_i8x16_avx2(const int16_t *xq, int64_t K, const int8_t *wr) {
@@ -328,9 +325,20 @@ TARGET_AVX2 static void rows_bf16_avx2(const float *x, int64_t M, int64_t K, con
             for (int64_t i = 0; i < mb; i++) y[(m0 + i) * N + n] = out[i];
         }
 }
+
+TARGET_AVX2 static void rows_f32_avx2(const float *x, int64_t M, int64_t K, const float *w,
+                                      float *y, int64_t N, int64_t n0, int64_t n1) {
+    float out[4];
+    for (int64_t n = n0; n < n1; n++)
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            int64_t mb = M - m0 < 4 ? M - m0 : 4;
+            row_f32_avx2(x + m0 * K, mb, K, w + n * K, out);
+            for (int64_t i = 0; i < mb; i++) y[(m0 + i) * N + n] = out[i];
+        }
+}
 #endif
 
-static int use_avx2(void) {
+int tl_use_avx2(void) {
 #if HAVE_X86
     static int cached = -1;
     if (cached < 0) {
@@ -346,7 +354,7 @@ static int use_avx2(void) {
 #endif
 }
 
-int tierlm_gemv_isa(void) { return use_avx2() ? 2 : 0; }
+int tierlm_gemv_isa(void) { return tl_use_avx2() ? 2 : 0; }
 
 /* int4 weights back to fp32 [N, K] for products of many rows (a prefill), which then run as one
    fp32 matrix product: PyTorch's int4 kernel read 5-6 GB/s here, and the same unpacking in torch
@@ -354,7 +362,7 @@ int tierlm_gemv_isa(void) { return use_avx2() ? 2 : 0; }
 void tierlm_dequant_int4(const uint8_t *w, const float *sz, int64_t N, int64_t K, int64_t group, float *out,
                          int threads) {
     int64_t G = K / group;
-    int avx2 = use_avx2();
+    int avx2 = tl_use_avx2();
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *wr = w + n * (K / 2);
@@ -376,7 +384,7 @@ void tierlm_dequant_int4(const uint8_t *w, const float *sz, int64_t N, int64_t K
    so it costs no torch ops of its own (19 us against 35-47 in torch for 2048 inputs). A gated
    MLP's silu(gate) * up was tried here too and dropped: a scalar expf per input took 90 us for
    5632 inputs against torch's 35. */
-static void prep_rows(const float *x, int64_t M, int64_t K, const void *nw, int nw_bf16, float eps, float *out) {
+void tl_prep_rows(const float *x, int64_t M, int64_t K, const void *nw, int nw_bf16, float eps, float *out) {
     for (int64_t m = 0; m < M; m++) {
         const float *xr = x + m * K;
         float *o = out + m * K;
@@ -427,7 +435,7 @@ static void quantize_row_i8g(const float *x, int64_t K, int64_t group, int8_t *x
 }
 
 /* Rows [r0, r1) of the concatenation of the `nmat` outputs. */
-static void rows_range(int kind, const float *x, const int16_t *xq, const float *xs, const float *xsum,
+void tl_rows_range(int kind, const float *x, const int16_t *xq, const float *xs, const float *xsum,
                        int64_t group, int64_t M, int64_t K,
                        int64_t nmat, const void *const *w, const float *const *s, float *const *y,
                        const int64_t *N, int64_t ldy, int64_t r0, int64_t r1, int avx2) {
@@ -456,6 +464,11 @@ static void rows_range(int kind, const float *x, const int16_t *xq, const float 
             if (avx2) { rows_i8_avx2(x, M, K, w[j], s[j], y[j], ld, lo, hi); continue; }
 #endif
             rows_i8_scalar(x, M, K, w[j], s[j], y[j], ld, lo, hi);
+        } else if (kind == 3) {
+#if HAVE_X86
+            if (avx2) { rows_f32_avx2(x, M, K, w[j], y[j], ld, lo, hi); continue; }
+#endif
+            rows_f32_scalar(x, M, K, w[j], y[j], ld, lo, hi);
         } else {
 #if HAVE_X86
             if (avx2) { rows_bf16_avx2(x, M, K, w[j], y[j], ld, lo, hi); continue; }
@@ -466,59 +479,73 @@ static void rows_range(int kind, const float *x, const int16_t *xq, const float 
     (void)avx2;
 }
 
+/* How a kind's kernels take x (tl_prepare_x): int8 at one row, and int4, round it to integers
+   (16 bits a row, or 8 bits a group of a multiple of 64 inputs) with scales, and int4 also needs
+   each group's sum of x. Sizes of the buffers it fills, in elements: */
+int tl_rounds_x(int kind, int64_t M) { return (kind == 0 && M == 1) || kind == 2; }
+int64_t tl_xs_floats(int kind, int64_t group, int64_t M, int64_t K) {
+    int64_t G = kind == 2 ? K / group : 0;
+    return M * (G + 1) + M * G;
+}
+
+/* x's rounded copy into xq (M * K int16) and its scales and group sums into xs
+   (tl_xs_floats); nothing for kinds that take fp32 x. */
+void tl_prepare_x(int kind, int64_t group, const float *x, int64_t M, int64_t K, int16_t *xq, float *xs) {
+    if (!tl_rounds_x(kind, M)) return;
+    int64_t G = kind == 2 ? K / group : 0;
+    int x8 = kind == 2 && group % 64 == 0;  /* 8-bit x, one scale per group (rows_i4x8) */
+    float *xsum = xs + M * (G + 1);
+    for (int64_t m = 0; m < M; m++) {
+        if (x8)
+            quantize_row_i8g(x + m * K, K, group, (int8_t *)xq + m * K, xs + m * G);
+        else
+            xs[m] = quantize_row(x + m * K, K, xq + m * K);
+        for (int64_t g = 0; g < G; g++) {
+            float t = 0.f;
+            for (int64_t k = g * group; k < (g + 1) * group; k++) t += x[m * K + k];
+            xsum[m * G + g] = t;
+        }
+    }
+}
+
 /* y[j] = x @ w[j]^T for j < nmat (kind 0: int8 with scales s[j]; 1: bf16; 2: int4 with (scale, lo)
-   pairs s[j] [N][K/group][2]); row m of y[j] starts
+   pairs s[j] [N][K/group][2]; 3: fp32); row m of y[j] starts
    at y[j] + m * ldy (ldy 0: N[j]), so the outputs may be column blocks of one [M, sum N] matrix.
-   With a norm weight `nw`, x is first RMS-normalised by prep_rows. Threads take contiguous ranges
+   With a norm weight `nw`, x is first RMS-normalised by tl_prep_rows. Threads take contiguous ranges
    of all the matrices' rows together. Returns -1 if a buffer cannot be allocated, -2 for an int4
    group that is not a multiple of 32 dividing K. */
 int tierlm_gemv_multi(int kind, const float *x, int64_t M, int64_t K, int64_t nmat, const void *const *w,
                       const float *const *s, float *const *y, const int64_t *N, int64_t ldy,
                       const void *nw, int nw_bf16, float eps, int threads, int64_t group) {
-    int avx2 = use_avx2();
+    int avx2 = tl_use_avx2();
+    if (kind == 2 && (group <= 0 || group % 32 || K % group)) return -2;
     float *xp = NULL;
     if (nw) {
         xp = (float *)malloc((size_t)(M * K) * sizeof(float));
         if (!xp) return -1;
-        prep_rows(x, M, K, nw, nw_bf16, eps, xp);
+        tl_prep_rows(x, M, K, nw, nw_bf16, eps, xp);
         x = xp;
     }
     int16_t *xq = NULL;
     float *xs = NULL, *xsum = NULL;
-    if (kind == 2 && (group <= 0 || group % 32 || K % group)) {
-        free(xp);
-        return -2;
-    }
-    if ((kind == 0 && M == 1) || kind == 2) {
-        int64_t G = kind == 2 ? K / group : 0;
-        int x8 = kind == 2 && group % 64 == 0;  /* 8-bit x, one scale per group (rows_i4x8) */
+    if (tl_rounds_x(kind, M)) {
         xq = (int16_t *)malloc((size_t)(M * K) * sizeof(int16_t));
-        xs = (float *)malloc((size_t)(M * (G + 1) + M * G) * sizeof(float));
+        xs = (float *)malloc((size_t)tl_xs_floats(kind, group, M, K) * sizeof(float));
         if (!xq || !xs) {
             free(xq);
             free(xs);
             free(xp);
             return -1;
         }
-        xsum = xs + M * (G + 1);
-        for (int64_t m = 0; m < M; m++) {
-            if (x8)
-                quantize_row_i8g(x + m * K, K, group, (int8_t *)xq + m * K, xs + m * G);
-            else
-                xs[m] = quantize_row(x + m * K, K, xq + m * K);
-            for (int64_t g = 0; g < G; g++) {
-                float t = 0.f;
-                for (int64_t k = g * group; k < (g + 1) * group; k++) t += x[m * K + k];
-                xsum[m * G + g] = t;
-            }
-        }
+        tl_prepare_x(kind, group, x, M, K, xq, xs);
+        xsum = xs + M * ((kind == 2 ? K / group : 0) + 1);
     }
     int64_t total = 0;
     for (int64_t j = 0; j < nmat; j++) total += N[j];
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int t = 0; t < threads; t++)
-        rows_range(kind, x, xq, xs, xsum, group, M, K, nmat, w, s, y, N, ldy, total * t / threads,
-                   total * (t + 1) / threads, avx2);
+        tl_rows_range(kind, x, xq, xs, xsum, group, M, K, nmat, w, s, y, N, ldy, total * t / threads,
+                      total * (t + 1) / threads, avx2);
     free(xq);
     free(xs);
     free(xp);

@@ -1,0 +1,160 @@
+"""The fused decoder layer (one C call a layer, kernels/layer.c) computes what transformers' forward
+computes, and is the one that runs."""
+import pytest
+import torch
+
+from tierlm.infer import native
+from tierlm.infer.engine import InferConfig, InferenceEngine
+from tierlm.infer.fused import FusedLayer
+
+from .test_lean import OVER, SPREAD
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=f"no kernels: {native.why_unavailable()}")
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    calls = []
+    real = FusedLayer.__call__
+
+    def counting(self, *a, **kw):
+        calls.append(self)
+        return real(self, *a, **kw)
+    monkeypatch.setattr(FusedLayer, "__call__", counting)
+    return calls
+
+
+def _engine(d, tmp_path, lean=True, fused=True, rows=2, **kw):
+    cfg = InferConfig(cpu_mem="1GiB", nvme_dir=str(tmp_path / "nvme"), max_batch=rows, max_seq_len=32, lean=lean,
+                      fused=fused, **kw)
+    return InferenceEngine(d, cfg, library_rss=0)
+
+
+PROMPTS = [[5, 9, 17, 3, 44, 8, 2], [100, 7]]
+
+
+def _run(eng, rows=2, steps=8):
+    """`rows` sequences of different lengths: a prefill each, then decode steps of all together on
+    fixed tokens (engines that round differently see the same inputs); every step's logits."""
+    prompts = PROMPTS[:rows]
+    eng.step(prompts, [0] * rows)
+    starts = [len(p) for p in prompts]
+    out = []
+    for t in range(steps):
+        out.append(eng.step([[(13 * t + 1 + 16 * r) % 128] for r in range(rows)], starts))
+        starts = [s + 1 for s in starts]
+    eng.close()
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("resident", [None, 1])
+def test_fused_decode_equals_transformers_forward(arch, resident, make_model_dir, tmp_path, fused_calls):
+    """fp32 weights on the fused kernel against transformers' forward on the same engine: the
+    rotary embedding, GQA grouping, per-row cache positions, sliding-window masks (mistral, and
+    qwen2's sliding and full layers), and streamed layers (resident=1)."""
+    d, model = make_model_dir(arch, **SPREAD, **OVER[arch])
+    ref = _run(_engine(d, tmp_path, lean=False, dtype="fp32", resident_layers=resident))
+    got = _run(_engine(d, tmp_path, dtype="fp32", resident_layers=resident))
+    layers = model.config.num_hidden_layers
+    assert len(fused_calls) == 8 * layers  # every decode step, every layer, on the fused kernel
+    # fp32 sums in another order than PyTorch's: ~3e-6 of the logits' size after 8 steps here; a
+    # wrong rotation, head grouping, position or mask errs by the logits' own size
+    assert (got - ref).abs().max() <= 2e-5 * ref.abs().max()
+    assert len(set(ref.argmax(-1).flatten().tolist())) > 2  # the steps differ: a real comparison
+
+
+def _err(a, ref):
+    return ((a - ref).abs().max() / ref.abs().max()).item()
+
+
+def _bf16_model(arch, d):
+    """A bf16 model whose widths are multiples of 64 (int4 groups of 64 round x to 8 bits a group),
+    with biases where the architecture has them (qwen2's q, k, v) set to something to get wrong."""
+    from tests.conftest import tiny_model
+    model = tiny_model(arch, intermediate_size=128, **SPREAD, **OVER[arch])
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.3)
+    model.to(torch.bfloat16).save_pretrained(d)
+    return model.config
+
+
+FORMATS = (("int8", "fp32"), ("int4", "fp32"), ("bf16", "bf16"))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases, a sliding and a full layer
+@pytest.mark.parametrize("weights,dtype", FORMATS)
+@pytest.mark.parametrize("rows", [1, 3])
+def test_fused_layer_equals_the_per_product_layer(arch, weights, dtype, rows, tmp_path):
+    """Each layer from the same x and cache: the fused call against lean's per-product layer (the
+    same product loops; torch ops for norms, rotary, SDPA, silu): outputs and the keys and values
+    written. Rows at different positions (3 rows: one padded slot position apart)."""
+    from tierlm.infer import lean
+    from tierlm.infer.fused import StepArgs
+    _bf16_model(arch, tmp_path / "m")
+    eng = _engine(tmp_path / "m", tmp_path, weights=weights, dtype=dtype, rows=rows)
+    try:
+        c, lv = eng.cache, eng.lean
+        g = torch.Generator().manual_seed(1)
+        for t in c.k + c.v:
+            t.copy_(torch.randn(t.shape, generator=g))
+        starts = [5, 9, 2][:rows]
+        pos, mask = c.begin_step(starts, [1] * rows, eng._window, eng._sliding)
+        x0 = torch.randn(rows, eng.config.hidden_size, generator=g)
+        cos, sin = lv.rotary(x0[:, None], pos)
+        half = sin.shape[-1] // 2
+        folded = torch.cat((-sin[..., :half], sin[..., half:]), -1)
+        args = StepArgs(cos, sin, mask, c, {})
+        for i, (layer, qkv, o, gu, down, sliding) in enumerate(lv.layers):
+            k0, v0 = c.k[i].clone(), c.v[i].clone()
+            m = mask if not isinstance(mask, dict) else mask["sliding_attention" if sliding else "full_attention"]
+            want = lean._layer(layer, i, x0.clone(), cos, folded, half, m, c, qkv, o, gu, down)
+            want_k, want_v = c.k[i].clone(), c.v[i].clone()
+            c.k[i].copy_(k0)
+            c.v[i].copy_(v0)
+            if not lv.fused[i].ready(rows):
+                assert weights == "bf16" and rows > 1  # bf16 matrix products fast here: PyTorch's
+                pytest.skip("bf16 rows beyond one stay on PyTorch's products on this CPU")
+            got = x0.clone()
+            lv.fused[i](got, args, sliding, c.k[i], c.v[i])
+            # fp32 cache: the same products, attention in fp32 both, but x is rounded to integers
+            # (int8 at one row: 16 bits; int4: 8 bits a group), where a last-bit difference
+            # upstream (silu, the attention's sums) can move an element one step. bf16 cache: SDPA
+            # in bf16 against fp32 attention. A wrong rotation, mask or bias errs by ~1.
+            tol = {"int8": 1e-4, "int4": 1e-3, "bf16": 2e-2}[weights]
+            assert _err(got, want) < tol, (i, _err(got, want))
+            torch.testing.assert_close(c.k[i], want_k, rtol=0, atol=0)
+            torch.testing.assert_close(c.v[i], want_v, rtol=0, atol=0)
+            assert not torch.equal(want_k, k0)  # the new keys were written
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_fused_decode_on_quantised_weights_runs_every_layer(arch, tmp_path, fused_calls):
+    """Through the engine: every decode step's layers go to the fused kernel for int8, int4 and
+    bf16 weights, one row and two. int8 in an fp32 engine agrees with the per-product path to fp32
+    rounding (x rounded to 16 bits at one row); int4's 8-bit x and these wide random weights
+    amplify last-bit differences across 8 steps (chaotic here: int4 errs by ~0.85 of the logits'
+    size against fp32), so it must only be as close to the fp32 forward as the per-product path;
+    bf16 differs by the bf16 attention of the per-product path."""
+    config = _bf16_model(arch, tmp_path / "m")
+    d = tmp_path / "m"
+    for rows in (1, 2):
+        ref = _run(_engine(d, tmp_path, lean=False, dtype="fp32", rows=rows), rows)
+        for weights, dtype in FORMATS:
+            fused_calls.clear()
+            fused = _run(_engine(d, tmp_path, weights=weights, dtype=dtype, rows=rows), rows)
+            if weights == "bf16" and rows > 1 and not fused_calls:
+                continue  # bf16 matrix products are fast on this CPU: two rows stay on PyTorch's
+            assert len(fused_calls) == 8 * config.num_hidden_layers, (weights, rows)
+            per_product = _run(_engine(d, tmp_path, fused=False, weights=weights, dtype=dtype, rows=rows), rows)
+            apart, e_fused, e_per = _err(fused, per_product), _err(fused, ref), _err(per_product, ref)
+            if weights == "int8":
+                assert apart < 1e-3, (rows, apart)
+            elif weights == "int4":
+                assert e_fused < e_per * 1.15, (rows, e_fused, e_per)
+            else:
+                assert apart < 0.05 and e_fused < 0.1, (rows, apart, e_fused)

@@ -1,0 +1,174 @@
+"""A decoder layer's decode step in one call of our C kernel (kernels/layer.c).
+
+The lean path (lean.py) makes four kernel calls a layer and ~15 torch ops between them; here the
+whole layer (norms, products, rotary embedding, KV cache write, attention, silu, residuals) is one
+parallel region, its threads meeting at barriers. It takes the same weights the lean path's
+products take (int8, our int4 layout, bf16; fp32 too) and gives the same products; attention is
+computed in fp32 over the cache as stored.
+
+Arguments are kept between calls: pointers used in place (weights, int4 scales, norm weights) are
+the key, rebuilt when a streamed layer lands in another buffer; int8 scales and q/k/v biases are
+converted to fp32 copies then (a window buffer later holds another layer's).
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from . import native
+from .gemv import UPCAST_MIN_ROWS, bf16_matmul_is_slow
+from .quant import NATIVE_MAX_ROWS, QLinear
+
+STAGES = (0, 3, 4, 6)  # the first module of q/k/v, o, gate/up, down: their x is rounded once each
+FP32_MAX_ROWS = 4  # each weight row is read once per 4 rows of x: past that PyTorch's sgemm wins
+
+
+class LayerW(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int64) for n in
+                ("kind", "hidden", "heads", "kv_heads", "head_dim", "inter", "ln_bf16")] + [("group", ctypes.c_int64 * 4),
+        ("eps", ctypes.c_double), ("scaling", ctypes.c_double), ("w", ctypes.c_void_p * 7),
+        ("s", ctypes.c_void_p * 7), ("bias", ctypes.c_void_p), ("ln1", ctypes.c_void_p), ("ln2", ctypes.c_void_p)]
+
+
+class Step(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int64) for n in
+                ("rows", "kv_len", "kv_bf16", "slot_stride", "head_stride", "threads")] + [
+        (n, ctypes.c_void_p) for n in ("cos", "sin", "mask", "write_pos")]
+
+
+def _kind(m) -> tuple[int, int] | None:
+    """(kernel kind, int4 group) of a linear module's weights, or None where the kernel has none."""
+    if isinstance(m, QLinear):
+        if m.qweight is None:
+            return None
+        if m.mode == "int8":
+            return native.INT8, 0
+        return (native.INT4, m.group) if m.layout == "tierlm" else None
+    w = getattr(m, "weight", None)
+    if w is None or w.device.type != "cpu" or not w.is_contiguous():
+        return None
+    return {torch.bfloat16: (native.BF16, 0), torch.float32: (native.FP32, 0)}.get(w.dtype)
+
+
+def rows_served(kind: int, rows: int) -> bool:
+    """Whether our kernels take this many rows of x for this kind (as lean.Products decides)."""
+    if kind in (native.INT8, native.INT4):
+        return rows <= NATIVE_MAX_ROWS
+    if kind == native.BF16:
+        return rows == 1 or (rows < UPCAST_MIN_ROWS and bf16_matmul_is_slow())
+    return rows <= FP32_MAX_ROWS
+
+
+class StepArgs:
+    """What every layer's call shares in one decode step: rotary cos/sin, the masks as additive
+    fp32 [rows, positions] (one per mask kind), where each row's new key goes, the scratch."""
+
+    def __init__(self, cos, sin, mask, cache, scratch_holder):
+        b = cos.shape[0]
+        self.cos = cos.reshape(b, -1).float().contiguous()
+        self.sin = sin.reshape(b, -1).float().contiguous()
+        self.pos = cache._write_pos[:, 0].contiguous()
+        kc = cache.k[0]
+        masks = mask if isinstance(mask, dict) else {None: mask}
+        self.additive, self.steps = {}, {}
+        for name, m in masks.items():
+            m = m.reshape(b, -1)
+            add = torch.zeros(m.shape).masked_fill_(~m, float("-inf")) if m.dtype == torch.bool else m.float()
+            self.additive[name] = add.contiguous()
+            st = Step(rows=b, kv_len=m.shape[1], kv_bf16=int(kc.dtype == torch.bfloat16), slot_stride=kc.stride(0),
+                      head_stride=kc.stride(1), threads=torch.get_num_threads())
+            st.cos, st.sin, st.mask, st.write_pos = (self.cos.data_ptr(), self.sin.data_ptr(),
+                                                      self.additive[name].data_ptr(), self.pos.data_ptr())
+            self.steps[name] = st
+        self._holder = scratch_holder
+
+    def step(self, sliding: bool) -> Step:
+        return self.steps.get("sliding_attention" if sliding else "full_attention") or self.steps[None]
+
+    def scratch(self, nbytes: int) -> int:
+        buf = self._holder.get("buf")
+        if buf is None or buf.numel() * 4 < nbytes:
+            buf = self._holder["buf"] = torch.empty(nbytes // 4 + 16, dtype=torch.float32)
+        return buf.data_ptr()
+
+
+class FusedLayer:
+    def __init__(self, layer, config):
+        a, m = layer.self_attn, layer.mlp
+        self.mods = [a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj]
+        self.norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        kvh = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.w = LayerW(hidden=config.hidden_size, heads=config.num_attention_heads, kv_heads=kvh,
+                        head_dim=a.head_dim, inter=m.gate_proj.out_features,
+                        eps=self.norms[0].variance_epsilon, scaling=a.scaling)
+        self._key = None
+        self._kind = None
+
+    @staticmethod
+    def supports(config) -> bool:
+        return getattr(config, "hidden_act", None) == "silu" and native.available()
+
+    def ready(self, rows: int) -> bool:
+        """Whether this layer's weights (as installed now) and `rows` go to the kernel; builds the
+        kept arguments when the weights moved."""
+        kinds = [_kind(m) for m in self.mods]
+        if None in kinds or len({k for k, _ in kinds}) != 1:
+            return False
+        kind = kinds[0][0]
+        # int4: the products sharing an x (q, k, v; gate, up) share its rounding, so their group
+        group = tuple(kinds[i][1] for i in STAGES)
+        if any(kinds[j][1] != kinds[i][1] for i, j in ((0, 1), (0, 2), (4, 5))):
+            return False
+        if not rows_served(kind, rows) or not native.available():
+            return False
+        norms = [n.weight for n in self.norms]
+        if any(t.dtype not in (torch.float32, torch.bfloat16) or t.dtype != norms[0].dtype or not t.is_contiguous()
+               for t in norms):
+            return False
+        ws = [m.qweight if isinstance(m, QLinear) else m.weight for m in self.mods]
+        inplace = ws + norms + ([m.scales for m in self.mods] if kind == native.INT4 else [])
+        key = (kind, group) + tuple(t.data_ptr() for t in inplace)
+        if key != self._key:
+            if kind == native.INT4 and any(m.scales.dtype != torch.float32 or not m.scales.is_contiguous()
+                                           for m in self.mods):
+                return False
+            self._build(kind, group, ws, norms)
+            self._key = key
+        return True
+
+    def _build(self, kind, group, ws, norms):
+        w = self.w
+        w.kind, w.ln_bf16 = kind, int(norms[0].dtype == torch.bfloat16)
+        w.group[:] = group
+        if kind == native.INT8:
+            # a copy even when fp32 already: a streamed layer's scales live in a window buffer
+            scales = [m.scales.to(torch.float32, copy=True).contiguous() for m in self.mods]
+        elif kind == native.INT4:
+            scales = [m.scales for m in self.mods]
+        else:
+            scales = None
+        for j in range(7):
+            w.w[j] = ws[j].data_ptr()
+            w.s[j] = scales[j].data_ptr() if scales else None
+        biases = [m.bias for m in self.mods[:3]]
+        if all(b is None for b in biases):
+            bias = None
+        else:
+            bias = torch.cat([torch.zeros(m.out_features) if b is None else b.float() for m, b in
+                              zip(self.mods[:3], biases)]).contiguous()
+        w.bias = None if bias is None else bias.data_ptr()
+        w.ln1, w.ln2 = norms[0].data_ptr(), norms[1].data_ptr()
+        # only the copies: holding a streamed layer's own tensors would keep them past its window
+        self._keep = (scales if kind == native.INT8 else None, bias)
+
+    def __call__(self, x: torch.Tensor, args: StepArgs, sliding: bool, kc: torch.Tensor, vc: torch.Tensor) -> None:
+        """x fp32 [rows, hidden], contiguous, updated in place; kc/vc this layer's cache."""
+        lib = native.library()
+        st = args.step(sliding)
+        scratch = args.scratch(lib.tierlm_layer_scratch_bytes(ctypes.byref(self.w), ctypes.byref(st)))
+        rc = lib.tierlm_layer_decode(ctypes.byref(self.w), ctypes.byref(st), x.data_ptr(), kc.data_ptr(),
+                                     vc.data_ptr(), scratch)
+        if rc != 0:
+            raise ValueError(f"the fused decoder layer refused its arguments (code {rc}): int4 groups "
+                             f"{list(self.w.group)} against hidden {self.w.hidden}, head dim {self.w.head_dim}")

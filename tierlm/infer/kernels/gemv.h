@@ -1,0 +1,43 @@
+/* What gemv.c shares with layer.c: the products of a few rows, split by output rows, and the
+   preparation of their x (the RMSNorm before a product, x rounded to integers for int8/int4). */
+#ifndef TIERLM_GEMV_H
+#define TIERLM_GEMV_H
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define HAVE_X86 1
+#define TARGET_AVX2 __attribute__((target("avx2,fma")))
+#else
+#define HAVE_X86 0
+#endif
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Round to nearest even, as PyTorch's conversion to bf16 does (NaN stays NaN). */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 64);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+int tl_use_avx2(void);
+void tl_prep_rows(const float *x, int64_t M, int64_t K, const void *nw, int nw_bf16, float eps, float *out);
+int tl_rounds_x(int kind, int64_t M);
+int64_t tl_xs_floats(int kind, int64_t group, int64_t M, int64_t K);
+void tl_prepare_x(int kind, int64_t group, const float *x, int64_t M, int64_t K, int16_t *xq, float *xs);
+void tl_rows_range(int kind, const float *x, const int16_t *xq, const float *xs, const float *xsum,
+                   int64_t group, int64_t M, int64_t K, int64_t nmat, const void *const *w,
+                   const float *const *s, float *const *y, const int64_t *N, int64_t ldy, int64_t r0,
+                   int64_t r1, int avx2);
+#endif

@@ -1,0 +1,334 @@
+/* A whole decoder layer's decode step (llama, mistral, qwen2; every row brings one token) in one
+   parallel region: RMSNorm, q/k/v, rotary embedding, the KV cache write, attention, o, residual,
+   RMSNorm, gate/up, silu(gate) * up, down, residual.
+
+   Why one region: a decode step made 89 kernel calls (TinyLlama), each its own OpenMP fork and
+   join, with 6-9 ms of torch ops a token between them (norm glue, rotary, SDPA on a few dozen
+   positions, residual adds); the step's products read ~20% slower than one call over the same
+   bytes (docs/inference.md). Here the threads meet at barriers instead, and the small work
+   between the products (a few thousand floats a row) runs on one of them while the other waits.
+
+   The products are gemv.c's (tl_rows_range), so the weights' formats, rounding of x and results
+   are the same as the per-product calls'. Attention runs in fp32 whatever the cache's dtype (bf16
+   keys and values are widened, not the query narrowed); masked positions (-inf) weigh exactly 0. */
+#include "gemv.h"
+
+typedef struct {
+    int64_t kind, hidden, heads, kv_heads, head_dim, inter, ln_bf16;
+    int64_t group[4];   /* int4: the groups of q/k/v, o, gate/up and down (each its inputs') */
+    double eps, scaling;
+    const void *w[7];   /* q, k, v, o, gate, up, down: [N, K] row-major (int4: [N, K/2]) */
+    const float *s[7];  /* their int8 scales [N] or int4 (scale, lo) pairs; NULL for bf16/fp32 */
+    const float *bias;  /* the q, k and v biases side by side (fp32), or NULL */
+    const void *ln1, *ln2;
+} tierlm_layer_w;
+
+typedef struct {
+    int64_t rows, kv_len, kv_bf16, slot_stride, head_stride, threads;
+    const float *cos, *sin;    /* [rows, head_dim] */
+    const float *mask;         /* [rows, kv_len]: 0 where a row attends, -inf where it must not */
+    const int64_t *write_pos;  /* [rows]: the position of each row's new key and value in its slot */
+} tierlm_step;
+
+typedef struct {
+    const float *x;
+    const int16_t *xq;
+    const float *xs, *xsum;
+} prepped;
+
+#define ALIGN_F 16  /* floats: each scratch buffer starts on a 64-byte line */
+static int64_t up16(int64_t n) { return (n + ALIGN_F - 1) / ALIGN_F * ALIGN_F; }
+
+static int64_t max3(int64_t a, int64_t b, int64_t c) {
+    int64_t m = a > b ? a : b;
+    return m > c ? m : c;
+}
+
+/* Scratch floats, in the order laid out below. */
+static int64_t scratch_floats(const tierlm_layer_w *lw, const tierlm_step *st, int64_t *parts) {
+    int64_t M = st->rows, H = lw->hidden, nq = lw->heads * lw->head_dim, nkv = lw->kv_heads * lw->head_dim;
+    int64_t I = lw->inter, K = max3(H, nq, I);
+    int64_t g = K;  /* the most groups any product's x has */
+    for (int i = 0; i < 4; i++) g = lw->kind == 2 && lw->group[i] < g ? lw->group[i] : g;
+    int64_t sizes[8] = {M * H, M * nq, M * I, M * (nq + 2 * nkv), M * H, M * 2 * I, (M * K + 1) / 2,
+                        tl_xs_floats((int)lw->kind, g, M, K)};
+    int64_t total = 0;
+    for (int i = 0; i < 8; i++) {
+        parts[i] = total;
+        total += up16(sizes[i]);
+    }
+    parts[8] = total;  /* the attention's scores: kv_len a thread */
+    return total + st->threads * up16(st->kv_len);
+}
+
+int64_t tierlm_layer_scratch_bytes(const tierlm_layer_w *lw, const tierlm_step *st) {
+    int64_t parts[9];
+    return scratch_floats(lw, st, parts) * (int64_t)sizeof(float);
+}
+
+static void prep(const tierlm_layer_w *lw, int stage, const float *x, int64_t M, int64_t K, int16_t *xq,
+                 float *xs, prepped *p) {
+    int kind = (int)lw->kind;
+    int64_t group = lw->group[stage];
+    p->x = x;
+    p->xq = NULL;
+    p->xs = p->xsum = NULL;
+    if (!tl_rounds_x(kind, M)) return;
+    tl_prepare_x(kind, group, x, M, K, xq, xs);
+    p->xq = xq;
+    p->xs = xs;
+    p->xsum = xs + M * ((kind == 2 ? K / group : 0) + 1);
+}
+
+/* Thread tt's share of the rows of w[first .. first + nmat), products of stage `stage`. */
+static void share(const tierlm_layer_w *lw, int stage, const prepped *p, int64_t M, int64_t K, int first,
+                  int nmat, float *const *y, const int64_t *N, int64_t ldy, int64_t tt, int64_t threads,
+                  int avx2) {
+    int64_t total = 0;
+    for (int j = 0; j < nmat; j++) total += N[j];
+    tl_rows_range((int)lw->kind, p->x, p->xq, p->xs, p->xsum, lw->group[stage], M, K, nmat, lw->w + first,
+                  lw->s + first, y, N, ldy, total * tt / threads, total * (tt + 1) / threads, avx2);
+}
+
+/* ---- attention ------------------------------------------------------------------------ */
+#if HAVE_X86
+TARGET_AVX2 static inline float hsum8(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+    return _mm_cvtss_f32(lo);
+}
+
+TARGET_AVX2 static inline __m256 kv8(const void *kv, int bf16, int64_t i) {
+    if (bf16) {
+        __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)kv + i)));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    }
+    return _mm256_loadu_ps((const float *)kv + i);
+}
+
+TARGET_AVX2 static float dot_avx2(const float *q, const void *k, int bf16, int64_t n) {
+    __m256 a = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), kv8(k, bf16, i), a);
+    return hsum8(a);
+}
+
+TARGET_AVX2 static void axpy_avx2(float p, const void *v, int bf16, float *o, int64_t n) {
+    __m256 pv = _mm256_set1_ps(p);
+    for (int64_t i = 0; i < n; i += 8)
+        _mm256_storeu_ps(o + i, _mm256_fmadd_ps(pv, kv8(v, bf16, i), _mm256_loadu_ps(o + i)));
+}
+
+/* exp(x) for 8 floats (Cephes' expf: range reduction by ln 2, a degree-5 polynomial; ~1 ulp),
+   0 below -87.3 (so masked scores weigh exactly nothing). */
+TARGET_AVX2 static __m256 exp8(__m256 x) {
+    __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_GE_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
+}
+
+/* s[i] = exp(s[i] - mx), returns their sum */
+TARGET_AVX2 static float exp_sum_avx2(float *s, int64_t n, float mx) {
+    __m256 m = _mm256_set1_ps(mx), acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), m));
+        _mm256_storeu_ps(s + i, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float t = hsum8(acc);
+    for (; i < n; i++) t += (s[i] = s[i] == -INFINITY ? 0.f : expf(s[i] - mx));
+    return t;
+}
+
+/* silu(g) * u = g * u / (1 + exp(-g)) */
+TARGET_AVX2 static void silu_mul_avx2(const float *g, const float *u, float *o, int64_t n) {
+    int64_t i = 0;
+    __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        __m256 gv = _mm256_loadu_ps(g + i);
+        __m256 e = exp8(_mm256_sub_ps(zero, gv));
+        _mm256_storeu_ps(o + i, _mm256_div_ps(_mm256_mul_ps(gv, _mm256_loadu_ps(u + i)), _mm256_add_ps(one, e)));
+    }
+    for (; i < n; i++) o[i] = g[i] * u[i] / (1.f + expf(-g[i]));
+}
+#endif
+
+static float dot_scalar(const float *q, const void *k, int bf16, int64_t n) {
+    float a = 0.f;
+    for (int64_t i = 0; i < n; i++) a += q[i] * (bf16 ? bf16_to_f32(((const uint16_t *)k)[i]) : ((const float *)k)[i]);
+    return a;
+}
+
+static void silu_mul(const float *g, const float *u, float *o, int64_t n, int avx2) {
+#if HAVE_X86
+    if (avx2) {
+        silu_mul_avx2(g, u, o, n);
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < n; i++) o[i] = g[i] * u[i] / (1.f + expf(-g[i]));
+    (void)avx2;
+}
+
+/* x <- x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[half:], x[:half]) */
+static void rotate(float *x, const float *cs, const float *sn, int64_t hd) {
+    float t[512];
+    int64_t half = hd / 2;
+    memcpy(t, x, (size_t)hd * sizeof(float));
+    for (int64_t j = 0; j < half; j++) x[j] = t[j] * cs[j] + (-t[j + half]) * sn[j];
+    for (int64_t j = half; j < hd; j++) x[j] = t[j] * cs[j] + t[j - half] * sn[j];
+}
+
+/* Row m's KV head h: bias and rotation of its query heads and key, the key and value written to
+   the cache, then each query head's attention over the row's kv_len positions into att. */
+static void attend(const tierlm_layer_w *lw, const tierlm_step *st, float *qkv, int64_t m, int64_t h,
+                   void *kc, void *vc, float *att, float *sc, int avx2) {
+    int64_t hd = lw->head_dim, nq = lw->heads * hd, nkv = lw->kv_heads * hd, gq = lw->heads / lw->kv_heads;
+    int64_t L = st->kv_len, esz = st->kv_bf16 ? 2 : 4;
+    int bf16 = (int)st->kv_bf16;
+    float *row = qkv + m * (nq + 2 * nkv);
+    float *q0 = row + h * gq * hd, *k = row + nq + h * hd, *v = row + nq + nkv + h * hd;
+    const float *cs = st->cos + m * hd, *sn = st->sin + m * hd, *mask = st->mask + m * L;
+    if (lw->bias) {
+        const float *b = lw->bias;
+        for (int64_t i = 0; i < gq * hd; i++) q0[i] += b[h * gq * hd + i];
+        for (int64_t i = 0; i < hd; i++) {
+            k[i] += b[nq + h * hd + i];
+            v[i] += b[nq + nkv + h * hd + i];
+        }
+    }
+    for (int64_t g = 0; g < gq; g++) rotate(q0 + g * hd, cs, sn, hd);
+    rotate(k, cs, sn, hd);
+    int64_t base = m * st->slot_stride + h * st->head_stride;
+    char *kdst = (char *)kc + (base + st->write_pos[m] * hd) * esz;
+    char *vdst = (char *)vc + (base + st->write_pos[m] * hd) * esz;
+    if (bf16) {
+        for (int64_t i = 0; i < hd; i++) {
+            ((uint16_t *)kdst)[i] = f32_to_bf16(k[i]);
+            ((uint16_t *)vdst)[i] = f32_to_bf16(v[i]);
+        }
+    } else {
+        memcpy(kdst, k, (size_t)hd * 4);
+        memcpy(vdst, v, (size_t)hd * 4);
+    }
+    const char *kbase = (const char *)kc + base * esz, *vbase = (const char *)vc + base * esz;
+    float scale = (float)lw->scaling;
+    int vec = avx2 && hd % 8 == 0;
+    for (int64_t g = 0; g < gq; g++) {
+        const float *q = q0 + g * hd;
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < L; j++) {
+            if (mask[j] == -INFINITY) {
+                sc[j] = -INFINITY;
+                continue;
+            }
+            const void *kj = kbase + j * hd * esz;
+#if HAVE_X86
+            float d = vec ? dot_avx2(q, kj, bf16, hd) : dot_scalar(q, kj, bf16, hd);
+#else
+            float d = dot_scalar(q, kj, bf16, hd);
+#endif
+            sc[j] = d * scale + mask[j];
+            mx = sc[j] > mx ? sc[j] : mx;
+        }
+        float *o = att + m * nq + (h * gq + g) * hd;
+        memset(o, 0, (size_t)hd * sizeof(float));
+        if (mx == -INFINITY) continue;  /* a row that sees nothing (none in a decode step) */
+        float tot = 0.f;
+#if HAVE_X86
+        if (avx2) tot = exp_sum_avx2(sc, L, mx);
+        else
+#endif
+            for (int64_t j = 0; j < L; j++) tot += (sc[j] = sc[j] == -INFINITY ? 0.f : expf(sc[j] - mx));
+        for (int64_t j = 0; j < L; j++) {
+            float p = sc[j] / tot;
+            if (p == 0.f) continue;
+            const void *vj = vbase + j * hd * esz;
+#if HAVE_X86
+            if (vec) {
+                axpy_avx2(p, vj, bf16, o, hd);
+                continue;
+            }
+#endif
+            for (int64_t i = 0; i < hd; i++)
+                o[i] += p * (bf16 ? bf16_to_f32(((const uint16_t *)vj)[i]) : ((const float *)vj)[i]);
+        }
+    }
+}
+
+/* x [rows, hidden] (fp32, updated in place) through one decoder layer; kc, vc are this layer's
+   cache [slots, kv_heads, positions, head_dim] (fp32 or bf16). `scratch` holds
+   tierlm_layer_scratch_bytes. Returns -2 for an int4 group that does not divide its product's
+   inputs, -3 for a head geometry the kernel does not take. */
+int tierlm_layer_decode(const tierlm_layer_w *lw, const tierlm_step *st, float *x, void *kc, void *vc,
+                        float *scratch) {
+    int64_t M = st->rows, H = lw->hidden, hd = lw->head_dim, I = lw->inter, T = st->threads;
+    int64_t nq = lw->heads * hd, nkv = lw->kv_heads * hd, kvh = lw->kv_heads;
+    int kind = (int)lw->kind, avx2 = tl_use_avx2();
+    int64_t ins[4] = {H, nq, H, I};
+    for (int i = 0; kind == 2 && i < 4; i++)
+        if (lw->group[i] <= 0 || lw->group[i] % 32 || ins[i] % lw->group[i]) return -2;
+    if (hd % 2 || hd > 512 || lw->heads % kvh) return -3;
+    int64_t parts[9];
+    scratch_floats(lw, st, parts);
+    float *xn = scratch + parts[0], *att = scratch + parts[1], *act = scratch + parts[2],
+          *qkv = scratch + parts[3], *y = scratch + parts[4], *gu = scratch + parts[5],
+          *xs = scratch + parts[7], *sc = scratch + parts[8];
+    int16_t *xq = (int16_t *)(scratch + parts[6]);
+    float eps = (float)lw->eps;
+    prepped p;
+    int64_t n_qkv[3] = {nq, nkv, nkv}, n_h[1] = {H}, n_gu[2] = {I, I};
+    float *y_qkv[3] = {qkv, qkv + nq, qkv + nq + nkv}, *y_h[1] = {y}, *y_gu[2] = {gu, gu + I};
+#pragma omp parallel num_threads(T)
+    {
+#pragma omp single
+        {
+            tl_prep_rows(x, M, H, lw->ln1, (int)lw->ln_bf16, eps, xn);
+            prep(lw, 0, xn, M, H, xq, xs, &p);
+        }
+#pragma omp for schedule(static)
+        for (int64_t tt = 0; tt < T; tt++) share(lw, 0, &p, M, H, 0, 3, y_qkv, n_qkv, nq + 2 * nkv, tt, T, avx2);
+#pragma omp for schedule(static)
+        for (int64_t tt = 0; tt < T; tt++)
+            for (int64_t it = M * kvh * tt / T; it < M * kvh * (tt + 1) / T; it++)
+                attend(lw, st, qkv, it / kvh, it % kvh, kc, vc, att, sc + tt * up16(st->kv_len), avx2);
+#pragma omp single
+        prep(lw, 1, att, M, nq, xq, xs, &p);
+#pragma omp for schedule(static)
+        for (int64_t tt = 0; tt < T; tt++) share(lw, 1, &p, M, nq, 3, 1, y_h, n_h, H, tt, T, avx2);
+#pragma omp single
+        {
+            for (int64_t i = 0; i < M * H; i++) x[i] += y[i];
+            tl_prep_rows(x, M, H, lw->ln2, (int)lw->ln_bf16, eps, xn);
+            prep(lw, 2, xn, M, H, xq, xs, &p);
+        }
+#pragma omp for schedule(static)
+        for (int64_t tt = 0; tt < T; tt++) share(lw, 2, &p, M, H, 4, 2, y_gu, n_gu, 2 * I, tt, T, avx2);
+#pragma omp for schedule(static)
+        for (int64_t tt = 0; tt < T; tt++)
+            for (int64_t m = 0; m < M; m++) {
+                int64_t a = I * tt / T, b = I * (tt + 1) / T;
+                silu_mul(gu + m * 2 * I + a, gu + m * 2 * I + I + a, act + m * I + a, b - a, avx2);
+            }
+#pragma omp single
+        prep(lw, 3, act, M, I, xq, xs, &p);
+#pragma omp for schedule(static)
+        for (int64_t tt = 0; tt < T; tt++) share(lw, 3, &p, M, I, 6, 1, y_h, n_h, H, tt, T, avx2);
+    }
+    for (int64_t i = 0; i < M * H; i++) x[i] += y[i];
+    return 0;
+}
