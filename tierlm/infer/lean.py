@@ -100,7 +100,7 @@ class LeanDecoder:
         self.stream = stream
         self.streamed = streamed  # decoder layer position -> block index the stream knows it by
         # each layer in one C call where the kernels take its weights (fused.py)
-        self.fused = [FusedLayer(layer, model.config) for layer in base.layers] \
+        self.fused = [FusedLayer(layer, model.config, resident=i not in streamed) for i, layer in enumerate(base.layers)] \
             if fused and FusedLayer.supports(model.config) else None
         self._scratch: dict = {}
 
