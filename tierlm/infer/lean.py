@@ -23,6 +23,10 @@ in PyTorch's layout, no C compiler) each product is the module's own forward, so
 transformers computes (tests/infer/test_lean.py compares the logits of every decode step).
 Prefill, and any step where a row brings several tokens, keeps transformers' forward.
 
+Where our kernels take a layer's weights and rows, the whole layer is one C call instead
+(fused.py: the same products, no torch ops between them); the per-product `_layer` below runs
+otherwise, and with `InferConfig(fused=False)`.
+
 Supported: llama, mistral, qwen2 (q/k/v/o projections, RMSNorms before attention and MLP, a gated
 MLP). Anything else (gpt2, tensor parallelism, q/k norms) gets None from `LeanDecoder.build`.
 """

@@ -106,6 +106,17 @@ def phase_line(name: str, seconds: float, tokens: int, ram: int, ssd: int, kv: i
                   "bound": bound, "shares": shares}
 
 
+def compute_dtype(engine) -> str:
+    """The dtype the products compute in: a bf16 model's products run in fp32 where this CPU's bf16
+    matmul is slow (gemv.py upcasts many rows; our kernels widen the weights to fp32), so its
+    compute roofline is the fp32 matmul rate (against the bf16 one, 0.3 GFLOP/s on an AVX2-only
+    EPYC, a decode phase read as 89x its compute roofline)."""
+    import torch
+
+    from .gemv import bf16_matmul_is_slow
+    return "bf16" if engine.dtype == torch.bfloat16 and not bf16_matmul_is_slow() else "fp32"
+
+
 def report(batcher, engine, requests, rates: dict) -> tuple[list[str], dict]:
     """Lines for `tierlm generate`: TTFT, prefill and decode phases."""
     s = batcher.stats
@@ -117,7 +128,7 @@ def report(batcher, engine, requests, rates: dict) -> tuple[list[str], dict]:
     for ph in ("prefill", "decode"):
         flops = 2 * engine.flop_params * s.tokens[ph]
         line, d = phase_line(ph, s.s[ph], s.tokens[ph], s.ram[ph], s.ssd[ph], s.kv[ph], flops, rates,
-                             engine.cfg.dtype)
+                             compute_dtype(engine))
         lines.append(line)
         out[ph] = d
     return lines, out
