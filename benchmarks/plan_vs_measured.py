@@ -74,6 +74,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--reuse", action="store_true", help="compare runs already in --work instead of running them")
     ap.add_argument("--infer-models", default="llama-208m", help="models to decode with (empty: none)")
+    ap.add_argument("--infer-weights", default="bf16",
+                    help="weight formats of the in-RAM decode rows, e.g. bf16,int8,int4 (streamed rows: bf16)")
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--skip-train", action="store_true")
     ap.add_argument("--stream-repeats", type=int, default=3,
@@ -120,7 +122,8 @@ def main() -> None:
                              "devices": {k: round(v, 2) for k, v in p.devices_s.items() if v}})
     inf = []
     for name in (a.infer_models.split(",") if a.infer_models else []):
-        inf.append(infer_row(work, name, "in RAM", a.new_tokens, hw, a.reuse))
+        for fmt in a.infer_weights.split(","):
+            inf.append(infer_row(work, name, "in RAM", a.new_tokens, hw, a.reuse, weights=fmt))
         for rep in range(a.stream_repeats):
             inf.append(streamed_row(work, name, a.new_tokens, a.bench, rep, a.reuse))
     io = hw.measured["nvme"]
@@ -128,8 +131,8 @@ def main() -> None:
           f"AdamW {hw.measured['adamw_elems_per_s'] / 1e9:.2f} G/s, NVMe r/w {io['read_gbps']:.2f}/"
           f"{io['write_gbps']:.2f} GB/s, memory {hw.measured['mem_gbps']:.1f} GB/s, "
           f"layer TFLOPS by tokens and width {json.dumps(hw.measured.get('layer_tflops_by_tokens') or hw.measured.get('layer_tflops'))}, "
-          f"compute/SSD overlap {hw.measured.get('overlap')}, one-row decode "
-          f"{hw.measured.get('gemv_gbps') or 0:.2f} GB/s, CRC32C {hw.measured.get('crc32c_gbps') or 0:.1f} GB/s, overheads {json.dumps(hw.measured.get('overhead'))}; "
+          f"compute/SSD overlap {hw.measured.get('overlap')}, batch-1 decode step "
+          f"{json.dumps(hw.measured.get('decode_gbps') or hw.measured.get('gemv_gbps'))} GB/s, CRC32C {hw.measured.get('crc32c_gbps') or 0:.1f} GB/s, overheads {json.dumps(hw.measured.get('overhead'))}; "
           f"load average {load0:.1f} before, {os.getloadavg()[0]:.1f} after")
     print("| model | params | batch x seq | activations | --cpu-mem | predicted s/step | measured s/step (mean; "
           "fastest) | measured/predicted (mean; fastest) | binding (predicted) | SSD bytes/step predicted / measured | devices (predicted s) |")
@@ -175,23 +178,25 @@ def streamed_row(work: Path, name: str, new_tokens: int, bench: str | None, rep:
         "read_gbps": (before, after)}
 
 
-def infer_row(work: Path, name: str, mode: str, new_tokens: int, hw, reuse: bool, tag: str | None = None) -> dict:
+def infer_row(work: Path, name: str, mode: str, new_tokens: int, hw, reuse: bool, tag: str | None = None,
+              weights: str = "bf16") -> dict:
     """Runs `tierlm generate` unless reusing its report; with hw=None only runs it."""
     from tierlm.hf.checks import load_tokenizer
 
     model = work / name
-    out = work / f"gen-{name}-{(tag or mode).replace(' ', '-')}.json"
+    fmt = "" if weights == "bf16" else f"-{weights}"
+    out = work / f"gen-{name}-{(tag or mode).replace(' ', '-')}{fmt}.json"
     if not (reuse and out.exists()):
         run([sys.executable, "-m", "tierlm", "generate", str(model), "--cpu-mem", INFER_MEM[mode], "--prompt", PROMPT,
-             "--max-new-tokens", str(new_tokens), "--ignore-eos", "--nvme", str(work / f"store-{name}"),
-             "--json", str(out)], out.with_suffix(".log"))
+             "--max-new-tokens", str(new_tokens), "--ignore-eos", "--nvme", str(work / f"store-{name}{fmt}"),
+             "--weights", weights, "--json", str(out)], out.with_suffix(".log"))
     if hw is None:
         return {}
     rep = json.loads(out.read_text())
     prompt = len(load_tokenizer(str(model))(PROMPT).input_ids)
     p = plan(model_shape(str(model)), hw, Task(kind="serve", batch=1, seq_len=prompt, new_tokens=new_tokens,
-                                               cpu_mem=parse_bytes(INFER_MEM[mode])))
-    return {"model": name, "mode": mode, "cpu_mem": INFER_MEM[mode], "resident": rep["placement"]["resident"],
+                                               cpu_mem=parse_bytes(INFER_MEM[mode]), weights=weights))
+    return {"model": name, "mode": f"{mode}, {weights}", "cpu_mem": INFER_MEM[mode], "resident": rep["placement"]["resident"],
             "predicted_tok_s": p.extra["decode_tokens_per_s"], "measured_tok_s": rep["decode"]["tok_s"],
             "binding": p.binding, "resources": {k: round(v, 4) for k, v in p.resources_s.items() if v}}
 

@@ -133,7 +133,7 @@ def _cmd_plan(args) -> int:
     task = Task(kind=args.task, batch=args.batch, seq_len=args.seq_len, new_tokens=args.tokens,
                 activations=args.activations, state_cache=not args.no_state_cache,
                 cpu_mem=parse_bytes(args.cpu_mem, "--cpu-mem") if args.cpu_mem else None, precision=args.precision,
-                clip=args.clip)
+                clip=args.clip, weights=args.weights)
     plans = run_plan(args.model, task, args.hardware, compare=args.compare, json_path=args.json,
                      chart_path=args.chart, catalog_file=args.catalog, nvme=args.nvme)
     return 0 if args.compare or plans[0].fits else 1
@@ -169,6 +169,8 @@ def _add_plan_verbs(sub) -> None:
     q.add_argument("--batch", type=int, default=1, help="sequences per step (finetune) or concurrent requests (serve)")
     q.add_argument("--seq-len", type=int, default=1024, help="training sequence length, or prompt length when serving")
     q.add_argument("--tokens", type=int, default=256, help="serve: tokens generated per request")
+    q.add_argument("--weights", choices=("bf16", "int8", "int4"), default="bf16",
+                   help="serve: the decoder layers' weight format, as `tierlm generate --weights` holds them")
     q.add_argument("--activations", choices=("auto", "keep", "swap", "recompute"), default="auto",
                    help="saved activations: auto (the fastest split), keep in RAM, swap to NVMe, recompute")
     q.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",

@@ -134,3 +134,32 @@ def test_measured_overlap_adds_the_unhidden_share_of_the_shorter(shape):
     assert part.step_s == pytest.approx(full.step_s + 0.75 * shorter)
     assert "overlap_penalty" not in full.resources_s  # older caches: perfect overlap, as before
     assert any("25% of the shorter is hidden" in a for a in part.assumptions)
+
+
+def test_decode_uses_the_measured_rate_of_its_weight_format(shape):
+    """`bench compute` times a decode step through layers in each weight format; the plan divides
+    the layers' bytes in that format by its rate, and the bf16 head's by the bf16 rate."""
+    s, _ = shape
+    m = measurements()
+    m["compute"]["decode_gbps"] = {"bf16": 1.0, "int8": 0.8, "int4": 0.5}
+    hw = hardware_from_measurements(m)
+    plans = {f: plan(s, hw, Task(kind="serve", batch=1, seq_len=16, new_tokens=8, cpu_mem=1 << 30, weights=f))
+             for f in ("bf16", "int8", "int4")}
+    head = s.vocab * s.hidden * 2 / 1e9
+    for f, rate in m["compute"]["decode_gbps"].items():
+        layers = s.layers * s.layer_params * C.weight_bytes_per_param(f, s.hidden)
+        assert plans[f].resources_s["compute"] == pytest.approx(layers / (rate * 1e9) + head)
+        assert plans[f].placement["weights"]["ram"] == pytest.approx(layers + (s.params - s.layers * s.layer_params) * 2)
+    assert C.weight_bytes_per_param("int4", 2048) == 0.5625 and C.weight_bytes_per_param("int8", 2048) == 1 + 2 / 2048
+    # a cache from before the formats were measured: every format at its one bf16 rate
+    old = plan(s, hardware_from_measurements(measurements()), Task(kind="serve", seq_len=16, new_tokens=8,
+                                                                 cpu_mem=1 << 30, weights="int8"))
+    int8_layers = s.layers * s.layer_params * C.weight_bytes_per_param("int8", s.hidden)
+    assert old.resources_s["compute"] == pytest.approx(int8_layers / 1e9 + head)
+
+
+def test_weights_other_than_bf16_are_for_serving():
+    with pytest.raises(ValueError, match="--weights int8 is for --task serve"):
+        Task(kind="finetune", weights="int8").validate()
+    with pytest.raises(ValueError, match="use bf16, int8 or int4"):
+        Task(kind="serve", weights="fp8").validate()

@@ -187,33 +187,59 @@ def bench_layer(dtype: torch.dtype | None = None, repeats: int = 2, widths: tupl
             "layer_dtype": "bf16" if dtype == torch.bfloat16 else "fp32"}
 
 
-def bench_gemv(dtype: torch.dtype = torch.bfloat16, hidden: int = 2048, repeats: int = 5,
-               total_bytes: int = 256 << 20) -> dict:
-    """Weight bytes/s of one token through linear layers (8/3 hidden x hidden) on the kernel the
-    inference engine uses for one row (`tierlm.infer.gemv` where it exists, else nn.Linear): what a
-    batch-1 decode step's matmuls run at, far below the large-GEMM rate on a CPU. The product
-    cycles through `total_bytes` of distinct weights, as a decode step does through its layers: one
-    weight multiplied again and again stays in the last-level cache (32 MiB on an EPYC's core
-    complex) and reads faster than memory delivers."""
-    out_f = hidden * 8 // 3 // 64 * 64
-    count = max(2, total_bytes // (out_f * hidden * torch.tensor([], dtype=dtype).element_size()))
-    lins = [torch.nn.Linear(hidden, out_f, bias=False).to(dtype).requires_grad_(False) for _ in range(count)]
-    try:
-        from ..infer.gemv import use_gemv
-        kernel = "tierlm.infer.gemv" if use_gemv(torch.nn.Sequential(*lins)) else "nn.Linear"
-    except ImportError:
-        kernel = "nn.Linear"
-    x = torch.randn(1, hidden).to(dtype)
+DECODE_FORMATS = ("bf16", "int8", "int4")
 
-    def run():
-        for lin in lins:
-            lin(x)
-    with torch.no_grad():
-        run()
-        t = _best(run, repeats)
-    w = lins[0].weight
-    return {"gemv_gbps": count * w.numel() * w.element_size() / t / GB,
-            "gemv_shape": list(w.shape), "gemv_weights": count, "gemv_kernel": kernel}
+
+def bench_decode(formats=DECODE_FORMATS, hidden: int = 2048, total_bytes: int = 256 << 20, repeats: int = 5) -> dict:
+    """Weight bytes/s of a batch-1 decode step through llama decoder layers on the inference
+    engine's own decode path (`tierlm.infer.lean`: each layer one C call where our kernels build),
+    per weight format: what the plan divides a decode step's weight bytes by. Far below the
+    large-GEMM rate on a CPU, and not one matrix's rate either: the engine's step also normalises,
+    rotates, attends and adds between the products.
+
+    Layers of `hidden` (heads of 64, a quarter as many KV heads, SwiGLU of 8/3), as many as make
+    `total_bytes` of distinct weights in the format: one layer timed again and again would stay in
+    the last-level cache (32 MiB on an EPYC's core complex) and read faster than memory delivers.
+    They are copies of one random, quantised layer: the products' speed does not depend on the
+    values."""
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ..infer.kvcache import SlotKVCache
+    from ..infer.lean import LeanDecoder
+    from ..infer.quant import QLinear, replace_linears
+
+    inter = hidden * 8 // 3 // 64 * 64
+    rates, path = {}, None
+    for fmt in formats:
+        cfg = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_attention_heads=hidden // 64,
+                          num_key_value_heads=max(1, hidden // 256), num_hidden_layers=1, vocab_size=256,
+                          max_position_embeddings=64)
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+        layer = model.model.layers[0]
+        if fmt != "bf16":
+            for q, _conv, old in replace_linears(layer, fmt).values():
+                for name, t in q.quantize(old.weight.data, None, torch.bfloat16).items():
+                    setattr(q, name, t)
+        nbytes = sum(t.numel() * t.element_size() for m in layer.modules()
+                     for t in ([m.qweight, m.scales] if isinstance(m, QLinear) else
+                               [m.weight] if isinstance(m, torch.nn.Linear) else []))
+        n = max(2, total_bytes // nbytes)
+        model.model.layers = torch.nn.ModuleList([layer] + [copy.deepcopy(layer) for _ in range(n - 1)])
+        model.config.num_hidden_layers = n
+        dec = LeanDecoder(model, torch.bfloat16, None, {})
+        cache = SlotKVCache(model.config, 1, 64, torch.bfloat16)
+        pos, mask = cache.begin_step([32], [1])
+        ids = torch.ones(1, 1, dtype=torch.long)
+        with torch.no_grad():
+            t = _best(lambda: dec.logits(ids, pos, mask, cache), repeats)
+        rates[fmt] = n * nbytes / t / GB
+        if path is None:
+            path = "fused" if dec.fused is not None and dec.fused[0].ready(1) else "per-product"
+        del model, dec, cache
+    return {"decode_gbps": rates, "decode_path": path, "decode_hidden": hidden}
 
 
 def bench_checksum(size_bytes: int = 64 << 20, repeats: int = 5) -> dict:

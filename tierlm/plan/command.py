@@ -27,7 +27,8 @@ def hardware_from_measurements(m: dict, spec: str = "this") -> Hardware:
                 # absent in caches written before `bench compute` measured them: the plan says so
                 "layer_tflops": comp.get("layer_tflops"), "layer_dtype": comp.get("layer_dtype", "bf16"),
                 "layer_tflops_by_tokens": comp.get("layer_tflops_by_tokens"),
-                "gemv_gbps": comp.get("gemv_gbps"),
+                "gemv_gbps": comp.get("gemv_gbps"),  # caches from before decode_gbps
+                "decode_gbps": comp.get("decode_gbps"),
                 "crc32c_gbps": comp.get("crc32c_gbps"),
                 # what `--precision auto` picked when `bench compute` ran (its reference layers' dtype)
                 "precision": comp.get("layer_dtype", "bf16"),
@@ -63,7 +64,7 @@ def run_bench(what: str, nvme: str | None, size: int = 2 << 30, quiet: bool = Fa
         say("bench compute: matmul per dtype, a decoder layer, the AdamW kernel, the engine's fixed costs ...")
         res = measure.bench_compute()
         res.update(measure.bench_layer())
-        res.update(measure.bench_gemv())
+        res.update(measure.bench_decode())
         res.update(measure.bench_checksum())
         # The commit's syncfs is part of the overhead: measure on the drive the runs use.
         where = nvme if nvme and nvme != "." else cache.load().get("io", {}).get("dir", ".")
@@ -88,7 +89,8 @@ def bench_text(what: str, res: dict) -> str:
             + "; ".join(f"{t} tokens: " + ", ".join(f"{v:.3f} at hidden {k}" for k, v in row.items())
                         for t, row in (res.get("layer_tflops_by_tokens")
                                        or {res.get("layer_tokens", 2048): res["layer_tflops"]}).items())
-            + f" TFLOPS ({res.get('layer_dtype', 'bf16')}); batch-1 decode matmul {res['gemv_gbps']:.2f} GB/s of weights; CRC32C "
+            + f" TFLOPS ({res.get('layer_dtype', 'bf16')}); batch-1 decode step ({res['decode_path']} layers) "
+            + ", ".join(f"{k} {v:.2f}" for k, v in res["decode_gbps"].items()) + " GB/s of weights; CRC32C "
             f"{res['crc32c_gbps']:.1f} GB/s; AdamW (fused) {res['adamw_elems_per_s'] / 1e9:.2f} "
             f"G elements/s; engine overhead: training {o['train_per_step_s'] * 1e3:.0f} ms/step + "
             f"{o['train_per_layer_s'] * 1e3:.0f} ms/layer, decode in RAM {o['decode_resident_per_step_s'] * 1e3:.1f} ms + "

@@ -79,7 +79,8 @@ class Rates:
     # where a real model's large layers make them negligible against the step.
     layer_flops: dict | None = None   # {hidden: FLOP/s} of the reference layers (at their most tokens)
     layer_flops_by_tokens: dict | None = None  # {tokens: {hidden: FLOP/s}}, where measured
-    gemv: float = 0.0                 # weight bytes/s of a batch-1 decode matmul
+    gemv: float = 0.0                 # weight bytes/s of a batch-1 decode step's layers, bf16 weights
+    decode: dict | None = None        # the same per weight format ({"bf16", "int8", "int4"}: bytes/s)
     crc: float = 0.0                  # CRC32C bytes/s (the store checksums every byte on the CPU)
     overhead: dict | None = None
     # share of the shorter of CPU compute and SSD time hidden when both run at once on the CPU's
@@ -138,7 +139,8 @@ def rates(hw: Hardware, eff: Efficiency, precision: str = "bf16") -> Rates:
                  layer_flops_by_tokens={t: {h: v * 1e12 for h, v in row.items()} for t, row in by_tokens.items()}
                  if isinstance(by_tokens, dict) else None,
                  # measured on bf16 weights (inference's default), whatever finetune's precision
-                 gemv=(m.get("gemv_gbps") or 0.0) * GB if bf16 else 0.0,
+                 gemv=_decode_rates(m).get("bf16", 0.0) if bf16 else 0.0,
+                 decode=_decode_rates(m) if bf16 else None,
                  crc=(m.get("crc32c_gbps") or 0.0) * GB if m is not None else 0.0,
                  overhead=m.get("overhead") if m is not None else None,
                  overlap=m.get("overlap", 1.0) if m is not None and m.get("overlap") is not None else 1.0,
@@ -147,6 +149,30 @@ def rates(hw: Hardware, eff: Efficiency, precision: str = "bf16") -> Rates:
                  gpu_mem=g.mem_gbps * GB * eff.memory if g else 0.0, ssd_read=rd, ssd_write=wr,
                  gpu_bytes=g.memory_bytes if g else 0, ram_bytes=hw.ram_bytes, nvme_bytes=hw.nvme_bytes,
                  measured=m is not None)
+
+
+def _decode_rates(m: dict | None) -> dict:
+    """Measured batch-1 decode rates by weight format (bytes/s): `bench compute`'s decode step
+    through layers on the engine's path; caches from before it measured formats have one bf16
+    product rate (`gemv_gbps`)."""
+    if m is None:
+        return {}
+    if m.get("decode_gbps"):
+        return {k: v * GB for k, v in m["decode_gbps"].items()}
+    return {"bf16": m["gemv_gbps"] * GB} if m.get("gemv_gbps") else {}
+
+
+def weight_bytes_per_param(fmt: str, k: int, group: int = 128) -> float:
+    """Bytes a decoder layer's matrix of `k` inputs holds per parameter in a serving format
+    (tierlm.infer.quant): bf16; int8 with a bf16 scale per output row; int4 in nibbles with an fp32
+    (scale, offset) pair per group of `group` inputs (our kernels' layout)."""
+    if fmt == "bf16":
+        return float(W_BYTES)
+    if fmt == "int8":
+        return 1.0 + 2.0 / k
+    if fmt == "int4":
+        return 0.5 + 8.0 / group
+    raise ValueError(f"--weights {fmt!r}: use bf16, int8 or int4")
 
 
 # ---- FLOPs ----------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ class Task:
     cpu_mem: int | None = None       # RAM the run may use (default: the machine's, less a reserve)
     precision: str = "auto"          # auto: what `tierlm finetune` would pick on the hardware (measured: its probe)
     clip: str = "on"                 # on: gradients saved for an exact clip redo; off; redo: every step clips
+    weights: str = "bf16"            # serve: the decoder layers' weight format (bf16 | int8 | int4)
 
     def validate(self) -> "Task":
         if self.kind not in ("finetune", "serve"):
@@ -46,6 +47,10 @@ class Task:
             raise ValueError(f"--activations {self.activations!r}: use auto, keep, swap or recompute")
         if self.clip not in ("on", "off", "redo"):
             raise ValueError(f"--clip {self.clip!r}: use on, off or redo")
+        if self.weights not in ("bf16", "int8", "int4"):
+            raise ValueError(f"--weights {self.weights!r}: use bf16, int8 or int4")
+        if self.weights != "bf16" and self.kind != "serve":
+            raise ValueError(f"--weights {self.weights} is for --task serve (fine-tuning keeps bf16/fp32 weights)")
         return self
 
 
@@ -384,7 +389,10 @@ def _finetune_times(s, task, r: C.Rates, T, resident, k_ram, n_ssd, n_rec, act, 
 
 def _serve(p: Plan, s: ModelShape, hw: Hardware, task: Task, r: C.Rates) -> None:
     B, Sp, N = task.batch, task.seq_len, task.new_tokens
-    W = s.params * C.W_BYTES
+    # the decoder layers in the serving format; embeddings and the head stay bf16 (as the engine keeps them)
+    layer_w = s.layer_params * C.weight_bytes_per_param(task.weights, s.hidden)
+    fixed_w = (s.params - s.layers * s.layer_params) * C.W_BYTES
+    W = s.layers * layer_w + fixed_w
     kv = B * (Sp + N) * C.kv_bytes_per_token(s)
     ram = _usable_ram(hw, task)
     scratch = C.compute_working_bytes(s, B * Sp) // 4  # prefill transients, inference only (no gradients)
@@ -403,7 +411,7 @@ def _serve(p: Plan, s: ModelShape, hw: Hardware, task: Task, r: C.Rates) -> None
         in_ram = min(W - on_gpu, ram_for_w)
         if engine_resident is not None and site == "cpu":
             # The inference engine's own placement under --cpu-mem: whole layers, after its window.
-            in_ram = W - (s.layers - engine_resident) * s.layer_params * C.W_BYTES
+            in_ram = W - (s.layers - engine_resident) * layer_w
         from_ssd = W - on_gpu - in_ram
         if (from_ssd and not hw.drive) or (kv_where == "ram" and kv > ram):
             continue
@@ -411,9 +419,12 @@ def _serve(p: Plan, s: ModelShape, hw: Hardware, task: Task, r: C.Rates) -> None
         comp = r.compute_flops if site == "gpu" else r.cpu_flops
         t_comp = flops_tok / comp
         if site == "cpu" and r.gemv:
-            # Measured CPU: one token's matmuls run at the measured matrix-vector rate; more rows
-            # of a batch add at the large-GEMM rate.
-            t_comp = s.matmul_params * C.W_BYTES / r.gemv + (B - 1) * flops_tok / B / comp
+            # Measured CPU: one token through the layers at the measured decode rate of their
+            # format (bench compute's decode step), the head at the bf16 one; more rows of a batch
+            # add at the large-GEMM rate.
+            rate = (r.decode or {}).get(task.weights) or r.gemv
+            t_comp = s.layers * layer_w / rate + s.vocab * s.hidden * C.W_BYTES / r.gemv \
+                + (B - 1) * flops_tok / B / comp
         res = {"compute": t_comp,
                "memory": ((in_ram if site == "cpu" else 0) + from_ssd + (kv if kv_where == "ram" else 0)) / r.dram,
                "gpu_memory": ((on_gpu + (kv if kv_where == "gpu" else 0)) / r.gpu_mem) if site == "gpu" else 0.0,
@@ -461,11 +472,11 @@ def _infer_resident_layers(s: ModelShape, task: Task, p: Plan) -> int | None:
     from ..storage import BudgetError
 
     max_len = task.seq_len + task.new_tokens
-    cfg = InferConfig(cpu_mem=task.cpu_mem, max_batch=task.batch, max_seq_len=max_len)
+    cfg = InferConfig(cpu_mem=task.cpu_mem, max_batch=task.batch, max_seq_len=max_len, weights=task.weights)
     kv = task.batch * (max_len + 1) * C.kv_bytes_per_token(s)
     try:
         return plan_placement(cfg, INFER_BASELINE, (s.embed_params + s.head_params) * C.W_BYTES,
-                              s.layer_params * C.W_BYTES, s.layers, kv,
+                              int(s.layer_params * C.weight_bytes_per_param(task.weights, s.hidden)), s.layers, kv,
                               scratch_bytes(C.hf_like_config(s), cfg, max_len, torch.bfloat16)).resident
     except BudgetError as e:
         p.problems.append(str(e))

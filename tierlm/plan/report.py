@@ -29,7 +29,8 @@ def text(p: Plan) -> str:
         lines.append(f"  batch {t['batch']} x seq {t['seq_len']} = {p.extra.get('tokens_per_step', 0):,} tokens/step, "
                      f"precision {t['precision']}, activations {t['activations']}")
     else:
-        lines.append(f"  {t['batch']} requests x (prompt {t['seq_len']} + {t['new_tokens']} new tokens)")
+        lines.append(f"  {t['batch']} requests x (prompt {t['seq_len']} + {t['new_tokens']} new tokens), "
+                     f"{t.get('weights', 'bf16')} weights")
     lines.append("  fits: " + ("yes" if p.fits else "NO"))
     for problem in p.problems:
         lines.append(f"    - {problem}")
