@@ -137,24 +137,11 @@ static int64_t prefetch_bytes = 1024;
 void tierlm_gemv_set_prefetch(int64_t bytes) { prefetch_bytes = bytes; }
 
 #if HAVE_X86
-TARGET_AVX2 static inline float hsum(__m256 v) {
-    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-    lo = _mm_add_ps(lo, hi);
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
-    return _mm_cvtss_f32(lo);
-}
-
 #define PREFETCH(p) \
     do { if (prefetch_bytes) _mm_prefetch((const char *)(p) + prefetch_bytes, _MM_HINT_T0); } while (0)
 
 TARGET_AVX2 static inline __m256 load_i8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-}
-
-TARGET_AVX2 static inline __m256 load_bf16(const uint16_t *p) {
-    __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
 }
 
 /* One output row for rows 0..mb-1 of x (mb <= 4). Each FMA chain waits ~4 cycles for the one

@@ -31,6 +31,21 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+#if HAVE_X86
+/* The sum of 8 floats; 8 bf16 (as uint16) widened to fp32. */
+TARGET_AVX2 static inline float hsum(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+    return _mm_cvtss_f32(lo);
+}
+TARGET_AVX2 static inline __m256 load_bf16(const uint16_t *p) {
+    __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+#endif
+
 int tl_use_avx2(void);
 void tl_prep_rows(const float *x, int64_t M, int64_t K, const void *nw, int nw_bf16, float eps, float *out);
 int tl_rounds_x(int kind, int64_t M);

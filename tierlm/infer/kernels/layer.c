@@ -92,26 +92,15 @@ static void share(const tierlm_layer_w *lw, int stage, const prepped *p, int64_t
 
 /* ---- attention ------------------------------------------------------------------------ */
 #if HAVE_X86
-TARGET_AVX2 static inline float hsum8(__m256 v) {
-    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-    lo = _mm_add_ps(lo, hi);
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
-    return _mm_cvtss_f32(lo);
-}
-
 TARGET_AVX2 static inline __m256 kv8(const void *kv, int bf16, int64_t i) {
-    if (bf16) {
-        __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)kv + i)));
-        return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-    }
+    if (bf16) return load_bf16((const uint16_t *)kv + i);
     return _mm256_loadu_ps((const float *)kv + i);
 }
 
 TARGET_AVX2 static float dot_avx2(const float *q, const void *k, int bf16, int64_t n) {
     __m256 a = _mm256_setzero_ps();
     for (int64_t i = 0; i < n; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), kv8(k, bf16, i), a);
-    return hsum8(a);
+    return hsum(a);
 }
 
 TARGET_AVX2 static void axpy_avx2(float p, const void *v, int bf16, float *o, int64_t n) {
@@ -149,7 +138,7 @@ TARGET_AVX2 static float exp_sum_avx2(float *s, int64_t n, float mx) {
         _mm256_storeu_ps(s + i, e);
         acc = _mm256_add_ps(acc, e);
     }
-    float t = hsum8(acc);
+    float t = hsum(acc);
     for (; i < n; i++) t += (s[i] = s[i] == -INFINITY ? 0.f : expf(s[i] - mx));
     return t;
 }
