@@ -109,6 +109,8 @@ class FusedLayer:
                         eps=self.norms[0].variance_epsilon, scaling=a.scaling)
         self._key = None
         self._kind = None
+        # what kernels/layer.c takes (it refuses the rest with -3): other geometries keep lean's path
+        self._geometry_ok = a.head_dim % 2 == 0 and a.head_dim <= 512 and config.num_attention_heads % kvh == 0
         # a resident layer's weights never move: once its arguments are built, only the rows are
         # checked (a decode step's Python is ~1 ms of a ~40 ms token; this was a third of it)
         self._resident = resident
@@ -122,6 +124,8 @@ class FusedLayer:
         kept arguments when the weights moved."""
         if self._resident and self._key is not None:
             return rows_served(self._kind, rows) and native.available()
+        if not self._geometry_ok:
+            return False
         kinds = [_kind(m) for m in self.mods]
         if None in kinds or len({k for k, _ in kinds}) != 1:
             return False
