@@ -52,6 +52,20 @@ def test_plan_on_this_machine_uses_measurements(measured, capsys, make_model_dir
     assert "run `tierlm bench compute` again" in out  # an old cache: said, not silently re-measured
 
 
+def test_serving_weights_format_is_a_flag(tmp_path, capsys):
+    out = {}
+    for fmt in ("bf16", "int4"):
+        j = tmp_path / f"{fmt}.json"
+        assert main(["plan", "llama-3.1-70b", "--task", "serve", "--weights", fmt, "--hardware", "cpu-2s-genoa",
+                     "--json", str(j)]) == 0
+        assert f"{fmt} weights" in capsys.readouterr().out
+        out[fmt] = json.loads(j.read_text())
+    assert out["int4"]["task"]["weights"] == "int4"
+    assert out["int4"]["extra"]["decode_tokens_per_s"] > 2 * out["bf16"]["extra"]["decode_tokens_per_s"]
+    assert main(["plan", "gpt2", "--weights", "int8"]) == 2  # fine-tuning keeps its own weights
+    assert "--weights int8 is for --task serve" in capsys.readouterr().err
+
+
 def test_bad_hardware_is_a_usage_error(capsys):
     assert main(["plan", "gpt2", "--hardware", "rtx9999"]) == 2
     err = capsys.readouterr().err

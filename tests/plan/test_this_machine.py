@@ -156,6 +156,8 @@ def test_decode_uses_the_measured_rate_of_its_weight_format(shape):
                                                                  cpu_mem=1 << 30, weights="int8"))
     int8_layers = s.layers * s.layer_params * C.weight_bytes_per_param("int8", s.hidden)
     assert old.resources_s["compute"] == pytest.approx(int8_layers / 1e9 + head)
+    assert any("no int8 decode rate" in x for x in old.assumptions)
+    assert not any("decode rate" in x for x in plans["int8"].assumptions)
 
 
 def test_weights_other_than_bf16_are_for_serving():

@@ -393,6 +393,9 @@ def _serve(p: Plan, s: ModelShape, hw: Hardware, task: Task, r: C.Rates) -> None
     layer_w = s.layer_params * C.weight_bytes_per_param(task.weights, s.hidden)
     fixed_w = (s.params - s.layers * s.layer_params) * C.W_BYTES
     W = s.layers * layer_w + fixed_w
+    if hw.measured is not None and r.gemv and task.weights not in (r.decode or {}):
+        p.assumptions.append(f"no {task.weights} decode rate in the measurements (cached by an older `tierlm bench "
+                             f"compute`): its bytes are read at the bf16 rate; run `tierlm bench compute` again")
     kv = B * (Sp + N) * C.kv_bytes_per_token(s)
     ram = _usable_ram(hw, task)
     scratch = C.compute_working_bytes(s, B * Sp) // 4  # prefill transients, inference only (no gradients)
