@@ -77,6 +77,7 @@ class _HeadLoss(torch.autograd.Function):
                 grad_b += g.sum(0).to(grad_b.dtype)
         ctx.save_for_backward(grad_h, grad_w.to(weight.dtype), None if grad_b is None else grad_b.to(bias.dtype))
         ctx.has_bias = bias is not None
+        ctx.early = getattr(head, "tierlm_head_grad", None)
         return total / denom
 
     @staticmethod
@@ -84,7 +85,12 @@ class _HeadLoss(torch.autograd.Function):
         # Scaled in place (the engine backpropagates a graph once): the head weight's gradient, 545 MB
         # for Qwen2.5-0.5B in fp32, exists once.
         grad_h, grad_w, grad_b = ctx.saved_tensors
-        return grad_h.mul_(grad_out.to(grad_h.dtype)), grad_w.mul_(grad_out.to(grad_w.dtype)), \
+        grad_w.mul_(grad_out.to(grad_w.dtype))
+        if ctx.early is not None:
+            # the head weight's whole gradient from the head, now: a tied weight's rows the batch
+            # does not look up get nothing more from the embedding (engine._early_tied_grad)
+            ctx.early(grad_w)
+        return grad_h.mul_(grad_out.to(grad_h.dtype)), grad_w, \
             (grad_b.mul_(grad_out.to(grad_b.dtype)) if ctx.has_bias else None), None, None, None
 
 

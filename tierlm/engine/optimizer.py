@@ -58,6 +58,9 @@ class StepResult:
     finite: bool
 
 
+EARLY = "\x00early"  # the arrival of a parameter's shards whose gradient is final before the rest
+
+
 class OptimizerError(RuntimeError):
     pass
 
@@ -65,10 +68,11 @@ class OptimizerError(RuntimeError):
 class _Item:
     """One (parameter, shard) of work, with its buffers once prepared."""
 
-    __slots__ = ("name", "shard", "a", "b", "bufs", "reads", "keep", "cached", "_left", "_lock")
+    __slots__ = ("name", "shard", "a", "b", "bufs", "reads", "keep", "cached", "src", "last", "_left", "_lock")
 
     def __init__(self, name: str, shard: int, a: int, b: int):
         self.name, self.shard, self.a, self.b = name, shard, a, b
+        self.src, self.last = name, False  # the gradient it reads (_grads key); the arrival's last shard
         self.bufs: dict = {}
         self.reads: list[Future] = []
         self.keep: set[str] = set()  # buffers from the state cache: they stay resident after the step
@@ -134,6 +138,8 @@ class OutOfCoreAdamW:
         self._updated: set[str] = set()
         self._sq: dict[str, torch.Tensor] = {}
         self._taken: set[str] = set()
+        self._early_shards: dict[str, list[int]] = {}  # parameter -> shards handed over early (grad_ready)
+        self._early_done: dict[str, set[int]] = {}    # ... and updated this step
         self._closing = False
         self._predicted: list[str] = list(order)
         self.state_cache = state_cache
@@ -168,13 +174,26 @@ class OutOfCoreAdamW:
             self._norms.clear()
             self._sq.clear()
             self._updated.clear()
+            self._early_done.clear()
         self._taken = set()
         self._error = None
         self._run = self._exec.submit(self._consume, micro, n_micro)
 
-    def grad_ready(self, name: str, grad: torch.Tensor) -> None:
-        """Hand over a parameter's gradient; blocks while too many gradient bytes wait."""
+    def grad_ready(self, name: str, grad: torch.Tensor, shards: list[int] | None = None) -> None:
+        """Hand over a parameter's gradient; blocks while too many gradient bytes wait.
+
+        With `shards`: those shards' part of `grad` is already final (a tied weight's rows that the
+        batch's tokens do not look up: their gradient is the head's alone, complete at the start of
+        backward), so they are updated now; the full gradient, handed over later, updates the rest
+        and gives the norm."""
         size = grad.numel() * grad.element_size()
+        if shards is not None:
+            self._early_shards[name] = list(shards)
+            name = name + EARLY
+            # autograd holds this gradient until the embedding's arrives whatever we do (the
+            # budget's `held`): it takes none of the gradients' share, or backward would stand
+            # still behind it
+            size = 0
         t0 = time.perf_counter()
         with self._cv:
             while (self._pending_bytes > 0 and self._pending_bytes + size > self.max_pending
@@ -281,7 +300,7 @@ class OutOfCoreAdamW:
     def _pipeline(self, mode: str, micro: int, clip=None, names: list[str] | None = None,
                   defer: bool = False) -> None:
         order = names if names is not None else self._predicted
-        predicted = [(n, k) for n in order for k in range(len(self.infos[n].shards))]
+        predicted = [(real, k) for n in order for real, ks in [self._shards_of(n)] for k in ks]
         cursor = 0
         prepared: dict[tuple, _Item] = {}
         done: set[tuple] = set()
@@ -306,18 +325,27 @@ class OutOfCoreAdamW:
                 if name is None:
                     break
                 arrival.append(name)
-                if mode == "update" and micro == 0:
-                    # The whole gradient is here: the very reduction clip_grad_norm_ runs on it
-                    # (upcasting inside the reduction gives the same bits as on a float copy).
-                    self._norms[name] = torch.linalg.vector_norm(self._grads[name], 2, dtype=torch.float32)
-                for k in range(len(self.infos[name].shards)):
-                    it = prepared.pop((name, k), None)
+                real, ks = self._shards_of(name)
+                if real != name:
+                    self._early_done[real] = set(ks)
+                else:
+                    skip = self._early_done.pop(real, set()) if mode == "update" else set()
+                    ks = [k for k in ks if k not in skip]
+                    if mode == "update" and micro == 0:
+                        # The whole gradient is here: the very reduction clip_grad_norm_ runs on it
+                        # (upcasting inside the reduction gives the same bits as on a float copy).
+                        self._norms[name] = torch.linalg.vector_norm(self._grads[name], 2, dtype=torch.float32)
+                if not ks:
+                    self._done_with_grad(name)
+                for i, k in enumerate(ks):
+                    it = prepared.pop((real, k), None)
                     while it is None:
-                        it = self._new_item(name, k)
+                        it = self._new_item(real, k)
                         if not self._prepare(it, mode, micro, blocking=not prepared):
                             it = None
                             self._drop_furthest(prepared)  # make room: this one is needed now
-                    done.add((name, k))
+                    it.src, it.last = name, i == len(ks) - 1
+                    done.add((real, k))
                     for f in it.reads:
                         f.result()
                     ws = self._process(it, mode, micro, clip)
@@ -353,6 +381,13 @@ class OutOfCoreAdamW:
             b.release()
         self._staged[(it.name, it.shard)] = {t: it.bufs.pop(t) for t in it.keep}
         it.keep = set()
+
+    def _shards_of(self, arrival: str) -> tuple[str, list[int]]:
+        """The parameter an arrival updates and its shards (an early arrival: the final ones)."""
+        if arrival.endswith(EARLY):
+            real = arrival[:-len(EARLY)]
+            return real, self._early_shards.get(real, [])
+        return arrival, list(range(len(self.infos[arrival].shards)))
 
     def _new_item(self, name: str, k: int) -> _Item:
         a, b = self.infos[name].shards[k]
@@ -477,7 +512,7 @@ class OutOfCoreAdamW:
 
     def _grad_shard(self, it: _Item, micro: int) -> torch.Tensor:
         """The fp32 gradient of this shard, accumulated over the micro-batches so far."""
-        g = self._grads[it.name].reshape(-1)[it.a:it.b]
+        g = self._grads[it.src].reshape(-1)[it.a:it.b]
         if micro > 0:
             acc = it.bufs["g"].view(torch.float32, (it.b - it.a,))
             acc.add_(g)  # what autograd's accumulation does: grad += new
@@ -492,7 +527,6 @@ class OutOfCoreAdamW:
         fault("optimizer.write")
         t0 = time.perf_counter()
         n = it.b - it.a
-        info = self.infos[it.name]
         writes = []
         raw = None
         if mode == "redo":
@@ -502,10 +536,10 @@ class OutOfCoreAdamW:
             g.mul_(clip)  # what clip_grad_norm_ does to each gradient
         else:
             if micro == 0:
-                raw = self._grads[it.name].reshape(-1)[it.a:it.b]
+                raw = self._grads[it.src].reshape(-1)[it.a:it.b]
             g = self._grad_shard(it, micro)
-            if it.shard == len(info.shards) - 1:
-                self._done_with_grad(it.name)
+            if it.last:
+                self._done_with_grad(it.src)
         if mode == "accumulate":
             writes.append(self.store.write(key("gacc", it.name, it.shard), g))
         else:
@@ -570,7 +604,8 @@ class OutOfCoreAdamW:
             if g is not None:
                 # Keep the tensor until its writes finish (they hold a reference); only the
                 # accounting of what backward may produce ahead of us is released here.
-                self._pending_bytes -= g.numel() * g.element_size()
+                if not name.endswith(EARLY):
+                    self._pending_bytes -= g.numel() * g.element_size()
                 del self._grads[name]
             self._cv.notify_all()
 

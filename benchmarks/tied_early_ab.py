@@ -1,0 +1,47 @@
+"""A/B of the tied head's early update (EngineConfig.early_tied): the same Engine steps with it on
+and off, alternating, on real text (which rows a batch looks up depends on its tokens).
+
+    python benchmarks/tied_early_ab.py MODEL_DIR CORPUS NVME_DIR [--cpu-mem 3.75GiB --seq-len 448 --batch 2]
+
+Prints each run's step times and the steady means (steps 2 on).
+"""
+import argparse
+import time
+
+import torch
+from transformers import AutoTokenizer
+
+from tierlm.engine.engine import Engine, EngineConfig
+from tierlm.engine.optimizer import AdamWConfig
+
+ap = argparse.ArgumentParser()
+ap.add_argument("model")
+ap.add_argument("corpus")
+ap.add_argument("nvme")
+ap.add_argument("--cpu-mem", default="3.75GiB")
+ap.add_argument("--seq-len", type=int, default=448)
+ap.add_argument("--batch", type=int, default=2)
+ap.add_argument("--steps", type=int, default=3)
+ap.add_argument("--order", default="on,off,on,off")
+a = ap.parse_args()
+tok = AutoTokenizer.from_pretrained(a.model)
+ids = tok(open(a.corpus, encoding="utf-8").read()[:2_000_000], return_tensors="pt").input_ids[0]
+n = a.seq_len * a.batch
+batches = [ids[i * n:(i + 1) * n].reshape(a.batch, a.seq_len) for i in range(a.steps)]
+res = {}
+for mode in a.order.split(","):
+    cfg = EngineConfig(nvme_dir=a.nvme, cpu_mem=a.cpu_mem, precision="fp32", tokens_per_micro_batch=n,
+                       micro_batch_size=a.batch, optim=AdamWConfig(lr=1e-5, max_grad_norm=None),
+                       early_tied=mode == "on")
+    eng = Engine.from_pretrained(a.model, cfg, overwrite=True)
+    ts = []
+    for x in batches:
+        t0 = time.perf_counter()
+        eng.backward(eng.forward(x, labels=x).loss)
+        eng.step()
+        ts.append(time.perf_counter() - t0)
+    eng.settle()
+    eng.close()
+    res.setdefault(mode, []).append(sum(ts[1:]) / len(ts[1:]))
+    print(f"early_tied={mode}: steps {['%.2f' % t for t in ts]} s", flush=True)
+print({k: round(sum(v) / len(v), 2) for k, v in res.items()})
