@@ -36,6 +36,7 @@ from .optimizer import AdamWConfig, OutOfCoreAdamW, StepResult, shard_buffer_byt
 from .device import Uploads, move_buffers, synchronize, to_host
 from .durable import DurableState
 from .state_quant import check_mode
+from .tied import EarlyTied
 from .timeline import Timeline
 from .weights import WeightWindow
 
@@ -162,24 +163,7 @@ class Engine(DurableState):
         self._t_head: float | None = None
         self._t_bwd: float | None = None
         self._pins: dict[str, int] = {}
-        self._early_ids: torch.Tensor | None = None
-        self._tied = self._early_tied_name()
-        if self._tied is not None:
-            self.model.get_output_embeddings().tierlm_head_grad = self._early_tied_grad
-
-    def _early_tied_name(self) -> str | None:
-        """A weight the head shares with the embedding, whose rows the batch does not look up are
-        updated from the head's gradient at the start of backward (instead of after the embedding's
-        backward, the step's last: for Qwen2.5-0.5B, 136M parameters' optimizer I/O that had to
-        follow the whole backward). One process on the CPU, no gradient accumulation: with several
-        micro-batches or ranks the rows looked up are not known when the head's gradient is."""
-        head = self.model.get_output_embeddings()
-        tied = [n for b in self.blocks if b.kind == "head" for n in b.uses if n not in b.owns]
-        if (not self.cfg.early_tied or len(tied) != 1 or self.on_gpu or self.dist is not None or self.cfg.grad_accum != 1
-                or not isinstance(head, nn.Linear) or self.params[tied[0]] is not head.weight
-                or len(self.infos[tied[0]].shape) != 2):
-            return None
-        return tied[0]
+        self.early_tied = EarlyTied.attach(self)
 
     # ---- construction ----------------------------------------------------------------
     @classmethod
@@ -443,7 +427,8 @@ class Engine(DurableState):
             labels = labels.to(self.device) if labels is not None else None
             kwargs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
         chunk = self._loss_chunk(input_ids.numel()) if labels is not None and torch.is_grad_enabled() else None
-        self._early_ids = input_ids
+        if self.early_tied is not None:
+            self.early_tied.ids = input_ids
         with self.hooks:
             kwargs.setdefault("use_cache", False)
             if chunk:
@@ -547,23 +532,6 @@ class Engine(DurableState):
             self.reducer.grad(name, g)  # summed over the ranks into the owner's optimizer
         else:
             self.optimizer.grad_ready(name, g)
-
-    def _early_tied_grad(self, grad: torch.Tensor) -> None:
-        """The head's gradient of the tied weight (head_loss, at the start of backward): the shards
-        holding no row the micro-batch looked up are final now and go to the optimizer."""
-        ids = self._early_ids
-        if ids is None or self.optimizer._run is None:
-            return
-        info = self.infos[self._tied]
-        width = info.shape[1]
-        rows = torch.unique(ids.reshape(-1).cpu())
-        early = []
-        for k, (a, b) in enumerate(info.shards):
-            i = int(torch.searchsorted(rows, a // width))
-            if i == len(rows) or int(rows[i]) > (b - 1) // width:
-                early.append(k)
-        if early:
-            self.optimizer.grad_ready(self._tied, grad, shards=early)
 
     def _owned(self, name: str) -> bool:
         """Does this process hold the parameter's master weights and moments?"""
