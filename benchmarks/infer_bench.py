@@ -65,10 +65,18 @@ def read_gbps(threads: int) -> float:
     return best
 
 
+def ssd_read_gbps(directory: Path) -> float:
+    """The drive's read rate now, as `tierlm bench io` measures it (512 MiB, 16 MiB blocks, 4 in
+    flight, direct I/O): taken beside each streamed measurement, since this virtual disk's rate
+    moves 2-3x within minutes and a rate measured once at the start is not the one the steps saw."""
+    from tierlm.bench.measure import bench_io
+    return bench_io(directory, 512 << 20)["read_gbps"]
+
+
 def run(model, weights, batch, tokens, prompt_len, cpu_mem, nvme, rates, threads, path="fused", rounds=1):
     """One engine; per thread count, `rounds` measured generations, each between two read probes
-    when in RAM. Returns a result per thread count: the round with the median share of its probes'
-    roofline, with every round's share."""
+    (memory in RAM, the drive when streamed). Returns a result per thread count: the round with
+    the median share of its probes' roofline, with every round's share."""
     cfg = InferConfig(cpu_mem=cpu_mem, weights=weights, max_batch=batch, max_seq_len=prompt_len + tokens,
                       nvme_dir=str(nvme), step_tokens=max(256, prompt_len), lean=path != "hf", fused=path == "fused")
     eng = InferenceEngine(model, cfg)
@@ -82,6 +90,7 @@ def run(model, weights, batch, tokens, prompt_len, cpu_mem, nvme, rates, threads
         per_round = []
         for _ in range(rounds):
             probe = read_gbps(th) if not eng.stream else None
+            ssd_probe = ssd_read_gbps(Path(nvme).parent / "ssd-probe") if eng.stream else None
             torch.set_num_threads(th)
             b.stats.__init__()
             if eng.stream:
@@ -92,9 +101,11 @@ def run(model, weights, batch, tokens, prompt_len, cpu_mem, nvme, rates, threads
             if probe is not None:
                 probe = max(probe, read_gbps(th))
                 torch.set_num_threads(th)
-            per_round.append(_result(eng, b.stats, weights, batch, th, rates, probe))
-        shares = [r.get("probe_share", 0.0) for r in per_round]
-        out = sorted(per_round, key=lambda r: r.get("probe_share", 0.0))[len(per_round) // 2]
+            if ssd_probe is not None:
+                ssd_probe = max(ssd_probe, ssd_read_gbps(Path(nvme).parent / "ssd-probe"))
+            per_round.append(_result(eng, b.stats, weights, batch, th, rates, probe, ssd_probe))
+        shares = [_share(r) for r in per_round]
+        out = sorted(per_round, key=_share)[len(per_round) // 2]
         out["probe_shares"] = shares
         outs.append(out)
         print(json.dumps(out), flush=True)
@@ -109,7 +120,12 @@ def _layers(eng) -> str:
     return "fused" if eng.lean.fused is not None else "lean"
 
 
-def _result(eng, s, weights, batch, th, rates, probe):
+def _share(r: dict) -> float:
+    """A round's share of the roofline its probes measured (memory in RAM, the drive streamed)."""
+    return r.get("probe_share", r.get("ssd_probe_share") or 0.0)
+
+
+def _result(eng, s, weights, batch, th, rates, probe, ssd_probe=None):
     dec_s, steps = s.s["decode"], max(s.steps["decode"], 1)
     per_fwd = eng.ram_weight_bytes()
     kv_step = s.kv["decode"] / steps
@@ -132,6 +148,9 @@ def _result(eng, s, weights, batch, th, rates, probe):
         out["ssd_roofline_tok_s"] = rates["ssd_gbps"] * 1e9 / streamed * batch if streamed else None
         out["ssd_share"] = out["decode_tok_s"] / out["ssd_roofline_tok_s"] if streamed else None
         out["stall_s"] = eng.stream.stall_s
+        if ssd_probe and streamed:
+            out["ssd_probe_gbps"] = ssd_probe
+            out["ssd_probe_share"] = out["decode_tok_s"] * streamed / batch / (ssd_probe * 1e9)
     return out
 
 
@@ -189,15 +208,18 @@ def _shares(r):
 
 
 def table_stream(results):
-    rows = ["| layers | batch | SSD MB / forward | decode tok/s | SSD roofline tok/s | share | stall s |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| layers | batch | SSD MB / forward | decode tok/s | SSD roofline tok/s (start probe) | share | "
+            "share of the read rate probed beside it (median; each round) | stall s |",
+            "|---|---|---|---|---|---|---|---|"]
     for r in results:
         layers = r.get("layers", "lean" if r.get("lean") else "transformers")
         if "ssd_bytes_per_forward" not in r:
-            rows.append(f"| {layers} | {r['batch']} | nothing streamed: {r['placement']} (lower --stream-budget) | | | | |")
+            rows.append(f"| {layers} | {r['batch']} | nothing streamed: {r['placement']} (lower --stream-budget) | | | | | |")
             continue
+        beside = (f"**{100 * r['ssd_probe_share']:.0f}%** of {r['ssd_probe_gbps']:.2f} GB/s ("
+                  + ", ".join(f"{100 * x:.0f}%" for x in r["probe_shares"]) + ")") if "ssd_probe_share" in r else ""
         rows.append(f"| {layers} | {r['batch']} | {r['ssd_bytes_per_forward'] / 1e6:.0f} | {r['decode_tok_s']:.2f} | "
-                    f"{r['ssd_roofline_tok_s']:.2f} | {100 * r['ssd_share']:.0f}% | {r['stall_s']:.1f} |")
+                    f"{r['ssd_roofline_tok_s']:.2f} | {100 * r['ssd_share']:.0f}% | {beside} | {r['stall_s']:.1f} |")
     return rows
 
 
@@ -215,7 +237,8 @@ def main():
     p.add_argument("--batches", nargs="*", type=int, default=[1, 8, 32])
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--rounds", type=int, default=1,
-                   help="in RAM: measured generations per configuration, each between two read probes")
+                   help="measured generations per configuration, each between two read probes (memory in "
+                        "RAM, the drive's `bench io` read rate when streamed)")
     p.add_argument("--kernels", nargs="*", default=["ours"], choices=["ours", "torch"],
                    help="few-row products on tierlm's kernels, PyTorch's, or both side by side")
     p.add_argument("--paths", nargs="*", default=["fused"], choices=["fused", "lean", "hf"],
@@ -258,7 +281,7 @@ def main():
             for bsz in a.batches:
                 results += [r | {"path": path} for r in run(model, "bf16", bsz, a.tokens, a.prompt_len, a.stream_budget,
                                                             root / "nvme-stream", rates, a.threads[:1],
-                                                            path=path)]
+                                                            path=path, rounds=a.rounds)]
         rows = table_stream(results)
     print(json.dumps({"load_after": os.getloadavg()}), flush=True)
     print(f"\nrates: memory {rates['mem_gbps']:.1f} GB/s (by threads {rates.get('mem_gbps_by_threads')}), "
