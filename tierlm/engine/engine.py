@@ -528,6 +528,8 @@ class Engine(DurableState):
     def _on_grad(self, name: str, p: nn.Parameter) -> None:
         g = to_host(p.grad)
         p.grad = None
+        if self.early_tied is not None:
+            g = self.early_tied.add_to(name, g)
         if self.dist is not None:
             self.reducer.grad(name, g)  # summed over the ranks into the owner's optimizer
         else:

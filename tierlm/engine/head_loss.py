@@ -86,10 +86,12 @@ class _HeadLoss(torch.autograd.Function):
         # for Qwen2.5-0.5B in fp32, exists once.
         grad_h, grad_w, grad_b = ctx.saved_tensors
         grad_w.mul_(grad_out.to(grad_w.dtype))
-        if ctx.early is not None:
-            # the head weight's whole gradient from the head, now: a tied weight's rows the batch
-            # does not look up get nothing more from the embedding (engine._early_tied_grad)
-            ctx.early(grad_w)
+        if ctx.early is not None and ctx.early(grad_w):
+            # the head weight's whole gradient from the head, now (a tied weight's rows the batch
+            # does not look up get nothing more from the embedding): taken over by the engine
+            # (engine/tied.py), which adds it to the embedding's later, so autograd never holds
+            # both at once
+            grad_w = None
         return grad_h.mul_(grad_out.to(grad_h.dtype)), grad_w, \
             (grad_b.mul_(grad_out.to(grad_b.dtype)) if ctx.has_bias else None), None, None, None
 
