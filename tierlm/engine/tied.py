@@ -49,9 +49,9 @@ class EarlyTied:
     def __call__(self, grad: torch.Tensor) -> bool:
         """The head's gradient of the tied weight, at the start of backward. Returns True when it
         takes the gradient over: autograd then gets none from the head, and `add_to` adds it to
-        the embedding's, in place. Left to autograd, the sum would be a third tensor whenever the
-        optimizer still reads the head's part (an I/O-bound step: Qwen2.5-0.5B at 128 tokens
-        went 72 MiB over a 4 GiB budget), where in place it is none."""
+        the embedding's, in place. Left to autograd, the sum is out of place (a third tensor of the
+        weight's size) whenever another reference to the head's part is alive, as the optimizer's
+        is while it still reads it in an I/O-bound step."""
         opt = self.engine.optimizer
         if self.ids is None or opt._run is None:
             return False
