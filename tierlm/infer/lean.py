@@ -133,10 +133,8 @@ class LeanDecoder:
         returns fp32 logits [B, vocab]."""
         x = self.embed(ids).float()
         cos, sin = self.rotary(x, pos)  # [B, 1, head dim]: broadcast over the heads
-        raw_sin = sin
-        # rotate_half(x) * sin == roll(x, half) * sin with the first half of sin negated
         half = sin.shape[-1] // 2
-        sin = torch.cat((-sin[..., :half], sin[..., half:]), -1)
+        folded = None  # the per-product layers' sin (the fused ones rotate with sin itself)
         x = x[:, 0].contiguous()
         step = None
         for i, (layer, qkv, o, gate_up, down, sliding) in enumerate(self.layers):
@@ -145,12 +143,15 @@ class LeanDecoder:
                 self.stream.acquire(blk)
             if self.fused is not None and self.fused[i].ready(x.shape[0]):
                 if step is None:
-                    step = StepArgs(cos, raw_sin, mask, cache, self._scratch)
+                    step = StepArgs(cos, sin, mask, cache, self._scratch)
                 self.fused[i](x, step, sliding, cache.k[i], cache.v[i])
                 cache.note_read(x.shape[0], i)
             else:
+                if folded is None:
+                    # rotate_half(x) * sin == roll(x, half) * sin with the first half of sin negated
+                    folded = torch.cat((-sin[..., :half], sin[..., half:]), -1)
                 m = mask if not isinstance(mask, dict) else mask["sliding_attention" if sliding else "full_attention"]
-                x = _layer(layer, i, x, cos, sin, half, m, cache, qkv, o, gate_up, down)
+                x = _layer(layer, i, x, cos, folded, half, m, cache, qkv, o, gate_up, down)
             if blk is not None:
                 self.stream.release(blk)
         return self.head(x, norm=self.norm)
