@@ -60,33 +60,3 @@ def test_engine_with_chunks_trains_like_torch(make_model_dir, tmp_path, arch):
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
     for n, t in ref_master.items():
         torch.testing.assert_close(masters[n], t, rtol=1e-4, atol=1e-5, msg=n)
-
-
-@pytest.mark.parametrize("clip", [None, 0.5], ids=["noclip", "clip-triggers"])
-def test_tied_rows_not_looked_up_update_at_the_start_of_backward(make_model_dir, tmp_path, monkeypatch, clip):
-    """qwen2's tiny head is its embedding (128 rows of 64, 4 shards of 32 rows). Tokens below 32
-    look up rows of shard 0 only: shards 1-3 get the head's gradient alone, final when the head's
-    backward ends, and go to the optimizer then; the engine's weights are the same bits as when
-    every shard waits for the embedding's backward (and within rounding of torch's, the chunked
-    loss summing in another order). With a clip redo too. Handing shard 0 over early as well
-    fails it (checked)."""
-    from tierlm.engine.optimizer import OutOfCoreAdamW
-    model_dir, model = make_model_dir("qwen2")
-    data = batches(3, vocab=32)
-    kw = dict(lr=1e-2, wd=0.1, clip=clip, accum=1, warmup=1, precision="fp32", loss_chunk=5, shard_elems=2048)
-    early = []
-    real = OutOfCoreAdamW.grad_ready
-    monkeypatch.setattr(OutOfCoreAdamW, "grad_ready", lambda self, n, g, shards=None:
-                        (early.append((n, shards)) if shards is not None else None) or real(self, n, g, shards))
-    masters, _, losses, _ = run_engine(model_dir, tmp_path, data, tag="early", **kw)
-    assert early == [("model.embed_tokens.weight", [1, 2, 3])] * 3
-    early.clear()
-    late_masters, _, late_losses, _ = run_engine(model_dir, tmp_path, data, tag="late", early_tied=False, **kw)
-    assert not early  # off: every shard waited for the embedding's gradient
-    assert losses == late_losses
-    for n, t in late_masters.items():
-        assert torch.equal(masters[n], t), n
-    _, ref_master, ref_losses, _ = run_reference(model, data, **{k: v for k, v in kw.items()
-                                                                 if k not in ("loss_chunk", "shard_elems")})
-    for n, t in ref_master.items():
-        torch.testing.assert_close(masters[n], t, rtol=1e-4, atol=1e-5, msg=n)

@@ -36,7 +36,7 @@ from .optimizer import AdamWConfig, OutOfCoreAdamW, StepResult, shard_buffer_byt
 from .device import Uploads, move_buffers, synchronize, to_host
 from .durable import DurableState
 from .state_quant import check_mode
-from .tied import EarlyTied
+from .tied import TiedHeadGrad
 from .timeline import Timeline
 from .weights import WeightWindow
 
@@ -163,7 +163,7 @@ class Engine(DurableState):
         self._t_head: float | None = None
         self._t_bwd: float | None = None
         self._pins: dict[str, int] = {}
-        self.early_tied = EarlyTied.attach(self)
+        self.tied_grad = TiedHeadGrad.attach(self)
 
     # ---- construction ----------------------------------------------------------------
     @classmethod
@@ -245,8 +245,8 @@ class Engine(DurableState):
         shard = min(self.shard_elems, max(i.numel for i in self.infos.values()))
         item = shard_buffer_bytes(shard, None if self.dtype == torch.float32 else self.dtype, self.cfg.optim_states)
         n_layers = sum(b.kind == "layer" for b in self.blocks)
-        # a weight the head uses but another block owns (tied): its head gradient is held by
-        # autograd until the owner's arrives at the end of backward
+        # a weight the head uses but another block owns (tied): its head gradient is held
+        # (engine/tied.py) until the owner's arrives at the end of backward
         held = sum(nbytes(self.dtype, self.infos[n].numel) for b in self.blocks if b.kind == "head"
                    for n in b.uses if n not in b.owns)
 
@@ -427,8 +427,8 @@ class Engine(DurableState):
             labels = labels.to(self.device) if labels is not None else None
             kwargs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
         chunk = self._loss_chunk(input_ids.numel()) if labels is not None and torch.is_grad_enabled() else None
-        if self.early_tied is not None:
-            self.early_tied.ids = input_ids
+        if self.tied_grad is not None:
+            self.tied_grad.ids = input_ids
         with self.hooks:
             kwargs.setdefault("use_cache", False)
             if chunk:
@@ -468,7 +468,12 @@ class Engine(DurableState):
         self._t_bwd = time.perf_counter()
         try:
             (loss / self.cfg.grad_accum).backward()
+            rest = self.tied_grad.leftover() if self.tied_grad is not None else None
+            if rest is not None:  # the embedding had no gradient (its input did not need one)
+                self._hand_over(self.tied_grad.name, to_host(rest))
         finally:
+            if self.tied_grad is not None:
+                self.tied_grad.head_grad = None  # a backward that failed hands nothing over
             self._drop_head()
             t0 = time.perf_counter()
             if self.dist is not None:
@@ -526,10 +531,12 @@ class Engine(DurableState):
         self.lr = lr
 
     def _on_grad(self, name: str, p: nn.Parameter) -> None:
-        g = to_host(p.grad)
-        p.grad = None
-        if self.early_tied is not None:
-            g = self.early_tied.add_to(name, g)
+        g, p.grad = p.grad, None
+        if self.tied_grad is not None:
+            g = self.tied_grad.add_to(name, g)  # where the gradient is: on a GPU, one copy crosses
+        self._hand_over(name, to_host(g))
+
+    def _hand_over(self, name: str, g: torch.Tensor) -> None:
         if self.dist is not None:
             self.reducer.grad(name, g)  # summed over the ranks into the owner's optimizer
         else:

@@ -1,15 +1,21 @@
-"""A tied head's rows that the batch does not look up, updated at the start of backward.
+"""A tied head's gradient, taken away from autograd: summed in place, and its untouched rows early.
 
-A weight shared by the embedding and the head (qwen2) has its whole gradient only after the
-embedding's backward, the step's very last: its optimizer I/O (136M parameters for Qwen2.5-0.5B)
-then followed the whole backward. A row the batch's tokens do not look up gets nothing from the
-embedding, so its gradient is the head's alone, complete when the chunked head's backward ends
-(head_loss hands it over through the head module's `tierlm_head_grad`). The shards holding no
-looked-up row go to the optimizer then; the full gradient later updates the rest and gives the
-norm (OutOfCoreAdamW.grad_ready's `shards`). Same bits as waiting.
+A weight shared by the embedding and the head (qwen2) gets two gradients: the head's, at the start
+of backward, and the embedding's, at its very end. Left to autograd, the two are summed out of
+place, a third tensor of the weight's size at the step's peak (measured on torch 2.13's CPU path:
+Qwen2.5-0.5B in fp32 under --cpu-mem 4GiB peaked 4.13 GiB, the third 545 MB tensor over the
+budget). So the head never hands its gradient to autograd: the unchunked head reads the weight
+through `_TakeGrad`, the chunked loss (head_loss) through the head's `tierlm_head_grad`, and the
+engine adds the head's gradient into the embedding's, in place (`add_to`), before the optimizer
+gets it. Same bits: head + embedding is one IEEE addition in either order.
 
-One process on the CPU, no gradient accumulation: with several micro-batches or ranks the rows
-looked up are not known when the head's gradient is; on a GPU the gradient would cross PCIe twice.
+Early rows. A row the batch's tokens do not look up gets nothing from the embedding, so its
+gradient is the head's alone, complete when the head's backward ends. The shards holding no
+looked-up row go to the optimizer then (OutOfCoreAdamW.grad_ready's `shards`), beside the layers'
+backward, rather than after the step's last op (136M parameters of optimizer I/O for Qwen2.5-0.5B);
+the full gradient later updates the rest and gives the norm. Only with one process on the CPU and
+no gradient accumulation (`early`): with several micro-batches or ranks the rows looked up are not
+known when the head's gradient is; on a GPU the gradient would cross PCIe twice.
 """
 from __future__ import annotations
 
@@ -28,45 +34,72 @@ def untouched_shards(shards, width: int, ids: torch.Tensor) -> list[int]:
     return out
 
 
-class EarlyTied:
-    def __init__(self, engine, name: str):
-        self.engine, self.name = engine, name
+class _TakeGrad(torch.autograd.Function):
+    """The weight as the head reads it; its gradient goes to `taker`, not to autograd's sum."""
+
+    @staticmethod
+    def forward(ctx, weight, taker):
+        ctx.taker = taker
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.taker(grad)
+        return None, None
+
+
+class TiedHeadGrad:
+    def __init__(self, engine, name: str, head: nn.Linear, early: bool):
+        self.engine, self.name, self.early = engine, name, early
+        self.param = head.weight
         self.ids: torch.Tensor | None = None  # the micro-batch's input ids (Engine.forward)
-        self.head_grad: torch.Tensor | None = None  # taken over from autograd, until the embedding's
+        self.head_grad: torch.Tensor | None = None  # taken over, until the embedding's arrives
 
     @classmethod
-    def attach(cls, engine) -> "EarlyTied | None":
+    def attach(cls, engine) -> "TiedHeadGrad | None":
         head = engine.model.get_output_embeddings()
         tied = [n for b in engine.blocks if b.kind == "head" for n in b.uses if n not in b.owns]
-        if (not engine.cfg.early_tied or len(tied) != 1 or engine.on_gpu or engine.dist is not None
-                or engine.cfg.grad_accum != 1 or not isinstance(head, nn.Linear)
-                or engine.params[tied[0]] is not head.weight or len(engine.infos[tied[0]].shape) != 2):
+        if (len(tied) != 1 or not isinstance(head, nn.Linear) or engine.params[tied[0]] is not head.weight
+                or len(engine.infos[tied[0]].shape) != 2):
             return None
-        out = cls(engine, tied[0])
-        head.tierlm_head_grad = out
+        early = (engine.cfg.early_tied and not engine.on_gpu and engine.dist is None
+                 and engine.cfg.grad_accum == 1)
+        out = cls(engine, tied[0], head, early)
+        head.tierlm_head_grad = out  # the chunked loss's route (head_loss)
+        head.register_forward_pre_hook(out._read_through)
+        head.register_forward_hook(out._restore)
         return out
 
+    def _read_through(self, head: nn.Module, args) -> None:
+        if torch.is_grad_enabled():  # (the chunked loss calls the head with autograd off)
+            head._parameters["weight"] = _TakeGrad.apply(self.param, self)
+
+    def _restore(self, head: nn.Module, args, out) -> None:
+        head._parameters["weight"] = self.param
+
     def __call__(self, grad: torch.Tensor) -> bool:
-        """The head's gradient of the tied weight, at the start of backward. Returns True when it
-        takes the gradient over: autograd then gets none from the head, and `add_to` adds it to
-        the embedding's, in place. Left to autograd, the sum is out of place (a third tensor of the
-        weight's size) whenever another reference to the head's part is alive, as the optimizer's
-        is while it still reads it in an I/O-bound step."""
-        opt = self.engine.optimizer
-        if self.ids is None or opt._run is None:
-            return False
-        info = self.engine.infos[self.name]
-        early = untouched_shards(info.shards, info.shape[1], self.ids)
+        """The head's gradient of the weight, at the start of backward; always taken over."""
+        if self.head_grad is not None:
+            raise RuntimeError(f"the head ran twice before one backward: its gradients of the tied "
+                               f"{self.name} cannot be taken over; run forward, backward, step in turn")
         self.head_grad = grad
-        if early:
-            opt.grad_ready(self.name, grad, shards=early)
+        opt = self.engine.optimizer
+        if self.early and self.ids is not None and opt._run is not None:
+            info = self.engine.infos[self.name]
+            early = untouched_shards(info.shards, info.shape[1], self.ids)
+            if early:
+                opt.grad_ready(self.name, grad, shards=early)
         return True
 
     def add_to(self, name: str, grad: torch.Tensor) -> torch.Tensor:
-        """The embedding's gradient of `name` plus the head's taken over (the same bits as
-        autograd's sum: head + embedding, in either order, is one IEEE addition)."""
+        """The embedding's gradient of `name` plus the head's taken over, in the embedding's memory."""
         head = self.head_grad
         if name != self.name or head is None:
             return grad
         self.head_grad = None
         return grad.add_(head)
+
+    def leftover(self) -> torch.Tensor | None:
+        """After backward: the head's gradient if the embedding gave none to add it to."""
+        head, self.head_grad = self.head_grad, None
+        return head
