@@ -186,3 +186,29 @@ def test_a_write_waits_for_reads_of_its_key_in_flight(store):
     after = torch.empty_like(a)
     store.read_into("k", after).result()
     assert torch.equal(after, a + 1)
+
+
+def test_a_write_queued_behind_another_is_not_kept_by_it(store):
+    """A done future keeps its callbacks: the one that started a write queued behind it must not
+    keep that write's tensor alive for as long as anyone holds the first future (the activation
+    swapper writes the same keys every step and kept its futures). Keeping the job in the
+    callback fails this (checked)."""
+    import gc
+    import weakref
+    gate = threading.Event()
+    real = store._write
+
+    def slow(key, tensor, durable):
+        gate.wait(10)
+        return real(key, tensor, durable)
+    store._write = slow
+    first = store.write("k", torch.zeros(1 << 16))
+    store._write = real
+    second = torch.ones(1 << 16)
+    alive = weakref.ref(second)
+    queued = store.write("k", second)
+    del second
+    gate.set()
+    first.result(), queued.result()
+    gc.collect()
+    assert alive() is None, "the first write's future keeps the second's tensor"

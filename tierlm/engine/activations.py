@@ -81,6 +81,7 @@ class ActivationSwapper:
     # ---- forward -----------------------------------------------------------------------
     def begin_forward(self, block: int, tier: str) -> None:
         self._block, self._tier = block, tier
+        self._inflight = [f for f in self._inflight if not f.done()]  # landed: nothing to wait for
         self._by_storage = {}
         for s in self._blocks.pop(block, []):  # left from a forward without backward
             self._drop(s)

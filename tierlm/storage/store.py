@@ -177,14 +177,19 @@ class TensorStore:
         out: Future = Future()
         left = [len(deps)]
         lock = threading.Lock()
+        # A done future keeps its callbacks: `start` must not keep the job (a tensor to write) alive
+        # for as long as a dependency is referenced (the swapper writes a key every step).
+        job = [fn, args]
 
         def start(_):
             with lock:
                 left[0] -= 1
                 if left[0]:
                     return
+            run, run_args = job
+            job.clear()
             try:
-                inner = self._exec.submit(fn, *args)
+                inner = self._exec.submit(run, *run_args)
             except RuntimeError as e:  # the store was closed meanwhile
                 out.set_exception(StorageError(f"{self.path(key)}: store closed before the I/O ran ({e})"))
                 return

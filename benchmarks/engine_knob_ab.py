@@ -1,11 +1,14 @@
-"""A/B of the tied head's early update (EngineConfig.early_tied): the same Engine steps with it on
-and off, alternating, on real text (which rows a batch looks up depends on its tokens).
+"""A/B of one of the engine's on/off knobs (an EngineConfig field; early_tied: the tied head's early
+update): the same Engine steps with it on and off,
+alternating, on real text (which rows a batch looks up depends on its tokens).
 
-    python benchmarks/tied_early_ab.py MODEL_DIR CORPUS NVME_DIR [--cpu-mem 3.75GiB --seq-len 448 --batch 2]
+    python benchmarks/engine_knob_ab.py MODEL_DIR CORPUS NVME_DIR --knob early_tied \
+        [--cpu-mem 3.75GiB --seq-len 448 --batch 2]
 
 Prints each run's step times, SSD GiB read and written a step (steady), and the steady means
 (steps 2 on). At a small batch the early update costs a read: the embedding updated at the start of
 backward cannot wait in the weight window for the next forward, as the one updated last does.
+Also how many layers recomputed or swapped their activations in the last step.
 """
 import argparse
 import time
@@ -20,6 +23,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("model")
 ap.add_argument("corpus")
 ap.add_argument("nvme")
+ap.add_argument("--knob", required=True, choices=["early_tied"])
 ap.add_argument("--cpu-mem", default="3.75GiB")
 ap.add_argument("--seq-len", type=int, default=448)
 ap.add_argument("--batch", type=int, default=2)
@@ -34,7 +38,7 @@ res = {}
 for mode in a.order.split(","):
     cfg = EngineConfig(nvme_dir=a.nvme, cpu_mem=a.cpu_mem, precision="fp32", tokens_per_micro_batch=n,
                        micro_batch_size=a.batch, optim=AdamWConfig(lr=1e-5, max_grad_norm=None),
-                       early_tied=mode == "on")
+                       **{a.knob: mode == "on"})
     eng = Engine.from_pretrained(a.model, cfg, overwrite=True)
     ts, io = [], []
     for x in batches:
@@ -46,7 +50,9 @@ for mode in a.order.split(","):
     eng.settle()
     io.append(eng.store.stats.snapshot())
     eng.close()
+    pols = list(eng.acts.history[-1]["policies"].values())
+    pol = ", ".join(f"{p} {pols.count(p)}" for p in sorted(set(pols)))
     rd, wr = ((io[-1][k] - io[1][k]) / (len(io) - 2) / 2**30 for k in ("bytes_read", "bytes_written"))
     res.setdefault(mode, []).append(sum(ts[1:]) / len(ts[1:]))
-    print(f"early_tied={mode}: steps {['%.2f' % t for t in ts]} s, SSD a step: read {rd:.2f} GiB, write {wr:.2f} GiB", flush=True)
+    print(f"{a.knob}={mode}: layers {pol}; steps {['%.2f' % t for t in ts]} s, SSD a step: read {rd:.2f} GiB, write {wr:.2f} GiB", flush=True)
 print({k: round(sum(v) / len(v), 2) for k, v in res.items()})
