@@ -132,20 +132,27 @@ def test_a_size_change_writes_a_new_file(store):
     assert not list(store.root.glob("*.partial"))
 
 
+def held_write(store, key, tensor):
+    """A write of `key` that waits on the I/O thread until the returned event is set."""
+    gate = threading.Event()
+    real = store._write
+
+    def slow(k, t, durable):
+        gate.wait(10)
+        return real(k, t, durable)
+    store._write = slow
+    try:
+        return store.write(key, tensor), gate
+    finally:
+        store._write = real
+
+
 def test_reads_and_writes_of_a_key_wait_for_its_write_in_flight(store):
     """A step's last writes may still be landing when the next step reads the same files (the
     deferred commit): a read gets the new bytes, and a second write lands after the first."""
     a = torch.arange(300_000, dtype=torch.float32)
     store.write("k", a).result()
-    gate = threading.Event()
-    real = store._write
-
-    def slow(key, tensor, durable):
-        gate.wait(10)
-        return real(key, tensor, durable)
-    store._write = slow
-    w1 = store.write("k", a + 1)
-    store._write = real
+    w1, gate = held_write(store, "k", a + 1)
     out = torch.empty_like(a)
     r = store.read_into("k", out)
     w2 = store.write("k", a + 2)
@@ -195,15 +202,7 @@ def test_a_write_queued_behind_another_is_not_kept_by_it(store):
     callback fails this (checked)."""
     import gc
     import weakref
-    gate = threading.Event()
-    real = store._write
-
-    def slow(key, tensor, durable):
-        gate.wait(10)
-        return real(key, tensor, durable)
-    store._write = slow
-    first = store.write("k", torch.zeros(1 << 16))
-    store._write = real
+    first, gate = held_write(store, "k", torch.zeros(1 << 16))
     second = torch.ones(1 << 16)
     alive = weakref.ref(second)
     queued = store.write("k", second)
