@@ -92,7 +92,11 @@ class Split:
     activations: int     # allowance for saved activations
     compute: int         # one block's transient compute plus logits
     state_cache: int = 0  # optimizer state kept resident between steps (what activations leave)
-    pending_grads: int = 0  # of `grads`: what may wait for the optimizer (the rest: a block in the making)
+    # Of `grads`: what may wait for the optimizer; the rest holds the block autograd is making
+    # meanwhile. With all of the share pending, Qwen2.5-0.5B (fp32, --cpu-mem 4GiB, 128 tokens)
+    # peaked 4.24 GiB beyond the libraries, at the embedding's gradient after the last layer's
+    # backward; with this, 3.98 GiB (one run each: the peak depends on how far the optimizer lags).
+    pending_grads: int = 0
 
     def describe(self) -> str:
         parts = ["baseline", "window", "optimizer", "grads", "activations", "compute", "state_cache"]

@@ -23,16 +23,16 @@ import torch
 from torch import nn
 
 from ..faults import fault
-from ..storage import BudgetError, HostBufferPool, TensorStore
-from ..storage.aligned import round_up
+from ..storage import HostBufferPool, TensorStore
 from ..units import parse_bytes
 from . import budget as B
 from .act_engine import ActivationPlanner
+from .budget_plan import plan_budget
 from .block_fn import ParamRefHooks, wrap_layer
 from .head_loss import causal_lm_loss, chunk_tokens
-from .layout import key, make_param_info, nbytes
+from .layout import key, make_param_info
 from .model import discover_blocks, empty_model, module_param_slots
-from .optimizer import AdamWConfig, OutOfCoreAdamW, StepResult, shard_buffer_bytes
+from .optimizer import AdamWConfig, OutOfCoreAdamW, StepResult
 from .device import Uploads, move_buffers, synchronize, to_host
 from .durable import DurableState
 from .state_quant import check_mode
@@ -123,7 +123,7 @@ class Engine(DurableState):
         self.library_rss = library_rss if library_rss is not None else \
             B.library_baseline(self.config, self.dtype, self.device)
         baseline = B.current_rss() - self.library_rss
-        self.split = self._plan_budget(max(baseline, 0))
+        self.split, self.act_allowance = plan_budget(self, max(baseline, 0))
         # pinned where a GPU reads it: copies from pageable memory are neither async nor fast
         self.window_pool = HostBufferPool(self.split.window, pin=self.on_gpu, name="weight window")
         self.opt_pool = HostBufferPool(self.split.optimizer, name="optimizer buffers")
@@ -142,12 +142,12 @@ class Engine(DurableState):
         self.hooks.swapper = self.acts.swapper
         self.optimizer = OutOfCoreAdamW(
             self.store, self.opt_pool, self.infos, [n for n in backward_order if self._owned(n)], self.names,
-            cfg.optim, weight_dtype, self.state["optim"], max_pending_grad_bytes=self._pending_grads(),
+            cfg.optim, weight_dtype, self.state["optim"], max_pending_grad_bytes=self.split.pending_grads,
             on_event=on_event, state_cache=self.cache_pool, optim_states=cfg.optim_states, dist=dist,
             on_new_weights=lambda n, k, t: self.window.offer(n, k, t))
         if dist is not None:
             from ..dist.grads import GradReducer
-            self.reducer = GradReducer(dist, backward_order, self.optimizer, self._pending_grads())
+            self.reducer = GradReducer(dist, backward_order, self.optimizer, self.split.pending_grads)
         self.window = WeightWindow(self.store, self.window_pool, self.infos, self.dtype,
                                    lambda n, k: key(self._wkind(n), n, k, self.optimizer.slots[n]))
         self.uploads = Uploads(self.device, self.window) if self.on_gpu else None
@@ -232,83 +232,6 @@ class Engine(DurableState):
     def _canon(self, mod: nn.Module, attr: str) -> str:
         p = mod._parameters[attr]
         return next(n for n, q in self.params.items() if q is p)
-
-    # ---- budget and state --------------------------------------------------------------
-    def _plan_budget(self, baseline: int) -> B.Split:
-        max_w = max(sum(nbytes(self.dtype, self.infos[n].numel) for n in b.uses) for b in self.blocks)
-        # each parameter has its own page-aligned buffer in the window's pool
-        win = B.window_size([{n: round_up(nbytes(self.dtype, self.infos[n].numel)) for n in b.uses}
-                             for b in self.blocks], self.cfg.prefetch)
-        max_g = max(sum(nbytes(self.dtype, self.infos[n].numel) for n in b.owns) for b in self.blocks)
-        layer_g = max(sum(nbytes(self.dtype, self.infos[n].numel) for n in b.owns) for b in self.blocks
-                      if b.kind == "layer")
-        shard = min(self.shard_elems, max(i.numel for i in self.infos.values()))
-        item = shard_buffer_bytes(shard, None if self.dtype == torch.float32 else self.dtype, self.cfg.optim_states)
-        n_layers = sum(b.kind == "layer" for b in self.blocks)
-        # a weight the head uses but another block owns (tied): its head gradient is held
-        # (engine/tied.py) until the owner's arrives at the end of backward
-        held = sum(nbytes(self.dtype, self.infos[n].numel) for b in self.blocks if b.kind == "head"
-                   for n in b.uses if n not in b.owns)
-
-        def sizes(tokens: int) -> tuple[int, int, int]:
-            act = B.layer_activation_bytes(self.config, tokens, self.dtype)
-            inp = tokens * self.config.hidden_size * torch.empty((), dtype=self.dtype).element_size()
-            return act, inp, B.head_loss_bytes(self.config, tokens, self.dtype, self._chunkable(),
-                                               self.cfg.loss_chunk, tied=held > 0)
-
-        def split(tokens: int) -> B.Split:
-            if self.on_gpu:  # activations, layer inputs, logits and the held gradient are on the GPU
-                return B.plan_split(self.cfg.cpu_mem, baseline, win, max_g, item, 0, 0, n_layers, 0,
-                                    0, reserve=B.GPU_HOST_RESERVE)
-            act, inp, logits = sizes(tokens)
-            return B.plan_split(self.cfg.cpu_mem, baseline, win, max_g, item, act, inp, n_layers,
-                                logits, held, max_layer_grad=layer_g)
-
-        def gpu(tokens: int) -> int:
-            act, inp, logits = sizes(tokens)
-            return B.plan_gpu(self._gpu_budget(), max_w, max_g, act, inp, n_layers, logits, held)
-        try:
-            out = split(self.cfg.tokens_per_micro_batch)
-            if self.on_gpu:
-                self.act_allowance = gpu(self.cfg.tokens_per_micro_batch)
-            else:
-                self.act_allowance = out.activations
-            return out
-        except BudgetError as e:
-            # Under every activation policy the layer inputs, one layer's activations and the
-            # logits stay: name the longest sequence that fits, if any does.
-            lo, hi = 0, self.cfg.tokens_per_micro_batch
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                try:
-                    split(mid)
-                    if self.on_gpu:
-                        gpu(mid)
-                    lo = mid
-                except BudgetError:
-                    hi = mid
-            bsz = max(self.cfg.micro_batch_size, 1)
-            if lo >= bsz:
-                hint = (f" Whatever the activation policy (keep, swap, recompute), the longest micro-batch that fits "
-                        f"is {lo} tokens: --seq-len {lo // bsz} at --batch-size {bsz}.")
-            else:
-                hint = " Not even a one-token micro-batch fits: the budget is below the weights' working set."
-            raise BudgetError(str(e) + hint) from None
-
-    def _gpu_budget(self) -> int:
-        """--gpu-mem, or 90% of what is free now (read once: the longest-sequence search asks again)."""
-        if self.cfg.gpu_mem is None:
-            free, _ = torch.cuda.mem_get_info(self.device)
-            self.cfg.gpu_mem = int(free * 0.9)
-        return self.cfg.gpu_mem
-
-    def _pending_grads(self) -> int:
-        """Gradient bytes that may wait for the optimizer (`Split.pending_grads`). The split's share
-        must also hold the block autograd is producing meanwhile (it exists before it is handed
-        over). With all of the share pending, Qwen2.5-0.5B (fp32, --cpu-mem 4GiB, 128 tokens)
-        peaked 4.24 GiB beyond the libraries, at the embedding's gradient after the last layer's
-        backward; with this, 3.98 GiB (one run each: the peak depends on how far the optimizer lags)."""
-        return self.split.pending_grads
 
     # ---- weights in and out of the modules ---------------------------------------------
     def _load(self, names) -> None:

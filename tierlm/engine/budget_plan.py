@@ -1,0 +1,80 @@
+"""The engine's budget split, from the model it wraps: each block's weights and gradients, the
+optimizer's shard buffers, a tied head's held gradient, and the activations and logits of a
+micro-batch (the arithmetic is `budget.plan_split` / `plan_gpu`). `eng` is the Engine."""
+from __future__ import annotations
+
+import torch
+
+from ..storage import BudgetError
+from ..storage.aligned import round_up
+from . import budget as B
+from .layout import nbytes
+from .optimizer import shard_buffer_bytes
+
+
+def plan_budget(eng, baseline: int) -> tuple[B.Split, int]:
+    """The engine's `--cpu-mem` split from its blocks' sizes, and the allowance for kept
+    activations (host RAM, or what `--gpu-mem` leaves with a GPU computing). A budget too small
+    for the batch names the longest micro-batch that fits, if any does."""
+    max_w = max(sum(nbytes(eng.dtype, eng.infos[n].numel) for n in b.uses) for b in eng.blocks)
+    # each parameter has its own page-aligned buffer in the window's pool
+    win = B.window_size([{n: round_up(nbytes(eng.dtype, eng.infos[n].numel)) for n in b.uses}
+                         for b in eng.blocks], eng.cfg.prefetch)
+    max_g = max(sum(nbytes(eng.dtype, eng.infos[n].numel) for n in b.owns) for b in eng.blocks)
+    layer_g = max(sum(nbytes(eng.dtype, eng.infos[n].numel) for n in b.owns) for b in eng.blocks
+                  if b.kind == "layer")
+    shard = min(eng.shard_elems, max(i.numel for i in eng.infos.values()))
+    item = shard_buffer_bytes(shard, None if eng.dtype == torch.float32 else eng.dtype, eng.cfg.optim_states)
+    n_layers = sum(b.kind == "layer" for b in eng.blocks)
+    # a weight the head uses but another block owns (tied): its head gradient is held
+    # (engine/tied.py) until the owner's arrives at the end of backward
+    held = sum(nbytes(eng.dtype, eng.infos[n].numel) for b in eng.blocks if b.kind == "head"
+               for n in b.uses if n not in b.owns)
+
+    def sizes(tokens: int) -> tuple[int, int, int]:
+        act = B.layer_activation_bytes(eng.config, tokens, eng.dtype)
+        inp = tokens * eng.config.hidden_size * torch.empty((), dtype=eng.dtype).element_size()
+        return act, inp, B.head_loss_bytes(eng.config, tokens, eng.dtype, eng._chunkable(),
+                                           eng.cfg.loss_chunk, tied=held > 0)
+
+    def split(tokens: int) -> B.Split:
+        if eng.on_gpu:  # activations, layer inputs, logits and the held gradient are on the GPU
+            return B.plan_split(eng.cfg.cpu_mem, baseline, win, max_g, item, 0, 0, n_layers, 0,
+                                0, reserve=B.GPU_HOST_RESERVE)
+        act, inp, logits = sizes(tokens)
+        return B.plan_split(eng.cfg.cpu_mem, baseline, win, max_g, item, act, inp, n_layers,
+                            logits, held, max_layer_grad=layer_g)
+
+    def gpu(tokens: int) -> int:
+        act, inp, logits = sizes(tokens)
+        return B.plan_gpu(gpu_budget(eng), max_w, max_g, act, inp, n_layers, logits, held)
+    try:
+        out = split(eng.cfg.tokens_per_micro_batch)
+        return out, gpu(eng.cfg.tokens_per_micro_batch) if eng.on_gpu else out.activations
+    except BudgetError as e:
+        # Under every activation policy the layer inputs, one layer's activations and the
+        # logits stay: name the longest sequence that fits, if any does.
+        lo, hi = 0, eng.cfg.tokens_per_micro_batch
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            try:
+                split(mid)
+                if eng.on_gpu:
+                    gpu(mid)
+                lo = mid
+            except BudgetError:
+                hi = mid
+        bsz = max(eng.cfg.micro_batch_size, 1)
+        if lo >= bsz:
+            hint = (f" Whatever the activation policy (keep, swap, recompute), the longest micro-batch that fits "
+                    f"is {lo} tokens: --seq-len {lo // bsz} at --batch-size {bsz}.")
+        else:
+            hint = " Not even a one-token micro-batch fits: the budget is below the weights' working set."
+        raise BudgetError(str(e) + hint) from None
+
+def gpu_budget(eng) -> int:
+    """--gpu-mem, or 90% of what is free now (read once: the longest-sequence search asks again)."""
+    if eng.cfg.gpu_mem is None:
+        free, _ = torch.cuda.mem_get_info(eng.device)
+        eng.cfg.gpu_mem = int(free * 0.9)
+    return eng.cfg.gpu_mem
