@@ -4,7 +4,15 @@ GPU memory, CPU RAM and NVMe SSD as one hierarchy: weights and optimizer states 
 stream through a bounded window, and an out-of-core AdamW consumes each layer's gradients as
 backward produces them.
 """
+import os as _os
 import resource as _resource
+
+# Tensors of 2 MiB and more on transparent huge pages (PyTorch's switch, read at its first
+# allocation, hence before importing torch; a no-op where THP is off). glibc gives every large
+# tensor fresh pages (_tame_malloc below), and faulting them in 4 KiB at a time took the compute
+# threads 11.6 of 85 CPU-s in a Qwen2.5-0.5B out-of-core step (4x448 tokens, fp32, 2 vCPUs); with
+# huge pages 6.8, and the step 52.0 -> 46.1-46.5 s at the same peak RSS (docs/benchmarks.md, H).
+_os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import torch as _torch  # noqa: F401  (imported first: its footprint is the baseline budgets exclude)
 

@@ -1,0 +1,45 @@
+"""What importing tierlm sets up for the process: large tensors on transparent huge pages."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+# 64 MiB tensor written through, then the process's anonymous huge pages (kB)
+PROBE = r"""
+import tierlm, torch, re
+x = torch.empty(16 << 20)
+x.fill_(1.0)
+rollup = open("/proc/self/smaps_rollup").read()
+print(int(re.search(r"AnonHugePages:\s+(\d+)", rollup).group(1)))
+"""
+
+
+def _huge_kb(thp_env: str | None) -> int:
+    """The probe's huge pages, THP_MEM_ALLOC_ENABLE unset (None) or set to `thp_env`."""
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    if thp_env is not None:
+        env["THP_MEM_ALLOC_ENABLE"] = thp_env
+    out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, check=True)
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def _thp_mode() -> str:
+    try:
+        return re.search(r"\[(\w+)\]", THP.read_text()).group(1)
+    except (OSError, AttributeError):
+        return "absent"
+
+
+@pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="transparent huge pages are off here")
+def test_large_tensors_are_on_huge_pages():
+    assert _huge_kb(None) >= 32 << 10  # most of the 64 MiB
+
+
+@pytest.mark.skipif(_thp_mode() != "madvise", reason="only where huge pages are asked for can they be declined")
+def test_a_user_who_turns_it_off_is_heard():
+    assert _huge_kb("0") == 0
