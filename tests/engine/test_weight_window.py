@@ -79,3 +79,38 @@ def test_a_tied_heads_gradient_is_in_the_budget(make_model_dir, tmp_path):
         eng.close()
     embed = 4096 * 64 * 4
     assert splits["qwen2"] - splits["llama"] == embed
+
+
+def test_prefetch_does_not_evict_weights_kept_for_the_next_forward(tmp_path):
+    """After backward the first blocks' new weights stay; the next forward's read-ahead of later
+    blocks must evict what that forward has used, not what it is about to use."""
+    from tierlm.engine.layout import make_param_info
+    from tierlm.storage import HostBufferPool, TensorStore
+
+    names = [f"p{i}" for i in range(5)]  # one parameter a block, 4 KiB each
+    infos = {n: make_param_info(n, (1024,)) for n in names}
+    store = TensorStore(tmp_path / "st", HostBufferPool(1 << 20, name="io"), direct_io=False)
+    for n in names:
+        store.write(f"w/{n}.0", torch.full((1024,), float(n[1:]))).result()
+    win = WeightWindow(store, HostBufferPool(3 * 4096, name="window"), infos, torch.float32,
+                       lambda n, k: f"w/{n}.{k}")
+    try:
+        for n in ("p2", "p1", "p0"):  # backward: the first blocks last
+            win.acquire([n])
+            win.release([n])
+            win.offer(n, 0, torch.full((1024,), -float(n[1:])))
+        win.invalidate_all(keep_renewed=True)
+        assert win.kept_bytes == 3 * 4096
+
+        misses = win.misses
+        win.acquire(["p0"])  # the next forward: block 0, then read ahead of block 1
+        win.release(["p0"])
+        win.prefetch(["p3"])
+        got = win.acquire(["p1"])["p1"]
+        win.release(["p1"])
+        got2 = win.acquire(["p2"])["p2"]
+        assert win.misses == misses, "a weight kept for this forward was evicted and read again"
+        assert float(got[0]) == -1.0 and float(got2[0]) == -2.0  # the step's new values, not the store's
+        win.release(["p2"])
+    finally:
+        store.close()

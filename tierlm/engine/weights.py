@@ -152,6 +152,11 @@ class WeightWindow:
                     self._drop(n)
                 else:
                     e.renewed = set()
+                    # kept for the next forward, which needs them before anything it reads ahead:
+                    # as read-ahead entries, prefetch cannot evict them (by the last use in
+                    # backward they were the least recently used, and prefetching block i+2
+                    # dropped block i+1's weights, which were then read again behind it)
+                    e.tick = None
             pinned = sorted(n for n, e in self._entries.items() if e.pins)
             if pinned:
                 raise RuntimeError(f"weights still pinned at commit: {pinned}")
