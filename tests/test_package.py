@@ -43,3 +43,34 @@ def test_large_tensors_are_on_huge_pages():
 @pytest.mark.skipif(_thp_mode() != "madvise", reason="only where huge pages are asked for can they be declined")
 def test_a_user_who_turns_it_off_is_heard():
     assert _huge_kb("0") == 0
+
+
+def _tamed(env_value: str | None) -> bool:
+    env = {k: v for k, v in os.environ.items() if k != "TIERLM_MALLOC"}
+    if env_value is not None:
+        env["TIERLM_MALLOC"] = env_value
+    out = subprocess.run([sys.executable, "-c", "import tierlm; print(tierlm.MALLOC_TAMED)"], env=env,
+                         capture_output=True, text=True, check=True)
+    return out.stdout.strip().splitlines()[-1] == "True"
+
+
+def test_glibc_malloc_settings_are_ours_unless_asked_for_plain():
+    """Budgets need large blocks returned on free (tierlm's settings); the in-memory reference of
+    `bench train` is plain PyTorch, on glibc's own."""
+    assert _tamed(None)
+    assert not _tamed("glibc")
+
+
+def test_bench_trains_in_memory_reference_runs_on_glibcs_own_malloc(monkeypatch, tmp_path):
+    from tierlm.train import bench_train as bt
+    seen = []
+
+    def fake_run(cmd, check=False, env=None, **kw):
+        seen.append((cmd, env))
+        raise SystemExit  # the first run is all this test looks at
+    monkeypatch.setattr(bt.subprocess, "run", fake_run)
+    monkeypatch.setattr(bt, "_inmemory_fits", lambda model: (True, 0))
+    with pytest.raises(SystemExit):
+        bt.bench_train("model", "data.txt", "1GiB", 2, str(tmp_path), ["--precision", "fp32", "--device", "cpu"])
+    cmd, env = seen[0]
+    assert "tierlm.train.inmemory" in cmd and env["TIERLM_MALLOC"] == "glibc"

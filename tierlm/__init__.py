@@ -20,21 +20,28 @@ import torch as _torch  # noqa: F401  (imported first: its footprint is the base
 TORCH_RSS = _resource.getrusage(_resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _tame_malloc() -> None:
+def _tame_malloc() -> bool:
     """Fewer glibc arenas (tokenizers' and the I/O threads' each keep their own, and freed memory
-    in them stays in RSS) and large blocks returned to the OS on free. Budgets are promises."""
+    in them stays in RSS) and large blocks returned to the OS on free. Budgets are promises.
+
+    TIERLM_MALLOC=glibc leaves glibc's defaults: `bench train`'s in-memory run is plain PyTorch,
+    and these settings cost it ~9% (fresh pages zeroed for every large tensor: Qwen2.5-0.5B 4x448
+    bf16, 25.6 against 28.0 s/step, docs/benchmarks.md I)."""
+    if _os.environ.get("TIERLM_MALLOC") == "glibc":
+        return False
     import ctypes
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
-        return
+        return False
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
     libc.mallopt(M_ARENA_MAX, 2)
     libc.mallopt(M_MMAP_THRESHOLD, 64 * 1024)
     libc.mallopt(M_TRIM_THRESHOLD, 1 << 20)
+    return True
 
 
-_tame_malloc()
+MALLOC_TAMED = _tame_malloc()
 
 __version__ = "0.1.0"
 
