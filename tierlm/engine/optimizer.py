@@ -32,6 +32,7 @@ from torch.optim.adamw import adamw
 from ..faults import fault
 from ..storage import HostBufferPool, TensorStore
 from . import state_quant as SQ
+from .grad_norm import grad_norm
 from .layout import ParamInfo, key, nbytes
 
 
@@ -332,9 +333,9 @@ class OutOfCoreAdamW:
                     skip = self._early_done.pop(real, set()) if mode == "update" else set()
                     ks = [k for k in ks if k not in skip]
                     if mode == "update" and micro == 0:
-                        # The whole gradient is here: the very reduction clip_grad_norm_ runs on it
-                        # (upcasting inside the reduction gives the same bits as on a float copy).
-                        self._norms[name] = torch.linalg.vector_norm(self._grads[name], 2, dtype=torch.float32)
+                        # The whole gradient is here: the reduction clip_grad_norm_ runs on it (the
+                        # same bits as on a float copy, in pieces beyond grad_norm.CHUNK elements)
+                        self._norms[name] = grad_norm(self._grads[name])
                 if not ks:
                     self._done_with_grad(name)
                 for i, k in enumerate(ks):

@@ -1,0 +1,24 @@
+"""A gradient's fp32 norm without an fp32 copy of the whole gradient (tierlm.engine.grad_norm)."""
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from tierlm.engine import grad_norm as GN
+
+
+def test_up_to_a_chunk_the_bits_are_torchs():
+    g = torch.randn(GN.CHUNK).to(torch.bfloat16)
+    assert torch.equal(GN.grad_norm(g), torch.linalg.vector_norm(g.float(), 2))
+    f = torch.randn(3 * GN.CHUNK + 7)
+    assert torch.equal(GN.grad_norm(f), torch.linalg.vector_norm(f, 2))
+
+
+def test_a_large_low_precision_gradient_is_reduced_in_pieces_without_a_full_copy():
+    n = 6 * GN.CHUNK + 1234
+    g = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16).view(2, -1)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        got = GN.grad_norm(g)
+    biggest = max((e.self_cpu_memory_usage for e in prof.events()), default=0)
+    assert biggest <= 4 * GN.CHUNK  # one piece's fp32 buffer; torch's upcast would be 4 * n bytes
+    exact = g.double().norm().item()
+    # torch sums a million fp32 squares to ~3e-5 of the exact norm; the pieces add no more
+    assert got.dtype == torch.float32 and abs(got.item() - exact) <= 1e-4 * exact
