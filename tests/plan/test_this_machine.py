@@ -165,3 +165,19 @@ def test_weights_other_than_bf16_are_for_serving():
         Task(kind="finetune", weights="int8").validate()
     with pytest.raises(ValueError, match="use bf16, int8 or int4"):
         Task(kind="serve", weights="fp8").validate()
+
+
+def test_resident_weights_count_once_at_the_measured_decode_rate(shape):
+    """The decode step `bench compute` times reads its weights from RAM: the plan does not count
+    them again at bench io's memory rate (a copy's), which bound genoa-2c's in-RAM decode at 0.61 of
+    what it ran. With that rate far below the decode rate, compute binds; the KV cache stays a
+    memory term."""
+    s, _ = shape
+    m = measurements()
+    m["compute"]["decode_gbps"] = {"bf16": 1.0}
+    m["io"]["mem_gbps"] = 0.1  # a copy rate far below the decode step's
+    p = plan(s, hardware_from_measurements(m), Task(kind="serve", batch=1, seq_len=16, new_tokens=8,
+                                                    cpu_mem=1 << 30))
+    assert p.binding == "cpu"
+    weights = p.placement["weights"]["ram"]
+    assert 0 < p.resources_s["memory"] < weights / 0.1e9 / 100
