@@ -1,0 +1,74 @@
+"""The optimizer's small types: its configuration and step result, and one shard's unit of work
+with its buffers (`tierlm.engine.optimizer` runs the pipeline over them)."""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+
+@dataclass
+class AdamWConfig:
+    lr: float = 1e-5
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = None
+    impl: str = "fused"  # fused | foreach | single: which torch AdamW kernel (results match that kernel)
+
+    def kernel_flags(self) -> dict:
+        return {"fused": dict(fused=True, foreach=False), "foreach": dict(fused=False, foreach=True),
+                "single": dict(fused=False, foreach=False)}[self.impl]
+
+
+@dataclass
+class StepResult:
+    grad_norm: float
+    clip_coef: float  # 1.0 when not clipped
+    redone: bool
+    finite: bool
+
+
+EARLY = "\x00early"  # the arrival of a parameter's shards whose gradient is final before the rest
+
+
+class OptimizerError(RuntimeError):
+    pass
+
+
+class ShardItem:
+    """One (parameter, shard) of work, with its buffers once prepared."""
+
+    __slots__ = ("name", "shard", "a", "b", "bufs", "reads", "keep", "cached", "src", "last", "_left", "_lock")
+
+    def __init__(self, name: str, shard: int, a: int, b: int):
+        self.name, self.shard, self.a, self.b = name, shard, a, b
+        self.src, self.last = name, False  # the gradient it reads (_grads key); the arrival's last shard
+        self.bufs: dict = {}
+        self.reads: list[Future] = []
+        self.keep: set[str] = set()  # buffers from the state cache: they stay resident after the step
+        self.cached: set[str] = set()  # of those, the ones holding the committed state (a cache hit)
+        self._lock = threading.Lock()
+
+    def release(self) -> None:
+        for buf in self.bufs.values():
+            buf.release()
+        self.bufs = {}
+
+    def release_after(self, writes: list[Future]) -> None:
+        """Give the buffers back when the last write from them finishes (on the I/O thread, so a
+        worker blocked on a full pool is woken without having to reap)."""
+        if not writes:
+            self.release()
+            return
+        self._left = len(writes)
+
+        def one_done(_):
+            with self._lock:
+                self._left -= 1
+                last = self._left == 0
+            if last:
+                self.release()
+        for f in writes:
+            f.add_done_callback(one_done)
