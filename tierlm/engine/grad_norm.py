@@ -1,9 +1,8 @@
 """A gradient's 2-norm in fp32 without an fp32 copy of the whole gradient.
 
 `torch.linalg.vector_norm(g, dtype=torch.float32)` on a bf16 gradient upcasts all of it first: for
-TinyLlama's head (65.5M elements) a 250 MiB transient on the optimizer's thread, which took a bf16
-run under --cpu-mem 4GiB 60-80 MiB past its budget and held the head's update back ~0.2 s
-(docs/benchmarks.md, I). A gradient of more than CHUNK elements is reduced in CHUNK-element
+TinyLlama's head (65.5M elements) a 250 MiB transient on the optimizer's thread (50-260 ms of it),
+which took a bf16 run under --cpu-mem 4GiB ~60 MiB past its budget (docs/benchmarks.md, genoa-2c). A gradient of more than CHUNK elements is reduced in CHUNK-element
 pieces, then the pieces' norms. Up to CHUNK (every tensor of the tests' models) the bits are those
 of torch's `clip_grad_norm_` on an fp32 copy. Beyond it they differ, and are closer to the exact
 norm: torch's one fp32 reduction over 65.5M bf16 values of unit size gave 8054.2 where the exact
