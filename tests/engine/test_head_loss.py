@@ -60,3 +60,19 @@ def test_engine_with_chunks_trains_like_torch(make_model_dir, tmp_path, arch):
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
     for n, t in ref_master.items():
         torch.testing.assert_close(masters[n], t, rtol=1e-4, atol=1e-5, msg=n)
+
+
+def test_chunks_reuse_one_logits_buffer():
+    """The fp32 logits and the rounded gradient live in buffers made once for every chunk: a fresh
+    tensor a chunk is fresh pages the kernel zeroes. Counted with the profiler's allocations of a
+    chunk's fp32 logits; the loop once made 7 a chunk, now 1 (logsumexp's own) and the buffer."""
+    torch.manual_seed(0)
+    vocab, chunk, chunks = 4096, 32, 8
+    head = nn.Linear(16, vocab, bias=False).bfloat16()
+    hidden = torch.randn(1, chunks * chunk, 16, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, vocab, (1, chunks * chunk))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        causal_lm_loss(hidden, head, labels, chunk)
+    fp32_chunk = chunk * vocab * 4
+    made = sum(1 for e in prof.events() if e.cpu_memory_usage == fp32_chunk)
+    assert made <= 2 * chunks + 1, f"{made} fp32 logits-sized tensors for {chunks} chunks"
