@@ -20,6 +20,11 @@ import torch as _torch  # noqa: F401  (imported first: its footprint is the base
 TORCH_RSS = _resource.getrusage(_resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+# glibc's thresholds under _tame_malloc (tierlm.engine.heap relaxes them while an Engine trains)
+TAME_MMAP_THRESHOLD = 64 * 1024
+TAME_TRIM_THRESHOLD = 1 << 20
+
+
 def _tame_malloc() -> bool:
     """Fewer glibc arenas (tokenizers' and the I/O threads' each keep their own, and freed memory
     in them stays in RSS) and large blocks returned to the OS on free. Budgets are promises.
@@ -36,8 +41,8 @@ def _tame_malloc() -> bool:
         return False
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
     libc.mallopt(M_ARENA_MAX, 2)
-    libc.mallopt(M_MMAP_THRESHOLD, 64 * 1024)
-    libc.mallopt(M_TRIM_THRESHOLD, 1 << 20)
+    libc.mallopt(M_MMAP_THRESHOLD, TAME_MMAP_THRESHOLD)
+    libc.mallopt(M_TRIM_THRESHOLD, TAME_TRIM_THRESHOLD)
     return True
 
 

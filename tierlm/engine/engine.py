@@ -30,6 +30,7 @@ from .act_engine import ActivationPlanner
 from .budget_plan import plan_budget
 from .block_fn import ParamRefHooks, wrap_layer
 from .head_loss import causal_lm_loss, chunk_tokens
+from .heap import HeapGuard
 from .layout import key, make_param_info
 from .model import discover_blocks, empty_model, module_param_slots
 from .optimizer import AdamWConfig, OutOfCoreAdamW, StepResult
@@ -164,6 +165,9 @@ class Engine(DurableState):
         self._t_bwd: float | None = None
         self._pins: dict[str, int] = {}
         self.tied_grad = TiedHeadGrad.attach(self)
+        # last, so a constructor that raises leaves glibc's settings alone: between blocks, RSS at
+        # most the budget less what the next block's compute may add
+        self.heap = HeapGuard(self.library_rss + self.split.budget - self.split.compute, self.split.compute)
 
     # ---- construction ----------------------------------------------------------------
     @classmethod
@@ -267,6 +271,7 @@ class Engine(DurableState):
         return torch.zeros(1, dtype=self.dtype, device=self.device).expand(shape)
 
     def _hold_head(self, names) -> None:
+        self.heap.check()
         new = [n for n in names if n not in self._held_head]
         if new:
             self._load(new)
@@ -299,6 +304,7 @@ class Engine(DurableState):
     # called by the layer wrappers
     def block_forward_begin(self, blk) -> None:
         fault("forward.layer")
+        self.heap.check()
         self._prefetch_from(blk.index, +1)
         self._load(blk.uses)
         self._upload_ahead(blk.index + 1)
@@ -315,6 +321,7 @@ class Engine(DurableState):
 
     def block_backward_begin(self, blk) -> None:
         fault("backward.layer")
+        self.heap.check()
         if self._held_head:
             self._head_computed("bwd", self._t_bwd)
         self._drop_head()  # the head's backward is over once a layer's starts
@@ -344,6 +351,7 @@ class Engine(DurableState):
         """The HF model's forward (returns its output, `.loss` when labels are given)."""
         self.acts.micro_begin()
         self._drop_head()
+        self.heap.check()
         self._prefetch_from(-1, +1)
         if self.on_gpu:
             input_ids = input_ids.to(self.device)
@@ -388,6 +396,7 @@ class Engine(DurableState):
         self.optimizer.begin_micro(self.micro, self.cfg.grad_accum, self.lr)
         if self.dist is not None:
             self.reducer.begin()
+        self.heap.check()
         self._t_bwd = time.perf_counter()
         try:
             (loss / self.cfg.grad_accum).backward()
@@ -440,7 +449,7 @@ class Engine(DurableState):
             for f in tail:
                 f.result()
             self._write_manifest()
-        B.trim()  # between steps, hand the freed heap back (activations are small tensors)
+        self.heap.check()
         self.acts.step_done()
         self._prefetch_from(-1, +1)
 
@@ -520,11 +529,12 @@ class Engine(DurableState):
 
     def stats(self) -> dict:
         return {"io": self.store.stats.snapshot(), "window_hits": self.window.hits,
-                "window_misses": self.window.misses, "peak_rss": B.peak_rss(),
+                "window_misses": self.window.misses, "peak_rss": B.peak_rss(), "heap_trims": self.heap.trims,
                 "pools": {"window": self.window_pool.peak_used, "optimizer": self.opt_pool.peak_used},
                 "peak_gpu": torch.cuda.max_memory_allocated(self.device) if self.on_gpu else None}
 
     def close(self) -> None:
+        self.heap.close()  # the steps are over: what they kept for reuse goes back first
         try:
             self.settle()
         finally:

@@ -57,6 +57,8 @@ class Progress:
                 "mean_s_per_step": sum(r["s_per_step"] for r in rows) / max(len(rows), 1),
                 "peak_rss_bytes": B.peak_rss(), "library_rss_bytes": self.engine.library_rss,
                 "budget_bytes": self.budget, "peak_gpu_bytes": self.engine.stats()["peak_gpu"],
+                # freed memory kept for reuse between blocks (engine/heap.py), and how often it went back
+                "heap_kept": self.engine.heap.active, "heap_trims": self.engine.heap.trims,
                 "final_model": str(final_dir), "wall_s": time.perf_counter() - self.t_start}
 
     def close(self) -> None:

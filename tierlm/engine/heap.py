@@ -1,0 +1,88 @@
+"""Freed heap memory kept for reuse while training is under its budget, handed back when it is not.
+
+tierlm's import settings (`tierlm._tame_malloc`) give every allocation over 64 KiB fresh pages and
+return them on free, so RSS tracks what is live. The price is paid by the compute: the kernel zeroes
+every fresh page, and a step's transient tensors are mostly 64 KiB-32 MiB. Qwen2.5-0.5B at 4x448
+tokens in bf16 (2 vCPUs) faulted 1.33M small pages and 12 GiB of huge pages a step. With those
+allocations kept in the heap, 0.15-0.27M and 7-8 GiB, and the step 27.4 -> 25.3-26.8 s
+(docs/benchmarks.md, "heap reuse").
+
+Unbounded, the heap's holes held 1.3-2.3 GiB more and the run peaked over its --cpu-mem. So while an
+Engine trains, `check()` runs between blocks: past `limit` (the budget less one block's transient
+compute, which the next block may add before the next check), the free pages go back to the OS.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+
+# glibc mallopt parameters
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+# Blocks up to this size come from the heap while training; glibc's own ceiling for its dynamic
+# threshold. Larger ones (a big embedding's gradient, the head's logits) stay mmapped and go back on free.
+KEEP_BELOW = 32 << 20
+# Kept blocks strand memory in holes within a block's own compute, between two checks: the 96 MiB
+# test budget (tests/train/test_budget.py) and the demo's 160 MiB went 22 and 11 MiB over with
+# the guard, where Qwen2.5-0.5B's 4 GiB peaked no higher than without it. Budgets whose compute
+# share is below this keep tierlm's import settings.
+MIN_COMPUTE_SHARE = 256 << 20
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+_lock = threading.Lock()
+_open_guards = 0
+
+
+def _libc():
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+def rss() -> int:
+    """Resident bytes now (statm: cheaper than psutil, which the checks between blocks would feel)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * _PAGE
+
+
+class HeapGuard:
+    """While open: heap blocks under KEEP_BELOW are reused, not returned; `check()` returns them
+    when RSS passes `limit`. A no-op where tierlm's malloc settings are off (TIERLM_MALLOC=glibc,
+    or no glibc: glibc's defaults keep freed memory already) and where the budget's compute share
+    (one block's transient tensors) is under MIN_COMPUTE_SHARE."""
+
+    def __init__(self, limit: int, compute_share: int):
+        import tierlm
+        self.limit = limit
+        self.trims = 0
+        self.libc = _libc() if tierlm.MALLOC_TAMED and compute_share >= MIN_COMPUTE_SHARE else None
+        self.open = self.active = self.libc is not None  # active: whether it ever kept anything
+        if self.open:
+            global _open_guards
+            with _lock:
+                _open_guards += 1
+                self.libc.mallopt(M_MMAP_THRESHOLD, KEEP_BELOW)
+                self.libc.mallopt(M_TRIM_THRESHOLD, 1 << 40)  # trimming is check()'s decision
+
+    def check(self) -> bool:
+        """Hand the free heap back if RSS is past the limit; True if it did."""
+        if not self.open or rss() <= self.limit:
+            return False
+        self.libc.malloc_trim(0)
+        self.trims += 1
+        return True
+
+    def close(self) -> None:
+        """tierlm's import settings again (once no other guard is open), and the free heap returned."""
+        if not self.open:
+            return
+        self.open = False
+        import tierlm
+        global _open_guards
+        with _lock:
+            _open_guards -= 1
+            if _open_guards == 0:
+                self.libc.mallopt(M_MMAP_THRESHOLD, tierlm.TAME_MMAP_THRESHOLD)
+                self.libc.mallopt(M_TRIM_THRESHOLD, tierlm.TAME_TRIM_THRESHOLD)
+        self.libc.malloc_trim(0)
