@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from tierlm.infer import native
 from tierlm.infer.gemv import GemvLinear, bf16_matmul_is_slow
-from tierlm.infer.quant import QLinear
+from tierlm.infer.quant import QLinear, _int4
 
 
 def best(f, n=5):
@@ -36,13 +36,15 @@ def main():
     n, k, count = 5632, 2048, 24  # TinyLlama's MLP shape; 24 of them = 550 MB of bf16
     torch.manual_seed(0)
     ws = [torch.randn(n, k, dtype=torch.bfloat16) for _ in range(count)]
-    q8, q4 = [], []
+    q8, q4 = [], []  # q4: our layout where our kernels build (QLinear's choice)
     for w in ws[: count // 2]:
         for mode, dst in (("int8", q8), ("int4", q4)):
             lin = QLinear(k, n, mode, 128 if mode == "int4" else 0)
             for name, t in lin.quantize(w, None, torch.bfloat16).items():
                 setattr(lin, name, t)
             dst.append(lin)
+    # PyTorch's int4 kernel takes only its own packing
+    q4_torch = [_int4(w, torch.bfloat16, 128, "torch") for w in ws[: count // 2]]
     big = torch.ones(128 << 20, dtype=torch.float32)
     numel = sum(w.numel() for w in ws)
     print(json.dumps({"load_before": os.getloadavg(), "own_kernels": native.isa()}))
@@ -59,11 +61,14 @@ def main():
                                                           for q in q8]) / 1e9
             if m in (1, 8):
                 out[f"M{m}_int4"] = numel / 4 / best(lambda: [torch.ops.aten._weight_int4pack_mm_for_cpu(
-                    a, q.qweight, q.group, q.scales) for q in q4]) / 1e9
+                    a, q["qweight"], 128, q["scales"]) for q in q4_torch]) / 1e9
             if native.available():
                 out[f"M{m}_ours_bf16"] = numel * 2 / best(lambda: [native.gemv_bf16(a, w) for w in ws]) / 1e9
                 out[f"M{m}_ours_int8"] = numel / 2 / best(lambda: [native.gemv_int8(a, q.qweight, q.scales)
                                                                    for q in q8]) / 1e9
+                if q4[0].layout == "tierlm":
+                    out[f"M{m}_ours_int4"] = numel / 4 / best(lambda: [native.gemv_int4(a, q.qweight, q.scales, 128)
+                                                                       for q in q4]) / 1e9
         print(json.dumps({k2: round(v, 2) if isinstance(v, float) else v for k2, v in out.items()}), flush=True)
         lin = torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16).requires_grad_(False)
         lin.__class__ = GemvLinear
