@@ -239,6 +239,36 @@ def test_state_cache_saves_the_optimizer_reads(make_model_dir, tmp_path):
     assert reads[True] == 4 * n
 
 
+def test_a_partial_state_cache_keeps_the_shards_updated_last(make_model_dir, tmp_path):
+    """A cache with room for a third of the state holds the shards the optimizer updates last
+    (their reads would be the step's tail), and the weights are the same bits as without it."""
+    model_dir, _ = make_model_dir("llama")
+    data = batches(4)
+    out = {}
+    for cache in (True, False):
+        eng = Engine.from_pretrained(model_dir, EngineConfig(
+            nvme_dir=str(tmp_path / f"nvme-{cache}"), cpu_mem="1GiB", precision="bf16", state_cache=cache,
+            shard_elems=2048, optim=AdamWConfig(lr=1e-3, weight_decay=0.1)))
+        opt = eng.optimizer
+        try:
+            if cache:
+                opt.state_cache.capacity = sum(i.numel for i in eng.infos.values()) * 12 // 3
+            for x in data:
+                eng.backward(eng.forward(x, labels=x).loss)
+                eng.step()
+            if cache:
+                seq = [(n, k) for n in opt._arrival for k in range(len(eng.infos[n].shards))]
+                held = [i for i, nk in enumerate(seq) if nk in opt._resident]
+                out["held"], out["seq"] = held, len(seq)
+            out[cache] = {n: eng.master(n) for n in eng.names}
+        finally:
+            eng.close()
+    held, n = out["held"], out["seq"]
+    assert 0 < len(held) < n and held == list(range(n - len(held), n))  # the last ones, all of them
+    for name, m in out[False].items():
+        assert torch.equal(out[True][name], m), name
+
+
 # Every pipeline knob changes when bytes move, never which bytes: a covering set of combinations
 # (each value of each knob at least once, with the others varied) against the same reference.
 KNOBS = [
