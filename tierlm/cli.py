@@ -195,7 +195,7 @@ def _add_plan_verbs(sub) -> None:
     q.add_argument("model", nargs="?", help="train: the model directory")
     q.add_argument("--data", help="train: the training data")
     q.add_argument("--cpu-mem", default="4GiB", help="train: the out-of-core run's budget")
-    q.add_argument("--steps", type=int, default=3, help="train: steps of each run (the first is warm-up)")
+    q.add_argument("--steps", type=int, default=5, help="train: steps of each run (the first two are warm-up: they create the state files)")
     q.add_argument("--work", default="runs/bench-train", help="train: where both runs write")
     q.add_argument("--finetune-args", default="", help="train: more finetune options for both runs, e.g. "
                                                       "'--seq-len 1024 --batch-size 4'")

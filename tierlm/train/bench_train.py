@@ -6,6 +6,12 @@ Each run is a process of its own (so each peak RSS is its own). The in-memory ru
 times, SSD bytes per step against the measured bandwidth (`tierlm bench io`), the share of the step
 the computation waited on I/O, and the peak RSS of each. When the in-memory run cannot fit in RAM,
 it is not run, and the out-of-core step is compared with its I/O bound instead.
+
+The drive is measured right before and right after the out-of-core run, on the run's own folder,
+and the bound uses the mean of the two: a virtual disk's rates move by 2x within an hour (read 2.43
+then 1.37 GB/s 25 minutes apart on genoa-2c), so a cached `bench io` can be far from what the run
+saw. Reads and writes share one device, so the drive's use is the sum of each direction's bytes
+over its own rate: the share of the step the drive would be busy at those rates (= bound / step).
 """
 from __future__ import annotations
 
@@ -21,8 +27,15 @@ import psutil
 from ..units import fmt_bytes
 
 
+# Steps left out of the steady means: the out-of-core run's first two create the files of its two
+# state slots (a step writes the slot the last one did not), and creating a file writes 2-3x slower
+# than overwriting one in place, as every later step does (TinyLlama 1x128 under 4 GiB, genoa-2c:
+# step 2 took 13.7-15.3 s, steps 3-5 11.2-13.5). Both runs leave out the same number.
+WARMUP_STEPS = 2
+
+
 def _steady(rows: list[dict], key: str) -> float:
-    xs = [r[key] for r in (rows[1:] or rows)]
+    xs = [r[key] for r in (rows[WARMUP_STEPS:] or rows[-1:])]
     return sum(xs) / len(xs)
 
 
@@ -34,16 +47,18 @@ def _inmemory_fits(model_dir: str) -> tuple[bool, int]:
     return need < 0.8 * psutil.virtual_memory().available, need
 
 
-def _measured_io(nvme_dir: str) -> dict:
-    """`bench io` of the run's own NVMe folder (cached; measured now when the cache is of another)."""
-    from ..bench import cache
-    from ..plan.command import run_bench
+def _probe_io(nvme_dir: str) -> dict:
+    """`bench io` of the run's own NVMe folder, measured now (not the cache)."""
+    from ..bench.measure import bench_io
 
-    io = cache.load().get("io")
-    if io is None or Path(io["dir"]) != Path(nvme_dir).resolve():
-        run_bench("io", nvme_dir)
-        io = cache.load()["io"]
-    return io
+    io = bench_io(nvme_dir)
+    return {"read_gbps": io["read_gbps"], "write_gbps": io["write_gbps"], "dir": io["dir"]}
+
+
+def _mean_io(probes: list[dict]) -> dict:
+    return {"read_gbps": sum(p["read_gbps"] for p in probes) / len(probes),
+            "write_gbps": sum(p["write_gbps"] for p in probes) / len(probes),
+            "dir": probes[0]["dir"], "probes": probes}
 
 
 def bench_train(model: str, data: str, cpu_mem: str, steps: int, work: str, finetune_args: list[str],
@@ -70,7 +85,8 @@ def bench_train(model: str, data: str, cpu_mem: str, steps: int, work: str, fine
         subprocess.run([sys.executable, "-m", "tierlm.train.inmemory", *common, "--json", str(out)], check=True,
                        env=dict(os.environ, TIERLM_MALLOC="glibc"))
         mem = json.loads(out.read_text())
-        result["inmemory"] = {"s_per_step": _steady(mem["rows"], "s_per_step"), "peak_rss_bytes": mem["peak_rss_bytes"],
+        result["inmemory"] = {"s_per_step": _steady(mem["rows"], "s_per_step"),
+                              "steps_s": [r["s_per_step"] for r in mem["rows"]], "peak_rss_bytes": mem["peak_rss_bytes"],
                               "peak_gpu_bytes": mem.get("peak_gpu_bytes"), "losses": [r["loss"] for r in mem["rows"]]}
     else:
         result["inmemory"] = None
@@ -79,6 +95,7 @@ def bench_train(model: str, data: str, cpu_mem: str, steps: int, work: str, fine
     run = work_dir / "outofcore"
     shutil.rmtree(run, ignore_errors=True)
     nvme_dir = nvme or str(run / "nvme")
+    before = _probe_io(nvme_dir)
     subprocess.run([sys.executable, "-m", "tierlm", "finetune", *common, "--output", str(run), "--nvme", nvme_dir,
                     "--cpu-mem", cpu_mem, "--overwrite", "--timeline-step", str(steps)], check=True)
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -86,25 +103,30 @@ def bench_train(model: str, data: str, cpu_mem: str, steps: int, work: str, fine
     trace = json.loads((run / "timeline.json").read_text())["traceEvents"]
     wait = sum(e["dur"] for e in trace if e.get("cat") == "wait") / 1e6
     last = rows[-1]
-    io = _measured_io(nvme_dir)
+    io = _mean_io([before, _probe_io(nvme_dir)])
     rd, wr = _steady(rows, "ssd_read_bytes"), _steady(rows, "ssd_write_bytes")
     bound = rd / (io["read_gbps"] * 1e9) + wr / (io["write_gbps"] * 1e9)  # one device: reads and writes share it
-    ooc = {"s_per_step": _steady(rows, "s_per_step"), "peak_rss_bytes": summary["peak_rss_bytes"],
+    ooc = {"s_per_step": _steady(rows, "s_per_step"), "steps_s": [r["s_per_step"] for r in rows],
+           "peak_rss_bytes": summary["peak_rss_bytes"],
            "peak_gpu_bytes": summary.get("peak_gpu_bytes"),
            "library_rss_bytes": summary["library_rss_bytes"], "ssd_read_bytes": rd, "ssd_write_bytes": wr,
            "read_gbps": _steady(rows, "ssd_read_gbps"), "write_gbps": _steady(rows, "ssd_write_gbps"),
            "stall_pct": 100 * wait / last["s_per_step"], "io_bound_s": bound,
            "losses": [r["loss"] for r in rows], "timeline": str(run / "timeline.png")}
     result["outofcore"] = ooc
-    result["measured_io"] = {"read_gbps": io["read_gbps"], "write_gbps": io["write_gbps"], "dir": io["dir"]}
+    # each direction's bytes a step at its measured rate, as a share of the step: they sum to bound / step
+    ooc["ssd_read_share"] = rd / (io["read_gbps"] * 1e9) / ooc["s_per_step"]
+    ooc["ssd_write_share"] = wr / (io["write_gbps"] * 1e9) / ooc["s_per_step"]
+    result["measured_io"] = io
     (work_dir / "bench_train.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
 
 
 def report(r: dict) -> str:
     o = r["outofcore"]
-    lines = [f"bench train {r['model']}: {r['steps']} steps (steady = all but the first), computing on "
-             f"{r.get('device', 'cpu')}"]
+    lines = [f"bench train {r['model']}: {r['steps']} steps (steady = from step {WARMUP_STEPS + 1}; the first "
+             f"{WARMUP_STEPS} create the state files), computing on {r.get('device', 'cpu')}"]
+    each = lambda run: ", ".join(f"{t:.2f}" for t in run.get("steps_s", []))
     if r["inmemory"]:
         m = r["inmemory"]
         if m["losses"] == o["losses"]:
@@ -112,20 +134,29 @@ def report(r: dict) -> str:
         else:
             rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(o["losses"], m["losses"]))
             same = f"differ by at most {rel:.1e} (relative)"
-        lines.append(f"  in memory:    {m['s_per_step']:.2f} s/step, peak RSS {fmt_bytes(m['peak_rss_bytes'])}")
+        lines.append(f"  in memory:    {m['s_per_step']:.2f} s/step, peak RSS {fmt_bytes(m['peak_rss_bytes'])} "
+                     f"(steps {each(m)})")
         lines.append(f"  out-of-core:  {o['s_per_step']:.2f} s/step, peak RSS {fmt_bytes(o['peak_rss_bytes'])} "
-                     f"(--cpu-mem {r['cpu_mem']} beyond the libraries' {fmt_bytes(o['library_rss_bytes'])})")
+                     f"(--cpu-mem {r['cpu_mem']} beyond the libraries' {fmt_bytes(o['library_rss_bytes'])}; "
+                     f"steps {each(o)})")
         lines.append(f"  ratio out-of-core / in-memory: {o['s_per_step'] / m['s_per_step']:.2f}x; losses {same}")
         if m.get("peak_gpu_bytes"):
             lines.append(f"  GPU memory peak: in memory {fmt_bytes(m['peak_gpu_bytes'])}, out-of-core "
                          f"{fmt_bytes(o['peak_gpu_bytes'] or 0)}")
     else:
         lines.append(f"  in memory: not run ({r['inmemory_skipped']})")
-        lines.append(f"  out-of-core:  {o['s_per_step']:.2f} s/step, peak RSS {fmt_bytes(o['peak_rss_bytes'])}")
+        lines.append(f"  out-of-core:  {o['s_per_step']:.2f} s/step, peak RSS {fmt_bytes(o['peak_rss_bytes'])} "
+                     f"(steps {each(o)})")
     io = r["measured_io"]
+    probes = "; ".join(f"{p['read_gbps']:.2f} / {p['write_gbps']:.2f}" for p in io.get("probes", []))
     lines.append(f"  SSD per step: read {fmt_bytes(o['ssd_read_bytes'])}, write {fmt_bytes(o['ssd_write_bytes'])}; "
                  f"achieved {o['read_gbps']:.2f} / {o['write_gbps']:.2f} GB/s against measured "
-                 f"{io['read_gbps']:.2f} / {io['write_gbps']:.2f} GB/s (bench io, {io['dir']})")
+                 f"{io['read_gbps']:.2f} / {io['write_gbps']:.2f} GB/s (bench io, {io['dir']}"
+                 + (f"; before and after the run {probes})" if probes else ")"))
+    if "ssd_read_share" in o:
+        lines.append(f"  drive use: read {100 * o['ssd_read_share']:.0f}% + write {100 * o['ssd_write_share']:.0f}% "
+                     f"= {100 * (o['ssd_read_share'] + o['ssd_write_share']):.0f}% of the step at the measured rates "
+                     f"(one device: reads and writes share it)")
     lines.append(f"  I/O bound (bytes / measured bandwidth): {o['io_bound_s']:.2f} s; step / bound = "
                  f"{o['s_per_step'] / o['io_bound_s']:.2f}x")
     lines.append(f"  compute waited on I/O {o['stall_pct']:.0f}% of the last step; timeline {o['timeline']}")
