@@ -12,7 +12,7 @@ import json
 import os
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +21,6 @@ import torch
 
 from ..faults import fault
 from .aligned import as_bytes, is_aligned, round_up, supports_direct_io
-from .ioqueue import READ, WRITE, IOQueue
 from .pool import Buffer, HostBufferPool
 
 
@@ -110,7 +109,7 @@ class TensorStore:
         self.stats = IOStats()
         self.on_event = on_event  # callable(kind, key, t0, t1, nbytes) for the timeline
         self.in_place = in_place  # overwrite a key's file in place where that is safe (see _write)
-        self._exec = IOQueue(io_threads, "tierlm-io")
+        self._exec = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="tierlm-io")
         self._inflight: dict[str, Future] = {}  # key -> its latest write not yet landed
         self._reading: dict[str, set[Future]] = {}  # key -> its reads not yet done
 
@@ -173,9 +172,8 @@ class TensorStore:
 
     def _after(self, key: str, deps: list[Future], fn, *args) -> Future:
         """fn(*args) on the I/O threads once every future in `deps` is done (failed or not)."""
-        priority = READ if fn == self._read_latest else WRITE
         if not deps:
-            return self._exec.submit(fn, *args, priority=priority)
+            return self._exec.submit(fn, *args)
         out: Future = Future()
         left = [len(deps)]
         lock = threading.Lock()
@@ -191,7 +189,7 @@ class TensorStore:
             run, run_args = job
             job.clear()
             try:
-                inner = self._exec.submit(run, *run_args, priority=priority)
+                inner = self._exec.submit(run, *run_args)
             except RuntimeError as e:  # the store was closed meanwhile
                 out.set_exception(StorageError(f"{self.path(key)}: store closed before the I/O ran ({e})"))
                 return
@@ -300,7 +298,7 @@ class TensorStore:
             if key in self._inflight:
                 buf.release()
                 raise StorageError(f"{self.path(key)}: read() while its write is in flight (use read_into)")
-            inner = self._track_read(key, self._exec.submit(self._read, key, rec, out, True, priority=READ))
+            inner = self._track_read(key, self._exec.submit(self._read, key, rec, out, True))
 
         def done(f):
             exc = f.exception()
@@ -326,7 +324,7 @@ class TensorStore:
             if key in self._inflight:  # a write was asked for meanwhile: read what it lands
                 return self._track_read(key, self._after_write(key, self._read_latest, key, out, owns_padding))
             # tracked, so that a write asked for later waits until this read is done
-            return self._track_read(key, self._exec.submit(self._read, key, rec, out, owns_padding, priority=READ))
+            return self._track_read(key, self._exec.submit(self._read, key, rec, out, owns_padding))
 
     def _check_into(self, key: str, out: torch.Tensor) -> Record:
         rec = self.record(key)
