@@ -32,6 +32,7 @@ from ..faults import fault
 from ..storage import HostBufferPool, TensorStore
 from ..storage.aligned import round_up
 from . import state_quant as SQ
+from .cache_policy import last_that_fit
 from .grad_norm import grad_norm
 from .layout import ParamInfo, key, nbytes
 from .optim_types import EARLY, AdamWConfig, OptimizerError, StepResult
@@ -315,15 +316,7 @@ class OutOfCoreAdamW:
             self._predicted = arrival + [n for n in self._predicted if n not in seen]
 
     def _last_shards(self, arrival: list[str]) -> set:
-        """The shards updated last in `arrival`'s order whose states fill the cache.
-
-        Caching those rather than the first ones (what a cache filled in arrival order holds) moves
-        the step's I/O where the drive has room. The last shards' reads were the step's tail, with
-        compute done and the drive reading and writing their states one after the other (TinyLlama
-        1x128 under 4 GiB: the embedding's 0.92 GB of reads took the last 2.1 s of an 11.7 s step);
-        cached, they update as soon as their gradients arrive, and their writes land during the
-        next forward, which only reads weights and left the drive ~40% idle. The first shards' reads
-        instead overlap backward's start, the head's backward among it, when the drive was idle."""
+        """The shards updated last in `arrival`'s order whose states fill the cache (cache_policy)."""
         seq, early = [], {}
         for n in arrival:
             real, ks = self._shards_of(n)
@@ -332,17 +325,11 @@ class OutOfCoreAdamW:
                 seq += [(real, k) for k in ks]
             else:
                 seq += [(real, k) for k in ks if k not in early.get(real, ())]
-        room, keep = self.state_cache.capacity, set()
-        for real, k in reversed(seq):
-            if (real, k) in keep:
-                continue
-            a, b = self.infos[real].shards[k]
-            size = sum(round_up(self._size(tag, b - a)) for tag in self.state_tags)
-            if size > room:
-                break
-            room -= size
-            keep.add((real, k))
-        return keep
+
+        def size_of(nk):
+            a, b = self.infos[nk[0]].shards[nk[1]]
+            return sum(round_up(self._size(tag, b - a)) for tag in self.state_tags)
+        return last_that_fit(seq, size_of, self.state_cache.capacity)
 
     def _cacheable(self, it: _Item) -> bool:
         return self._cache_pref is None or (it.name, it.shard) in self._cache_pref
