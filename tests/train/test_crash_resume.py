@@ -67,5 +67,5 @@ def test_supervisor_recovers_from_two_outside_kills(reference):
     _, err = proc.communicate(timeout=300)
     assert len(killed) == 2 and proc.returncode == 0, err[-2000:]
     causes = [json.loads(x)["cause"] for x in (out / "restarts.jsonl").read_text().splitlines()]
-    assert causes == ["killed by SIGKILL", "killed by SIGKILL"]
+    assert causes == ["killed by SIGKILL", "killed by SIGKILL"], err[-3000:]
     assert_same_run(ref, state_of(out))
