@@ -55,8 +55,8 @@ def aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:
 
     Plain CPU memory is over-allocated by one page and sliced, the slice keeping the allocation
     alive; from 2 MiB, by one huge page, and the slice starts on a huge-page boundary
-    (_huge_aligned; TIERLM_HUGE_BUFFERS=0 turns that off). Pinned (page-locked, for asynchronous copies to a GPU): the same memory, registered with
-    CUDA for as long as the returned tensor lives. Not `pin_memory=True`: CUDA's caching host
+    (_huge_aligned; TIERLM_HUGE_BUFFERS=0 turns that off). Pinned (page-locked, for asynchronous
+    copies to a GPU): the same memory, registered with CUDA for as long as the returned tensor lives. Not `pin_memory=True`: CUDA's caching host
     allocator rounds every block up to a power of two (a 8.7 MB weight takes 16 MB), which broke
     the `cpu` budget by 0.7 GiB on Qwen2.5-0.5B's window.
     """
@@ -77,7 +77,7 @@ def _huge_aligned(size: int, pin: bool) -> torch.Tensor:
 
     Direct I/O moves a buffer's pages to the device a segment per physically contiguous run, so on
     4 KiB pages a 16 MiB request becomes thousands of segments. From 2 MiB pages this virtio disk
-    read 2.6-2.8 GB/s and wrote 4.0-4.5, from 4 KiB pages 1.6-1.8 and 2.8-3.1 (16 MiB requests, 4
+    read 2.4-2.8 GB/s and wrote 4.0-4.5, from 4 KiB pages 1.75-1.84 and 2.8-3.1 (16 MiB requests, 4
     in flight, same files, alternating; docs/benchmarks.md). PyTorch's own huge-page switch
     advises its allocations but does not align them: an 8 MiB buffer got 3 huge pages of 4. The
     slack before the buffer and past its last whole huge page is advised against, so that no huge

@@ -105,7 +105,9 @@ def bench_train(model: str, data: str, cpu_mem: str, steps: int, work: str, fine
     last = rows[-1]
     io = _mean_io([before, _probe_io(nvme_dir)])
     rd, wr = _steady(rows, "ssd_read_bytes"), _steady(rows, "ssd_write_bytes")
-    bound = rd / (io["read_gbps"] * 1e9) + wr / (io["write_gbps"] * 1e9)  # one device: reads and writes share it
+    # each direction's bytes at its own measured rate; one device serves both, so they add up
+    t_rd, t_wr = rd / (io["read_gbps"] * 1e9), wr / (io["write_gbps"] * 1e9)
+    bound = t_rd + t_wr
     ooc = {"s_per_step": _steady(rows, "s_per_step"), "steps_s": [r["s_per_step"] for r in rows],
            "peak_rss_bytes": summary["peak_rss_bytes"],
            "peak_gpu_bytes": summary.get("peak_gpu_bytes"),
@@ -113,10 +115,8 @@ def bench_train(model: str, data: str, cpu_mem: str, steps: int, work: str, fine
            "read_gbps": _steady(rows, "ssd_read_gbps"), "write_gbps": _steady(rows, "ssd_write_gbps"),
            "stall_pct": 100 * wait / last["s_per_step"], "io_bound_s": bound,
            "losses": [r["loss"] for r in rows], "timeline": str(run / "timeline.png")}
+    ooc["ssd_read_share"], ooc["ssd_write_share"] = t_rd / ooc["s_per_step"], t_wr / ooc["s_per_step"]  # sum: bound / step
     result["outofcore"] = ooc
-    # each direction's bytes a step at its measured rate, as a share of the step: they sum to bound / step
-    ooc["ssd_read_share"] = rd / (io["read_gbps"] * 1e9) / ooc["s_per_step"]
-    ooc["ssd_write_share"] = wr / (io["write_gbps"] * 1e9) / ooc["s_per_step"]
     result["measured_io"] = io
     (work_dir / "bench_train.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
