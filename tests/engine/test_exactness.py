@@ -325,3 +325,32 @@ def test_deferred_commit_gives_the_same_bits_and_lands_before_the_next_write(mak
         assert C.read_manifest(C.list_manifests(eng.root)[0])["step"] == 2
     finally:
         eng.close()
+
+
+def test_the_read_ahead_runs_shard_by_shard_through_a_long_parameter(make_model_dir, tmp_path):
+    """While one shard of a many-shard parameter (an embedding) is updated, the next shard's state
+    is already being read: the read-ahead refills per shard, not once per parameter."""
+    model_dir, _ = make_model_dir("llama")
+    eng = Engine.from_pretrained(model_dir, EngineConfig(
+        nvme_dir=str(tmp_path / "nvme"), cpu_mem="1GiB", precision="bf16", state_cache=False,
+        shard_elems=2048, optim=AdamWConfig(lr=1e-3)))
+    opt, log = eng.optimizer, []
+    opt.lookahead = 1  # (the tiny model's largest parameters have a few shards)
+    read_into, process = opt.store.read_into, opt._process
+    opt.store.read_into = lambda k, *a, **kw: (log.append(("read", k)), read_into(k, *a, **kw))[1]
+    opt._process = lambda it, *a: (log.append(("update", it.name, it.shard)), process(it, *a))[1]
+    try:
+        for x in batches(2):
+            log.clear()
+            eng.backward(eng.forward(x, labels=x).loss)
+            eng.step()
+    finally:
+        eng.close()
+    long = [n for n, i in eng.infos.items() if len(i.shards) > 1]
+    assert long
+    for name in long:
+        for k in range(len(eng.infos[name].shards) - 1):
+            at = log.index(("update", name, k))
+            wanted = f"/{name}.{k + 1}"
+            ahead = [e for e in log[:at] if e[0] == "read" and e[1].startswith("master") and e[1].endswith(wanted)]
+            assert ahead, f"{name} shard {k + 1}'s state was not read ahead of shard {k}'s update"

@@ -247,19 +247,24 @@ class OutOfCoreAdamW:
         arrival: list[str] = []
         todo = deque(names) if names is not None else None
         ok = False
+
+        def read_ahead() -> None:
+            """Read ahead along the predicted order while the pool has room."""
+            nonlocal cursor
+            while cursor < len(predicted) and len(prepared) < self.lookahead:
+                nk = predicted[cursor]
+                if nk in done or nk in prepared:
+                    cursor += 1
+                    continue
+                it = self._new_item(*nk)
+                if not self._prepare(it, mode, micro, blocking=False):
+                    break
+                prepared[nk] = it
+                cursor += 1
+
         try:
             while True:
-                # Read ahead along the predicted order while the pool has room.
-                while cursor < len(predicted) and len(prepared) < self.lookahead:
-                    nk = predicted[cursor]
-                    if nk in done or nk in prepared:
-                        cursor += 1
-                        continue
-                    it = self._new_item(*nk)
-                    if not self._prepare(it, mode, micro, blocking=False):
-                        break
-                    prepared[nk] = it
-                    cursor += 1
+                read_ahead()
                 name = (todo.popleft() if todo else None) if todo is not None else self._next_arrival()
                 if name is None:
                     break
@@ -285,6 +290,9 @@ class OutOfCoreAdamW:
                             self._drop_furthest(prepared)  # make room: this one is needed now
                     it.src, it.last = name, i == len(ks) - 1
                     done.add((real, k))
+                    # per shard, not per parameter: an embedding's 30-odd shards arrive as one
+                    # parameter, and refilled only per arrival they ran read, update, write in turn
+                    read_ahead()
                     for f in it.reads:
                         f.result()
                     ws = self._process(it, mode, micro, clip)
