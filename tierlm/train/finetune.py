@@ -237,11 +237,13 @@ def _run(cfg: FinetuneConfig, out: Path, dist=None) -> dict:
         progress = RankProgress(total, start, engine, cfg, out / metrics_name, fresh=not trainer)
     bad_streak = trainer["bad_streak"] if trainer else 0
     try:
+        # A step's time and bytes run from the end of the one before (its commit included: the
+        # commit's writes land during this step's forward) to this one's end; only drawing a
+        # timeline and writing a checkpoint are left out.
+        t0, io0 = time.perf_counter(), engine.store.stats.snapshot()
         for step in range(start, total):
             if cfg.timeline_step and lead and step + 1 == cfg.timeline_step:
                 engine.timeline.start()
-            t0 = time.perf_counter()
-            io0 = engine.store.stats.snapshot()
             lr = lr_at(cfg.lr, cfg.schedule, cfg.warmup_steps, total, step)
             engine.set_lr(lr)
             losses, tokens = [], 0
@@ -267,10 +269,13 @@ def _run(cfg: FinetuneConfig, out: Path, dist=None) -> dict:
             engine.state["trainer"] = {"settings": settings, "data": batches.state_dict(),
                                        "rng": rng_state(), "bad_streak": bad_streak}
             # The metrics row goes first: a crash before the commit leaves a row that resume drops.
-            progress.step(step, sum(losses) / len(losses), lr, res, tokens, time.perf_counter() - t0, io0)
+            now, io = time.perf_counter(), engine.store.stats.snapshot()
+            progress.step(step, sum(losses) / len(losses), lr, res, tokens, now - t0, io0, io)
+            began, t0, io0 = t0, now, io
             engine.commit()
+            off = time.perf_counter()
             if engine.timeline.recording:
-                _save_timeline(engine.timeline, out, step + 1, time.perf_counter() - t0, progress)
+                _save_timeline(engine.timeline, out, step + 1, off - began, progress)
             if bad_streak >= cfg.max_bad_steps:
                 raise TrainingStopped(
                     f"{bad_streak} consecutive steps had non-finite loss or gradients (steps "
@@ -279,6 +284,7 @@ def _run(cfg: FinetuneConfig, out: Path, dist=None) -> dict:
                     f"then --resume auto")
             if cfg.save_every and (step + 1) % cfg.save_every == 0:
                 engine.checkpoint(f"step-{step + 1:08d}")
+            t0 += time.perf_counter() - off
         progress.close()
         if not lead:
             return dict(progress.summary(None), final_model=None)

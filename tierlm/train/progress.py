@@ -26,8 +26,8 @@ class Progress:
                        f"{st.describe()}; "
                        f"direct I/O {'on' if engine.store.direct else 'off'}; nvme {engine.root}")
 
-    def step(self, step: int, loss: float, lr: float, res, tokens: int, dt: float, io0: dict) -> None:
-        io = self.engine.store.stats.snapshot()
+    def step(self, step: int, loss: float, lr: float, res, tokens: int, dt: float, io0: dict, io: dict) -> None:
+        """io0, io: the store's counters where the step's time starts and ends."""
         rd = io["bytes_read"] - io0["bytes_read"]
         wr = io["bytes_written"] - io0["bytes_written"]
         lib = self.engine.library_rss
