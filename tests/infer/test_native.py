@@ -306,6 +306,35 @@ def test_the_portable_loops_pass_the_kernel_tests_too():
         assert re.search(r"\d+ passed", summary), summary
 
 
+@needs_kernels
+@pytest.mark.skipif("avx512bf16" not in native.isa(), reason="no AVX512-BF16 here: the widening loop is the only one")
+def test_the_widening_bf16_loop_passes_the_kernel_tests_too(tmp_path):
+    """Where AVX512-BF16 takes a bf16 row (x in two bf16 halves), TIERLM_NATIVE_BF16DP=0 runs the
+    AVX2 loop that widens every weight, as on a CPU without it: the product tests pass on it too,
+    and the two agree to the halves' rounding (2^-17 of |x|)."""
+    r = run_py("from tierlm.infer import native\nprint(native.isa())", TIERLM_NATIVE_BF16DP="0")
+    assert r.returncode == 0 and r.stdout.strip() == "avx2", r.stderr
+    code = ("import sys, torch\nfrom tierlm.infer import native\ntorch.manual_seed(0)\n"
+            "x = torch.randn(1, 2050); w = torch.randn(300, 2050).bfloat16()\n"
+            "torch.save(native.gemv_bf16(x, w), sys.argv[1])")
+    outs = []
+    for flag in ("1", "0"):
+        path = tmp_path / f"y{flag}.pt"
+        r = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "TIERLM_NATIVE_BF16DP": flag})
+        assert r.returncode == 0, r.stderr
+        outs.append(torch.load(path))
+    torch.manual_seed(0)
+    x, w = torch.randn(1, 2050), torch.randn(300, 2050).bfloat16()
+    scale = x.double().abs() @ w.double().abs().T
+    assert not torch.equal(outs[0], outs[1])  # two different loops ran
+    assert ((outs[0].double() - outs[1].double()).abs() / scale).max() < 2 ** -17
+    r = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider", __file__,
+                        "-k", "float64 or several or norm or kept or thread"], capture_output=True, text=True,
+                       timeout=900, env={**os.environ, "TIERLM_NATIVE_BF16DP": "0"})
+    assert r.returncode == 0, r.stdout[-3000:]
+
+
 def test_switched_off_it_says_so_and_int8_runs_on_pytorchs_kernel():
     r = run_py("from tierlm.infer import native\nimport torch\nfrom tierlm.infer.quant import QLinear\n"
                "l = QLinear(64, 8, 'int8')\n"

@@ -118,7 +118,7 @@ def why_unavailable() -> str | None:
 
 def isa() -> str:
     lib = library()
-    return "none" if lib is None else ("avx2" if lib.tierlm_gemv_isa() == 2 else "portable")
+    return "none" if lib is None else {3: "avx2+avx512bf16", 2: "avx2"}.get(lib.tierlm_gemv_isa(), "portable")
 
 
 def _rows(x: torch.Tensor, k: int) -> torch.Tensor:

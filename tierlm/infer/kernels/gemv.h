@@ -11,6 +11,7 @@
 #include <immintrin.h>
 #define HAVE_X86 1
 #define TARGET_AVX2 __attribute__((target("avx2,fma")))
+#define TARGET_BF16DP __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")))
 #else
 #define HAVE_X86 0
 #endif
@@ -48,7 +49,9 @@ TARGET_AVX2 static inline __m256 load_bf16(const uint16_t *p) {
 
 int tl_use_avx2(void);
 void tl_prep_rows(const float *x, int64_t M, int64_t K, const void *nw, int nw_bf16, float eps, float *out);
+int tl_use_bf16dp(void);
 int tl_rounds_x(int kind, int64_t M);
+int64_t tl_xq_halves(int kind, int64_t M, int64_t K);
 int64_t tl_xs_floats(int kind, int64_t group, int64_t M, int64_t K);
 void tl_prepare_x(int kind, int64_t group, const float *x, int64_t M, int64_t K, int16_t *xq, float *xs);
 void tl_rows_range(int kind, const float *x, const int16_t *xq, const float *xs, const float *xsum,

@@ -50,7 +50,7 @@ static int64_t scratch_floats(const tierlm_layer_w *lw, const tierlm_step *st, i
     int64_t I = lw->inter, K = max3(H, nq, I);
     int64_t g = K;  /* the most groups any product's x has */
     for (int i = 0; i < 4; i++) g = lw->kind == 2 && lw->group[i] < g ? lw->group[i] : g;
-    int64_t sizes[8] = {M * H, M * nq, M * I, M * (nq + 2 * nkv), M * H, M * 2 * I, (M * K + 1) / 2,
+    int64_t sizes[8] = {M * H, M * nq, M * I, M * (nq + 2 * nkv), M * H, M * 2 * I, (tl_xq_halves((int)lw->kind, M, K) + 1) / 2,
                         tl_xs_floats((int)lw->kind, g, M, K)};
     int64_t total = 0;
     for (int i = 0; i < 8; i++) {
