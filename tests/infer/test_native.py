@@ -306,32 +306,43 @@ def test_the_portable_loops_pass_the_kernel_tests_too():
         assert re.search(r"\d+ passed", summary), summary
 
 
+# Where the CPU has them, one row takes AVX-512 instructions; switched off, the AVX2 loop a CPU
+# without them runs: (switch, feature, the product made by `make`)
+AVX512_ROWS = [
+    ("TIERLM_NATIVE_BF16DP", "avx512bf16",
+     "w = torch.randn(300, 2050).bfloat16()\ny, weff = native.gemv_bf16(x, w), w.float()"),
+    ("TIERLM_NATIVE_VNNI", "avx512vnni",
+     "d = _int8(torch.randn(300, 2050), torch.float32)\n"
+     "y, weff = native.gemv_int8(x, d['qweight'], d['scales']), d['qweight'].float() * d['scales'][:, None]"),
+]
+
+
 @needs_kernels
-@pytest.mark.skipif("avx512bf16" not in native.isa(), reason="no AVX512-BF16 here: the widening loop is the only one")
-def test_the_widening_bf16_loop_passes_the_kernel_tests_too(tmp_path):
-    """Where AVX512-BF16 takes a bf16 row (x in two bf16 halves), TIERLM_NATIVE_BF16DP=0 runs the
-    AVX2 loop that widens every weight, as on a CPU without it: the product tests pass on it too,
-    and the two agree to the halves' rounding (2^-17 of |x|)."""
-    r = run_py("from tierlm.infer import native\nprint(native.isa())", TIERLM_NATIVE_BF16DP="0")
-    assert r.returncode == 0 and r.stdout.strip() == "avx2", r.stderr
-    code = ("import sys, torch\nfrom tierlm.infer import native\ntorch.manual_seed(0)\n"
-            "x = torch.randn(1, 2050); w = torch.randn(300, 2050).bfloat16()\n"
-            "torch.save(native.gemv_bf16(x, w), sys.argv[1])")
+@pytest.mark.parametrize("switch,feature,make", AVX512_ROWS, ids=[f for _, f, _ in AVX512_ROWS])
+def test_the_avx2_row_loops_pass_the_kernel_tests_too(switch, feature, make, tmp_path):
+    """bf16: x in two bf16 halves through vdpbf16ps (2^-17 of |x|) against widening every weight;
+    int8: the same exact integer sums through vpdpwssd, added in another order. Switched off (isa()
+    then leaves the feature out), the product tests pass on the AVX2 loops, and the two loops agree
+    to that rounding."""
+    if feature not in native.isa():
+        pytest.skip(f"no {feature} here: the AVX2 loop is the only one")
+    r = run_py("from tierlm.infer import native\nprint(native.isa())", **{switch: "0"})
+    assert r.returncode == 0 and feature not in r.stdout, r.stderr
+    code = ("import sys, torch\nfrom tierlm.infer import native\nfrom tierlm.infer.quant import _int8\n"
+            "torch.manual_seed(0)\nx = torch.randn(1, 2050)\n" + make + "\ntorch.save((x, weff, y), sys.argv[1])")
     outs = []
     for flag in ("1", "0"):
         path = tmp_path / f"y{flag}.pt"
         r = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120,
-                           env={**os.environ, "TIERLM_NATIVE_BF16DP": flag})
+                           env={**os.environ, switch: flag})
         assert r.returncode == 0, r.stderr
         outs.append(torch.load(path))
-    torch.manual_seed(0)
-    x, w = torch.randn(1, 2050), torch.randn(300, 2050).bfloat16()
+    (x, w, fast), (_, _, avx2) = outs
     scale = x.double().abs() @ w.double().abs().T
-    assert not torch.equal(outs[0], outs[1])  # two different loops ran
-    assert ((outs[0].double() - outs[1].double()).abs() / scale).max() < 2 ** -17
+    assert ((fast.double() - avx2.double()).abs() / scale).max() < 2 ** -17
     r = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider", __file__,
-                        "-k", "float64 or several or norm or kept or thread"], capture_output=True, text=True,
-                       timeout=900, env={**os.environ, "TIERLM_NATIVE_BF16DP": "0"})
+                        "-k", "float64 or several or norm or kept or thread or qlinear"], capture_output=True,
+                       text=True, timeout=900, env={**os.environ, switch: "0"})
     assert r.returncode == 0, r.stdout[-3000:]
 
 

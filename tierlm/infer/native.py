@@ -118,7 +118,12 @@ def why_unavailable() -> str | None:
 
 def isa() -> str:
     lib = library()
-    return "none" if lib is None else {3: "avx2+avx512bf16", 2: "avx2"}.get(lib.tierlm_gemv_isa(), "portable")
+    if lib is None:
+        return "none"
+    isa = lib.tierlm_gemv_isa()
+    if not isa:
+        return "portable"
+    return "+".join(["avx2"] + [name for bit, name in ((4, "avx512bf16"), (8, "avx512vnni")) if isa & bit])
 
 
 def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
