@@ -72,6 +72,7 @@ def _build() -> ctypes.CDLL:
     dll.tierlm_layer_decode.restype = c_int
     dll.tierlm_layer_scratch_bytes.argtypes = [p, p]
     dll.tierlm_layer_scratch_bytes.restype = i64
+    dll.tierlm_gemv_isa()  # the CPU checks cache their answers here, before any parallel region asks
     return dll
 
 
