@@ -380,35 +380,26 @@ TARGET_BF16DP static void rows_bf16_dp(const uint16_t *xh, const uint16_t *xl, c
 }
 #endif
 
-/* TIERLM_NATIVE_BF16DP=0 keeps the widening loop on a CPU with AVX512-BF16 (tests compare them). */
-int tl_use_bf16dp(void) {
+/* The AVX-512 rows this CPU takes, checked once: bit 1 one bf16 row (rows_bf16_dp), bit 2 one int8
+   row (row_i8x16_vnni). TIERLM_NATIVE_BF16DP=0 / TIERLM_NATIVE_VNNI=0 keep the AVX2 loops instead
+   (tests compare them). */
+static int avx512_rows(void) {
 #if HAVE_X86
     static int cached = -1;
     if (cached < 0) {
-        const char *off = getenv("TIERLM_NATIVE_BF16DP");
-        cached = tl_use_avx2() && !(off && !strcmp(off, "0")) && __builtin_cpu_supports("avx512bf16") &&
-                 __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+        const char *bf = getenv("TIERLM_NATIVE_BF16DP"), *vnni = getenv("TIERLM_NATIVE_VNNI");
+        int bw = tl_use_avx2() && __builtin_cpu_supports("avx512bw");
+        cached = (bw && !(bf && !strcmp(bf, "0")) && __builtin_cpu_supports("avx512bf16") &&
+                  __builtin_cpu_supports("avx512vl") ? 1 : 0) |
+                 (bw && !(vnni && !strcmp(vnni, "0")) && __builtin_cpu_supports("avx512vnni") ? 2 : 0);
     }
     return cached;
 #else
     return 0;
 #endif
 }
-
-/* TIERLM_NATIVE_VNNI=0 keeps the AVX2 int8 row (row_i8x16_avx2) on a CPU with AVX512-VNNI. */
-int tl_use_vnni(void) {
-#if HAVE_X86
-    static int cached = -1;
-    if (cached < 0) {
-        const char *off = getenv("TIERLM_NATIVE_VNNI");
-        cached = tl_use_avx2() && !(off && !strcmp(off, "0")) && __builtin_cpu_supports("avx512vnni") &&
-                 __builtin_cpu_supports("avx512bw");
-    }
-    return cached;
-#else
-    return 0;
-#endif
-}
+int tl_use_bf16dp(void) { return avx512_rows() & 1; }
+int tl_use_vnni(void) { return (avx512_rows() & 2) != 0; }
 
 int tl_use_avx2(void) {
 #if HAVE_X86
