@@ -1,6 +1,7 @@
 """A/B of one of the engine's on/off knobs (an EngineConfig field; early_tied: the tied head's early
-update): the same Engine steps with it on and off,
-alternating, on real text (which rows a batch looks up depends on its tokens).
+update; next_rows: the next lookup's embedding rows kept from the update, Engine.expect): the same
+Engine steps with it on and off, alternating, on real text (which rows a batch looks up depends on
+its tokens).
 
     python benchmarks/engine_knob_ab.py MODEL_DIR CORPUS NVME_DIR --knob early_tied \
         [--cpu-mem 3.75GiB --seq-len 448 --batch 2]
@@ -23,7 +24,8 @@ ap = argparse.ArgumentParser()
 ap.add_argument("model")
 ap.add_argument("corpus")
 ap.add_argument("nvme")
-ap.add_argument("--knob", required=True, choices=["early_tied"])
+ap.add_argument("--knob", required=True, choices=["early_tied", "next_rows"])
+ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
 ap.add_argument("--cpu-mem", default="3.75GiB")
 ap.add_argument("--seq-len", type=int, default=448)
 ap.add_argument("--batch", type=int, default=2)
@@ -36,15 +38,18 @@ n = a.seq_len * a.batch
 batches = [ids[i * n:(i + 1) * n].reshape(a.batch, a.seq_len) for i in range(a.steps)]
 res = {}
 for mode in a.order.split(","):
-    cfg = EngineConfig(nvme_dir=a.nvme, cpu_mem=a.cpu_mem, precision="fp32", tokens_per_micro_batch=n,
+    cfg = EngineConfig(nvme_dir=a.nvme, cpu_mem=a.cpu_mem, precision=a.precision, tokens_per_micro_batch=n,
                        micro_batch_size=a.batch, optim=AdamWConfig(lr=1e-5, max_grad_norm=None),
                        **{a.knob: mode == "on"})
     eng = Engine.from_pretrained(a.model, cfg, overwrite=True)
     ts, io = [], []
-    for x in batches:
+    for i, x in enumerate(batches):
         io.append(eng.store.stats.snapshot())
         t0 = time.perf_counter()
-        eng.backward(eng.forward(x, labels=x).loss)
+        loss = eng.forward(x, labels=x).loss
+        if i + 1 < len(batches):
+            eng.expect(batches[i + 1])  # what `tierlm finetune` does; a no-op with next_rows off
+        eng.backward(loss)
         eng.step()
         ts.append(time.perf_counter() - t0)
     eng.settle()

@@ -315,6 +315,19 @@ def test_batches_deterministic_and_epochs_reshuffle(ds):
     assert torch.equal(Batches(ds, 3, seed=0, shuffle=False).order(5), torch.arange(len(ds)))
 
 
+def test_peek_shows_the_next_batch_and_takes_nothing(ds):
+    """Across epoch ends too: finetune peeks the next step's ids (Engine.expect) before the
+    position is saved, so the saved position must not move."""
+    a, b = Batches(ds, 3, seed=5), Batches(ds, 3, seed=5)
+    for _ in range(3 * b.batches_per_epoch):
+        state = a.state_dict()
+        px, py = a.peek()
+        assert a.state_dict() == state
+        x, y = next(a)
+        bx, by = next(b)
+        assert torch.equal(px, x) and torch.equal(py, y) and torch.equal(x, bx) and torch.equal(y, by)
+
+
 def test_resume_continues_identically(ds):
     ref = Batches(ds, 3, seed=3)
     expected = _take(ref, 25)

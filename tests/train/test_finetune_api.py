@@ -26,6 +26,7 @@ def test_finetune_on_chat_messages(model_dir, tmp_path):
                               precision="fp32", max_grad_norm=0)
     assert summary["steps"] == 4
     assert summary["last_loss"] < summary["first_loss"]
+    assert summary["lookups_from_update"] == 3  # steps 2-4 read no embedding for their lookup
     assert (tmp_path / "run" / "final" / "config.json").exists()
     assert (tmp_path / "run" / "final" / "tokenizer_config.json").exists()
 

@@ -33,6 +33,7 @@ from .head_loss import causal_lm_loss, chunk_tokens
 from .heap import HeapGuard
 from .layout import key, make_param_info
 from .model import discover_blocks, empty_model, module_param_slots
+from .next_rows import NextRows
 from .optimizer import AdamWConfig, OutOfCoreAdamW, StepResult
 from .device import Uploads, move_buffers, synchronize, to_host
 from .durable import DurableState
@@ -63,6 +64,7 @@ class EngineConfig:
     gpu_mem: int | str | None = None  # GPU memory the run may use; None: 90% of what is free at start
     defer_commit: bool = True        # a step's last writes and its manifest land during the next forward
     early_tied: bool = True          # a tied head's rows the batch does not look up update at the start of backward
+    next_rows: bool = True           # expect(): the next lookup's embedding rows are kept from the update
     loss_chunk: int | None = None    # head + loss tokens a chunk: None = when the logits are large
                                      # (head_loss.chunk_tokens), 0 = never, N = N tokens (tests)
 
@@ -110,6 +112,7 @@ class Engine(DurableState):
         self.infos = {n: make_param_info(n, tuple(p.shape), self.shard_elems) for n, p in params.items()}
         self._install_params(model)
         self.hooks = ParamRefHooks()
+        self.next_rows: NextRows | None = None  # the next forward's embedding rows (expect)
         for blk in self.blocks:
             if blk.kind == "layer":
                 wrap_layer(self, blk, blk.module)
@@ -145,7 +148,7 @@ class Engine(DurableState):
             self.store, self.opt_pool, self.infos, [n for n in backward_order if self._owned(n)], self.names,
             cfg.optim, weight_dtype, self.state["optim"], max_pending_grad_bytes=self.split.pending_grads,
             on_event=on_event, state_cache=self.cache_pool, optim_states=cfg.optim_states, dist=dist,
-            on_new_weights=lambda n, k, t: self.window.offer(n, k, t))
+            on_new_weights=self._new_weights)
         if dist is not None:
             from ..dist.grads import GradReducer
             self.reducer = GradReducer(dist, backward_order, self.optimizer, self.split.pending_grads)
@@ -228,10 +231,40 @@ class Engine(DurableState):
             for mod, attr in mods.values():
                 names = [self._canon(mod, a) for a in mod._parameters if mod._parameters[a] is not None]
                 if kind == "embed":
-                    mod.register_forward_pre_hook(lambda m, a, ns=names: self._load(ns))
-                    mod.register_forward_hook(lambda m, a, o, ns=names: self._unload(ns))
+                    if len(mods) == 1 and names == blk.uses and len(names) == 1 and NextRows.usable(mod):
+                        self.next_rows = NextRows(names[0], self.infos[names[0]], self.dtype)
+                    mod.register_forward_pre_hook(lambda m, a, ns=names: self._embed_in(m, a, ns))
+                    mod.register_forward_hook(lambda m, a, o, ns=names: self._embed_out(m, a, ns))
                 else:
                     mod.register_forward_pre_hook(lambda m, a, ns=names: self._hold_head(ns))
+
+    def _embed_in(self, mod: nn.Module, args, names) -> None:
+        nr = self.next_rows
+        got = nr.take(args[0]) if nr is not None and names == [nr.name] and args else None
+        if got is not None:
+            mod._tierlm_rows = got  # the lookup takes the expected rows: the weight stays unread
+        else:
+            self._load(names)
+
+    def _embed_out(self, mod: nn.Module, args, names):
+        got = mod.__dict__.pop("_tierlm_rows", None)
+        if got is None:
+            self._unload(names)
+            return None
+        # replaces the output F.embedding computed from the unloaded (placeholder) weight
+        return self.next_rows.lookup(mod, self.params[self.next_rows.name], args[0], *got)
+
+    def expect(self, input_ids: torch.Tensor) -> None:
+        """The input ids of the forward after this step, when known before its (last) backward: the
+        embedding rows they look up are kept from this step's update, and that forward reads no
+        embedding (next_rows). Any other forward reads it as before."""
+        if self.next_rows is not None and self.cfg.next_rows:
+            self.next_rows.expect(input_ids)
+
+    def _new_weights(self, name: str, shard: int, values: torch.Tensor) -> None:
+        self.window.offer(name, shard, values)
+        if self.next_rows is not None and name == self.next_rows.name:
+            self.next_rows.offer(shard, values)
 
     def _canon(self, mod: nn.Module, attr: str) -> str:
         p = mod._parameters[attr]
@@ -299,6 +332,8 @@ class Engine(DurableState):
         for d in range(1, self.cfg.prefetch + 1):
             j = index + d * step
             if 0 <= j < len(self.blocks):
+                if self.blocks[j].kind == "embed" and self.next_rows is not None and self.next_rows.pending():
+                    continue  # the next lookup has its rows
                 self.window.prefetch(self.blocks[j].uses)
 
     # called by the layer wrappers
@@ -437,6 +472,8 @@ class Engine(DurableState):
         applied: the weights and optimizer state stay those before it; the step still counts."""
         res = self._result
         self.window.invalidate_all(keep_renewed=res.finite)  # the first blocks' new weights stay
+        if self.next_rows is not None:
+            self.next_rows.commit(res.finite)
         if res.finite:
             self.optimizer.commit()
         else:

@@ -435,6 +435,14 @@ class Batches:
         ids, labels = zip(*(self.dataset[r] for r in rows))
         return torch.stack(ids), torch.stack(labels)
 
+    def peek(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch `next` returns, without taking it (the position stays)."""
+        epoch, index = self.epoch, self.index
+        try:
+            return next(self)
+        finally:
+            self.epoch, self.index = epoch, index
+
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "shuffle": self.shuffle,
                 "num_rows": len(self.dataset), "seq_len": self.dataset.seq_len}

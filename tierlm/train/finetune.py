@@ -247,7 +247,7 @@ def _run(cfg: FinetuneConfig, out: Path, dist=None) -> dict:
             lr = lr_at(cfg.lr, cfg.schedule, cfg.warmup_steps, total, step)
             engine.set_lr(lr)
             losses, tokens = [], 0
-            for _ in range(cfg.grad_accum):
+            for micro in range(cfg.grad_accum):
                 ids, labels = next(batches)
                 tokens += ids.numel()
                 weight = 1.0
@@ -259,6 +259,9 @@ def _run(cfg: FinetuneConfig, out: Path, dist=None) -> dict:
                     loss = loss * weight
                 if fault("loss") == "nan":
                     loss = loss * float("nan")
+                if dist is None and micro == cfg.grad_accum - 1 and step + 1 < total:
+                    # the next step's first lookup takes its rows from this update (next_rows)
+                    engine.expect(batches.peek()[0])
                 engine.backward(loss)
                 losses.append(loss.item())
             if dist is not None:

@@ -59,6 +59,8 @@ class Progress:
                 "budget_bytes": self.budget, "peak_gpu_bytes": self.engine.stats()["peak_gpu"],
                 # freed memory kept for reuse between blocks (engine/heap.py), and how often it went back
                 "heap_kept": self.engine.heap.active, "heap_trims": self.engine.heap.trims,
+                # forwards whose embedding lookup took its rows from the step before (next_rows)
+                "lookups_from_update": self.engine.next_rows.used if self.engine.next_rows is not None else 0,
                 "final_model": str(final_dir), "wall_s": time.perf_counter() - self.t_start}
 
     def close(self) -> None:

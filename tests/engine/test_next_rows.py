@@ -1,0 +1,90 @@
+"""The next forward's embedding rows, copied out of the step's update (tierlm.engine.next_rows):
+that forward reads no embedding, and the weights are the same bits as when it reads it."""
+import pytest
+import torch
+
+from tierlm.engine.engine import Engine, EngineConfig
+from tierlm.engine.optimizer import AdamWConfig
+
+from .test_exactness import batches
+
+
+def _train(model_dir, tmp_path, data, tag, expect, clip=None, nan_step=None, accum=1, precision="fp32",
+           expect_ids=None):
+    cfg = EngineConfig(nvme_dir=str(tmp_path / f"nv-{tag}"), cpu_mem="1GiB", precision=precision, grad_accum=accum,
+                       tokens_per_micro_batch=data[0].numel(), shard_elems=2048,
+                       optim=AdamWConfig(lr=1e-2, weight_decay=0.1, max_grad_norm=clip))
+    eng = Engine.from_pretrained(model_dir, cfg)
+    embed_reads = []  # the embedding's loads into the modules (a window hit or a read)
+    real_acquire = eng.window.acquire
+    eng.window.acquire = lambda ns: (embed_reads.extend(n for n in ns if "embed_tokens" in n)
+                                     or real_acquire(ns))
+    losses = []
+    try:
+        steps = len(data) // accum
+        for s in range(steps):
+            for i, x in enumerate(data[s * accum:(s + 1) * accum]):
+                n0 = len(embed_reads)
+                loss = eng.forward(x, labels=x).loss
+                if i == 0:
+                    losses.append((loss.item(), len(embed_reads) - n0))
+                if s == nan_step:
+                    loss = loss * float("nan")
+                if expect and i == accum - 1 and s + 1 < steps:
+                    eng.expect(expect_ids if expect_ids is not None else data[(s + 1) * accum])
+                eng.backward(loss)
+            eng.step()
+        masters = {n: eng.master(n) for n in eng.names}
+        weights = {n: eng.weights(n) for n in eng.names}
+        used = eng.next_rows.used if eng.next_rows is not None else None
+    finally:
+        eng.close()
+    return masters, weights, losses, used
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"], ids=["untied", "tied"])
+@pytest.mark.parametrize("clip", [None, 0.5], ids=["noclip", "clip-triggers"])
+def test_the_next_lookup_takes_its_rows_from_the_update_with_the_same_bits(make_model_dir, tmp_path, arch, clip):
+    """Four steps: from the second on, the forward's lookup loads nothing of the embedding (a tied
+    head still does), and masters, working weights and losses are those of the run that loads it
+    every time. With a clip redo the rows are the redone ones. Taking the rows before the update
+    (in expect) fails it (checked)."""
+    model_dir, _ = make_model_dir(arch)
+    data = batches(4)
+    ref_m, ref_w, ref_l, _ = _train(model_dir, tmp_path, data, "ref", expect=False, clip=clip)
+    got_m, got_w, got_l, used = _train(model_dir, tmp_path, data, "rows", expect=True, clip=clip)
+    assert used == 3
+    assert [lo for lo, _ in got_l] == [lo for lo, _ in ref_l]
+    per_forward = 1 if arch == "llama" else 2  # the lookup's load, and the tied head's
+    assert [r for _, r in ref_l] == [per_forward] * 4
+    assert [r for _, r in got_l] == [per_forward] + [per_forward - 1] * 3
+    for n in ref_m:
+        assert torch.equal(got_m[n], ref_m[n]), n
+        assert torch.equal(got_w[n], ref_w[n]), n
+
+
+def test_bf16_gradient_accumulation_takes_the_rows_too(make_model_dir, tmp_path):
+    model_dir, _ = make_model_dir("llama")
+    data = batches(6)
+    ref_m, ref_w, ref_l, _ = _train(model_dir, tmp_path, data, "ref", expect=False, accum=2, precision="bf16")
+    got_m, got_w, got_l, used = _train(model_dir, tmp_path, data, "rows", expect=True, accum=2, precision="bf16")
+    assert used == 2 and [r for _, r in got_l] == [1, 0, 0]
+    assert [lo for lo, _ in got_l] == [lo for lo, _ in ref_l]
+    for n in ref_m:
+        assert torch.equal(got_m[n], ref_m[n]), n
+        assert torch.equal(got_w[n], ref_w[n]), n
+
+
+def test_other_ids_or_a_dropped_step_read_the_embedding(make_model_dir, tmp_path):
+    """Rows expected for other ids are not used; nor are a non-finite (dropped) step's: the old
+    weights stay, and the forward after it loads them."""
+    model_dir, _ = make_model_dir("llama")
+    data = batches(3)
+    ref_m, _, ref_l, _ = _train(model_dir, tmp_path, data, "ref", expect=False, nan_step=1)
+    got_m, _, got_l, used = _train(model_dir, tmp_path, data, "nan", expect=True, nan_step=1)
+    assert used == 1  # step 2's forward (after the finite step 1); step 3's follows the dropped step
+    assert [r for _, r in got_l] == [1, 0, 1] and [lo for lo, _ in got_l] == [lo for lo, _ in ref_l]
+    for n in ref_m:
+        assert torch.equal(got_m[n], ref_m[n]), n
+    _, _, _, used = _train(model_dir, tmp_path, data, "other", expect=True, expect_ids=data[0].flip(0))
+    assert used == 0

@@ -1,0 +1,106 @@
+"""The next forward's embedding rows, copied out of this step's update instead of read back.
+
+A forward looks up a few hundred rows of the embedding, but loading the embedding block reads the
+whole matrix, before layer 0 can run: Qwen2.5-0.5B's is 272 MB of bf16 (tied to the head, so the
+head reads it again at the end of the forward). When the trainer knows the next batch
+(`Engine.expect`), the rows it looks up are copied out of each embedding shard's new working
+weights as the optimizer hands them over (the values the store then holds, a clip redo's included),
+and that forward's lookup takes them: no read, and the same bits, since a lookup is a gather and its
+backward is the dense scatter autograd runs for `nn.Embedding` (`aten.embedding_dense_backward`).
+
+Anything else (other ids, a shard not updated, a dropped step, a forward before the commit) reads
+the embedding as before.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .layout import ParamInfo
+
+
+class _Lookup(torch.autograd.Function):
+    """`F.embedding(ids, weight)` from the looked-up rows alone; the weight's gradient as
+    nn.Embedding's backward computes it."""
+
+    @staticmethod
+    def forward(ctx, weight, ids, rows, inverse, padding_idx, scale_grad_by_freq):
+        ctx.save_for_backward(ids)
+        ctx.num, ctx.pad, ctx.scale = weight.shape[0], padding_idx, scale_grad_by_freq
+        return rows.index_select(0, inverse.reshape(-1)).view(*ids.shape, rows.shape[1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        ids, = ctx.saved_tensors
+        g = torch.ops.aten.embedding_dense_backward(grad, ids, ctx.num, ctx.pad, ctx.scale)
+        return g, None, None, None, None, None
+
+
+class NextRows:
+    """The rows of one embedding weight that the expected next forward looks up."""
+
+    def __init__(self, name: str, info: ParamInfo, dtype: torch.dtype):
+        self.name, self.info, self.dtype = name, info, dtype
+        self.width = info.shape[1]
+        self.ids: torch.Tensor | None = None
+        self.used = 0  # forwards that took their rows from here (tests, stats)
+        self._clear()
+
+    @staticmethod
+    def usable(mod: nn.Module) -> bool:
+        """Only a plain lookup: max_norm renormalises the weight in place, sparse gradients differ."""
+        return isinstance(mod, nn.Embedding) and mod.max_norm is None and not mod.sparse
+
+    def _clear(self) -> None:
+        self.ids = self.rows = self.elems = self.inverse = None
+        self.seen: set[int] = set()
+        self.committed = False
+
+    def expect(self, ids: torch.Tensor) -> None:
+        """The next forward's input ids; call before this step's backward (shards updated before
+        the call are missed, and then the next forward reads the embedding as usual)."""
+        ids = ids.detach().to("cpu", torch.long)
+        uniq, inverse = torch.unique(ids, return_inverse=True)
+        if len(uniq) and (int(uniq[0]) < 0 or int(uniq[-1]) >= self.info.shape[0]):
+            self._clear()  # the forward itself will name the bad id
+            return
+        self._clear()
+        self.ids, self.inverse = ids.clone(), inverse
+        # rows ascending, each row's elements contiguous: the flat elements in ascending order, so
+        # those of a shard [a, b) are one slice
+        self.elems = (uniq[:, None] * self.width + torch.arange(self.width)).reshape(-1)
+        self.rows = torch.empty(len(uniq), self.width, dtype=self.dtype)
+
+    def offer(self, shard: int, values: torch.Tensor) -> None:
+        """A shard's new working weights (the optimizer's thread, before they are written)."""
+        if self.ids is None or self.committed:
+            return
+        a, b = self.info.shards[shard]
+        lo, hi = (int(torch.searchsorted(self.elems, x)) for x in (a, b))
+        if hi > lo:
+            self.rows.view(-1)[lo:hi] = values.reshape(-1).index_select(0, self.elems[lo:hi] - a)
+        self.seen.add(shard)
+
+    def commit(self, applied: bool) -> None:
+        """The step is the state (applied) or was dropped: only a fully renewed copy is kept."""
+        if self.ids is not None and applied and len(self.seen) == len(self.info.shards):
+            self.committed = True
+        else:
+            self._clear()
+
+    def pending(self) -> bool:
+        """Rows wait for the next forward (the engine then skips reading the embedding ahead)."""
+        return self.committed
+
+    def take(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows, inverse) if `ids` are the ids expected; either way the copy is used up."""
+        ok = self.committed and ids.shape == self.ids.shape and torch.equal(ids.detach().cpu(), self.ids)
+        out = (self.rows, self.inverse.to(ids.device)) if ok else None
+        self._clear()
+        if ok:
+            self.used += 1
+        return out
+
+    def lookup(self, mod: nn.Embedding, weight: torch.Tensor, ids: torch.Tensor, rows, inverse) -> torch.Tensor:
+        pad = -1 if mod.padding_idx is None else mod.padding_idx
+        return _Lookup.apply(weight, ids, rows.to(ids.device), inverse, pad, mod.scale_grad_by_freq)
