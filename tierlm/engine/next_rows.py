@@ -42,7 +42,6 @@ class NextRows:
     def __init__(self, name: str, info: ParamInfo, dtype: torch.dtype):
         self.name, self.info, self.dtype = name, info, dtype
         self.width = info.shape[1]
-        self.ids: torch.Tensor | None = None
         self.used = 0  # forwards that took their rows from here (tests, stats)
         self._clear()
 
@@ -52,19 +51,19 @@ class NextRows:
         return isinstance(mod, nn.Embedding) and mod.max_norm is None and not mod.sparse
 
     def _clear(self) -> None:
-        self.ids = self.rows = self.elems = self.inverse = None
+        self.ids: torch.Tensor | None = None
+        self.rows = self.elems = self.inverse = None
         self.seen: set[int] = set()
         self.committed = False
 
     def expect(self, ids: torch.Tensor) -> None:
         """The next forward's input ids; call before this step's backward (shards updated before
         the call are missed, and then the next forward reads the embedding as usual)."""
+        self._clear()
         ids = ids.detach().to("cpu", torch.long)
         uniq, inverse = torch.unique(ids, return_inverse=True)
         if len(uniq) and (int(uniq[0]) < 0 or int(uniq[-1]) >= self.info.shape[0]):
-            self._clear()  # the forward itself will name the bad id
-            return
-        self._clear()
+            return  # the forward itself will name the bad id
         self.ids, self.inverse = ids.clone(), inverse
         # rows ascending, each row's elements contiguous: the flat elements in ascending order, so
         # those of a shard [a, b) are one slice
