@@ -1,5 +1,9 @@
 """`bench compute`'s probes: the decode probe runs the inference engine's own decode path, per weight
-format; the layer probe times every shape in interleaved rounds."""
+format; the layer probe times every shape in interleaved rounds; the I/O probe picks the requests
+in flight the engine keeps."""
+import os
+from pathlib import Path
+
 import torch
 
 from tierlm.bench import measure
@@ -33,3 +37,43 @@ def test_layer_probe_interleaves_its_rounds_across_shapes(monkeypatch):
     assert set(r["layer_tflops_by_tokens"]) == {"256", "512"}
     assert all(set(row) == {"128", "256"} and min(row.values()) > 0 for row in r["layer_tflops_by_tokens"].values())
     assert r["layer_tflops"] == r["layer_tflops_by_tokens"]["512"] and r["layer_dtype"] == "fp32"
+
+
+def test_queue_depth_is_the_fewest_requests_within_5_percent_of_the_best(monkeypatch, tmp_path):
+    """Each depth's best of its interleaved rounds; ties within 5% go to fewer I/O threads."""
+    rates = {2: [(1.0, 2.0), (1.9, 2.0)], 4: [(2.3, 3.3), (2.4, 3.4)], 8: [(2.45, 3.5), (2.2, 3.0)]}
+    calls = []
+
+    def fake_io(directory, size_bytes, block_bytes, inflight):
+        calls.append(inflight)
+        r, w = rates[inflight][sum(1 for c in calls if c == inflight) - 1]
+        return {"read_gbps": r, "write_gbps": w}
+    monkeypatch.setattr(measure, "bench_io", fake_io)
+    res = measure.bench_queue_depth(tmp_path)
+    assert calls == [2, 4, 8, 2, 4, 8]
+    assert res["by_depth"]["2"] == {"read_gbps": 1.9, "write_gbps": 2.0}
+    assert res["queue_depth"] == 4  # 2.4 / 3.4 against the best 2.45 / 3.5; depth 2 is far below
+    assert measure.pick_queue_depth({2: {"read_gbps": 2.0, "write_gbps": 3.0},
+                                     8: {"read_gbps": 2.05, "write_gbps": 3.1}}) == 2
+    assert measure.pick_queue_depth({2: {"read_gbps": 2.0, "write_gbps": 2.0},
+                                     8: {"read_gbps": 2.05, "write_gbps": 3.1}}) == 8  # writes decide
+
+
+def test_the_engine_takes_bench_ios_depth_for_its_file_system(monkeypatch, tmp_path):
+    """The measured directory's file system: its pick; an explicit setting wins; nothing cached or
+    another file system: the default."""
+    from tierlm.bench import cache
+    from tierlm.engine.engine import DEFAULT_IO_THREADS, io_depth
+
+    monkeypatch.setenv("TIERLM_CACHE_DIR", str(tmp_path / "cache"))
+    assert io_depth(None, tmp_path) == (DEFAULT_IO_THREADS, "default; `tierlm bench io` measures it")
+    (tmp_path / "nvme").mkdir()
+    cache.update("io", {"dir": str(tmp_path / "nvme"), "queue_depth": 8})
+    assert io_depth(None, tmp_path) == (8, "bench io's pick")
+    assert io_depth(3, tmp_path) == (3, "set")
+    other = Path("/dev/shm")
+    if other.is_dir() and os.stat(other).st_dev != os.stat(tmp_path).st_dev:
+        cache.update("io", {"dir": str(other), "queue_depth": 8})
+        assert io_depth(None, tmp_path)[0] == DEFAULT_IO_THREADS  # measured on another file system
+    cache.update("io", {"dir": str(tmp_path / "gone"), "queue_depth": 8})
+    assert io_depth(None, tmp_path)[0] == DEFAULT_IO_THREADS  # the measured directory is gone

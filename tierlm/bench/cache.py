@@ -37,3 +37,14 @@ def update(section: str, values: dict, also_next_to: str | os.PathLike | None = 
     if also_next_to is not None:
         (Path(also_next_to) / f"tierlm-{NAME}").write_text(json.dumps({section: values}, indent=2) + "\n")
     return path
+
+
+def io_for(path: str | os.PathLike) -> dict | None:
+    """The cached `bench io` section if it measured the file system `path` is on, else None."""
+    try:
+        io = load().get("io")
+        if not io:
+            return None
+        return io if os.stat(io["dir"]).st_dev == os.stat(path).st_dev else None
+    except (OSError, KeyError, ValueError):
+        return None

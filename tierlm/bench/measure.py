@@ -86,6 +86,31 @@ def bench_io(directory: str | os.PathLike, size_bytes: int = 2 << 30, block_byte
             "note": None if direct else "no direct I/O here: reads may come from the page cache and overstate the drive"}
 
 
+DEPTHS = (2, 4, 8)
+
+
+def pick_queue_depth(by_depth: dict[int, dict]) -> int:
+    """The fewest requests in flight whose read and write rates are both within 5% of the best
+    any depth reached: more I/O threads than that only take CPU from the compute."""
+    best_r = max(v["read_gbps"] for v in by_depth.values())
+    best_w = max(v["write_gbps"] for v in by_depth.values())
+    return min(d for d, v in by_depth.items() if v["read_gbps"] >= 0.95 * best_r and v["write_gbps"] >= 0.95 * best_w)
+
+
+def bench_queue_depth(directory: str | os.PathLike, depths=DEPTHS, size_bytes: int = 512 << 20,
+                      block_bytes: int = 8 << 20, rounds: int = 2) -> dict:
+    """`bench_io` at each number of requests in flight, in interleaved rounds (best of each), with
+    the engine's smaller requests (a bf16 weight shard), and the depth the engine should use."""
+    by = {d: {"read_gbps": 0.0, "write_gbps": 0.0} for d in depths}
+    for _ in range(rounds):
+        for d in depths:
+            r = bench_io(directory, size_bytes, block_bytes, inflight=d)
+            for k in ("read_gbps", "write_gbps"):
+                by[d][k] = max(by[d][k], r[k])
+    return {"queue_depth": pick_queue_depth(by), "depth_block_bytes": block_bytes,
+            "by_depth": {str(d): v for d, v in by.items()}}
+
+
 def bench_memory(size_bytes: int = 512 << 20, repeats: int = 5) -> dict:
     """Host memory bandwidth of a large tensor copy (read + write counted), torch's threads."""
     src = torch.empty(size_bytes // 4, dtype=torch.float32).fill_(1.0)

@@ -51,7 +51,7 @@ class EngineConfig:
     activations: str = "auto"        # auto | keep | swap | swap-host | recompute, or one per layer, comma-separated
     prefetch: int = 2                # blocks read ahead of the one computing
     shard_elems: int | None = None   # optimizer shard size; None: from the budget (<= 4M elements)
-    io_threads: int = 4
+    io_threads: int | None = None    # requests in flight; None: `tierlm bench io`'s pick for this file system, else 4
     direct_io: bool | None = None    # None: where the file system allows it
     state_cache: bool = True         # keep optimizer state in RAM between steps where the budget has room
     optim_states: str = "fp32"       # fp32 | bf16 | int8: how Adam's m and v are stored (state_quant)
@@ -85,6 +85,20 @@ class EngineConfig:
             raise ValueError("grad_accum must be >= 1")
         check_mode(self.optim_states)
 
+
+
+DEFAULT_IO_THREADS = 4
+
+
+def io_depth(asked: int | None, root: Path) -> tuple[int, str]:
+    """Requests the store keeps in flight, and where the number comes from."""
+    if asked is not None:
+        return asked, "set"
+    from ..bench.cache import io_for
+    io = io_for(root)
+    if io and io.get("queue_depth"):
+        return int(io["queue_depth"]), "bench io's pick"
+    return DEFAULT_IO_THREADS, "default; `tierlm bench io` measures it"
 
 class Engine(DurableState):
     def __init__(self, model: nn.Module, source, cfg: EngineConfig, resume: bool = False, overwrite: bool = False,
@@ -133,7 +147,8 @@ class Engine(DurableState):
         self.opt_pool = HostBufferPool(self.split.optimizer, name="optimizer buffers")
         self.cache_pool = HostBufferPool(self.split.state_cache, name="optimizer state cache") \
             if self.split.state_cache > 0 and cfg.state_cache else None
-        self.store = TensorStore(root, self.opt_pool, io_threads=cfg.io_threads,
+        self.io_threads, self.io_threads_why = io_depth(cfg.io_threads, root)
+        self.store = TensorStore(root, self.opt_pool, io_threads=self.io_threads,
                                  direct_io=cfg.direct_io, on_event=on_event)
         self.fallbacks: list[str] = []  # committed states passed over on resume, and why
         if dist is not None:

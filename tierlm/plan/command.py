@@ -58,6 +58,7 @@ def run_bench(what: str, nvme: str | None, size: int = 2 << 30, quiet: bool = Fa
     if what == "io":
         say(f"bench io: writing and reading {fmt_bytes(size)} in {nvme} (direct I/O where allowed) ...")
         res = measure.bench_io(nvme, size)
+        res.update(measure.bench_queue_depth(nvme))
         res.update(measure.bench_memory())
     else:
         from ..bench.overhead import bench_overhead
@@ -82,7 +83,11 @@ def bench_text(what: str, res: dict) -> str:
     if what == "io":
         return (f"NVMe {res['dir']}: read {res['read_gbps']:.2f} GB/s, write {res['write_gbps']:.2f} GB/s "
                 f"({fmt_bytes(res['block_bytes'])} blocks, {res['inflight']} in flight, direct I/O "
-                f"{'on' if res['direct_io'] else 'OFF: ' + res['note']}); host memory copy {res['mem_gbps']:.1f} GB/s")
+                f"{'on' if res['direct_io'] else 'OFF: ' + res['note']}); host memory copy {res['mem_gbps']:.1f} GB/s"
+                + (f"; requests in flight for training: {res['queue_depth']} (read / write GB/s at "
+                   f"{fmt_bytes(res['depth_block_bytes'])}: "
+                   + ", ".join(f"{d}: {v['read_gbps']:.2f} / {v['write_gbps']:.2f}" for d, v in res["by_depth"].items())
+                   + ")" if "queue_depth" in res else ""))
     mm = ", ".join(f"{k} {v:.3f}" for k, v in res["matmul_tflops"].items())
     o = res["overhead"]
     return (f"matmul TFLOPS ({res['matmul_n']}^3, {res['threads']} threads): {mm}; decoder layer fwd+bwd "
