@@ -59,21 +59,7 @@ def test_queue_depth_is_the_fewest_requests_within_5_percent_of_the_best(monkeyp
                                      8: {"read_gbps": 2.05, "write_gbps": 3.1}}) == 8  # writes decide
 
 
-def test_the_engine_takes_bench_ios_depth_for_its_file_system(monkeypatch, tmp_path):
-    """The measured directory's file system: its pick; an explicit setting wins; nothing cached or
-    another file system: the default."""
-    from tierlm.bench import cache
-    from tierlm.engine.engine import DEFAULT_IO_THREADS, io_depth
-
-    monkeypatch.setenv("TIERLM_CACHE_DIR", str(tmp_path / "cache"))
-    assert io_depth(None, tmp_path) == (DEFAULT_IO_THREADS, "default; `tierlm bench io` measures it")
-    (tmp_path / "nvme").mkdir()
-    cache.update("io", {"dir": str(tmp_path / "nvme"), "queue_depth": 8})
-    assert io_depth(None, tmp_path) == (8, "bench io's pick")
-    assert io_depth(3, tmp_path) == (3, "set")
-    other = Path("/dev/shm")
-    if other.is_dir() and os.stat(other).st_dev != os.stat(tmp_path).st_dev:
-        cache.update("io", {"dir": str(other), "queue_depth": 8})
-        assert io_depth(None, tmp_path)[0] == DEFAULT_IO_THREADS  # measured on another file system
-    cache.update("io", {"dir": str(tmp_path / "gone"), "queue_depth": 8})
-    assert io_depth(None, tmp_path)[0] == DEFAULT_IO_THREADS  # the measured directory is gone
+def test_bench_io_times_each_read_request(tmp_path):
+    """The read-ahead pick covers the drive's slow requests: bench io keeps a typical and a p99 read."""
+    r = measure.bench_io(tmp_path / "nvme", size_bytes=16 << 20, block_bytes=1 << 20, inflight=2)
+    assert 0 < r["read_ms_p50"] <= r["read_ms_p99"] < 60_000

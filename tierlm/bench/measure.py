@@ -45,7 +45,10 @@ def bench_io(directory: str | os.PathLike, size_bytes: int = 2 << 30, block_byte
     bufs = [aligned_empty(block_bytes) for _ in range(inflight)]
     for b in bufs:  # incompressible bytes: some drives compress zeros
         b.view(torch.uint8).copy_(torch.randint(0, 256, (b.numel(),), dtype=torch.uint8))
-    store = TensorStore(work, HostBufferPool(0, name="bench"), io_threads=inflight)
+    reads: list[float] = []  # each read request's seconds: the read-ahead covers the slow ones
+    store = TensorStore(work, HostBufferPool(0, name="bench"), io_threads=inflight,
+                        on_event=lambda kind, key, t0, t1, nbytes: reads.append(t1 - t0) if kind == "ssd_read" else None)
+
     def write_all() -> float:
         t0 = time.perf_counter()
         pending = [None] * inflight
@@ -82,8 +85,14 @@ def bench_io(directory: str | os.PathLike, size_bytes: int = 2 << 30, block_byte
     return {"dir": str(root.resolve()), "direct_io": direct, "bytes": total, "block_bytes": block_bytes,
             "inflight": inflight, "read_gbps": total / read_s / GB, "write_gbps": total / write_s / GB,
             "create_write_gbps": total / create_s / GB,
+            "read_ms_p50": 1e3 * _quantile(reads, 0.5), "read_ms_p99": 1e3 * _quantile(reads, 0.99),
             "free_bytes": shutil.disk_usage(root).free,
             "note": None if direct else "no direct I/O here: reads may come from the page cache and overstate the drive"}
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))] if s else 0.0
 
 
 DEPTHS = (2, 4, 8)

@@ -197,7 +197,7 @@ class ActivationPlanner:
 
     def backward_begin(self, blk) -> None:
         self.swapper.prefetch(blk.index)
-        for j in range(blk.index - 1, blk.index - 1 - self.eng.cfg.prefetch, -1):
+        for j in range(blk.index - 1, blk.index - 1 - self.eng.prefetch, -1):
             if j in self.cur:
                 self.swapper.prefetch(j)
 

@@ -19,7 +19,7 @@ def plan_budget(eng, baseline: int) -> tuple[B.Split, int]:
     max_w = max(sum(nbytes(eng.dtype, eng.infos[n].numel) for n in b.uses) for b in eng.blocks)
     # each parameter has its own page-aligned buffer in the window's pool
     win = B.window_size([{n: round_up(nbytes(eng.dtype, eng.infos[n].numel)) for n in b.uses}
-                         for b in eng.blocks], eng.cfg.prefetch)
+                         for b in eng.blocks], eng.prefetch)
     max_g = max(sum(nbytes(eng.dtype, eng.infos[n].numel) for n in b.owns) for b in eng.blocks)
     layer_g = max(sum(nbytes(eng.dtype, eng.infos[n].numel) for n in b.owns) for b in eng.blocks
                   if b.kind == "layer")

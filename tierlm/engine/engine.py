@@ -31,13 +31,14 @@ from .budget_plan import plan_budget
 from .block_fn import ParamRefHooks, wrap_layer
 from .head_loss import causal_lm_loss, chunk_tokens
 from .heap import HeapGuard
+from .io_settings import io_depth, read_ahead
 from .layout import key, make_param_info
 from .model import discover_blocks, empty_model, module_param_slots
 from .next_rows import NextRows
 from .optimizer import AdamWConfig, OutOfCoreAdamW, StepResult
 from .device import Uploads, move_buffers, synchronize, to_host
 from .durable import DurableState
-from .state_quant import check_mode
+from .state_quant import check_mode, moment_bytes_per_param
 from .tied import TiedHeadGrad
 from .timeline import Timeline
 from .weights import WeightWindow
@@ -49,7 +50,7 @@ class EngineConfig:
     precision: str = "auto"          # bf16: bf16 compute, fp32 master; fp32: everything fp32; auto: measured
     grad_accum: int = 1
     activations: str = "auto"        # auto | keep | swap | swap-host | recompute, or one per layer, comma-separated
-    prefetch: int = 2                # blocks read ahead of the one computing
+    prefetch: int | None = None      # blocks read ahead of the one computing; None: picked (io_settings)
     shard_elems: int | None = None   # optimizer shard size; None: from the budget (<= 4M elements)
     io_threads: int | None = None    # requests in flight; None: `tierlm bench io`'s pick for this file system, else 4
     direct_io: bool | None = None    # None: where the file system allows it
@@ -86,19 +87,6 @@ class EngineConfig:
         check_mode(self.optim_states)
 
 
-
-DEFAULT_IO_THREADS = 4
-
-
-def io_depth(asked: int | None, root: Path) -> tuple[int, str]:
-    """Requests the store keeps in flight, and where the number comes from."""
-    if asked is not None:
-        return asked, "set"
-    from ..bench.cache import io_for
-    io = io_for(root)
-    if io and io.get("queue_depth"):
-        return int(io["queue_depth"]), "bench io's pick"
-    return DEFAULT_IO_THREADS, "default; `tierlm bench io` measures it"
 
 class Engine(DurableState):
     def __init__(self, model: nn.Module, source, cfg: EngineConfig, resume: bool = False, overwrite: bool = False,
@@ -141,6 +129,15 @@ class Engine(DurableState):
         self.library_rss = library_rss if library_rss is not None else \
             B.library_baseline(self.config, self.dtype, self.device)
         baseline = B.current_rss() - self.library_rss
+        layer = max((sum(self.infos[n].numel for n in b.uses) for b in self.blocks if b.kind == "layer"), default=0)
+        w = self.dtype.itemsize
+        state = 4 + moment_bytes_per_param(cfg.optim_states)  # master, m and v
+        # a step reads the weights once a micro-batch and the state once; writes the state and
+        # the new bf16 weights (fp32 runs compute on the master itself)
+        traffic = (w * cfg.grad_accum + state, state + (w if self.dtype != torch.float32 else 0))
+        self.prefetch, self.prefetch_why = read_ahead(
+            cfg.prefetch, root, layer, w, traffic, cfg.tokens_per_micro_batch, cfg.grad_accum, cfg.precision,
+            self.config.hidden_size, self.on_gpu)
         self.split, self.act_allowance = plan_budget(self, max(baseline, 0))
         # pinned where a GPU reads it: copies from pageable memory are neither async nor fast
         self.window_pool = HostBufferPool(self.split.window, pin=self.on_gpu, name="weight window")
@@ -344,7 +341,7 @@ class Engine(DurableState):
             self.uploads.upload(self.blocks[j].uses, blocking=False)
 
     def _prefetch_from(self, index: int, step: int) -> None:
-        for d in range(1, self.cfg.prefetch + 1):
+        for d in range(1, self.prefetch + 1):
             j = index + d * step
             if 0 <= j < len(self.blocks):
                 if self.blocks[j].kind == "embed" and self.next_rows is not None and self.next_rows.pending():

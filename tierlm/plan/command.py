@@ -83,7 +83,10 @@ def bench_text(what: str, res: dict) -> str:
     if what == "io":
         return (f"NVMe {res['dir']}: read {res['read_gbps']:.2f} GB/s, write {res['write_gbps']:.2f} GB/s "
                 f"({fmt_bytes(res['block_bytes'])} blocks, {res['inflight']} in flight, direct I/O "
-                f"{'on' if res['direct_io'] else 'OFF: ' + res['note']}); host memory copy {res['mem_gbps']:.1f} GB/s"
+                f"{'on' if res['direct_io'] else 'OFF: ' + res['note']}"
+                + (f"; a read {res['read_ms_p50']:.0f} ms typical, {res['read_ms_p99']:.0f} ms at p99"
+                   if "read_ms_p99" in res else "")
+                + f"); host memory copy {res['mem_gbps']:.1f} GB/s"
                 + (f"; requests in flight for training: {res['queue_depth']} (read / write GB/s at "
                    f"{fmt_bytes(res['depth_block_bytes'])}: "
                    + ", ".join(f"{d}: {v['read_gbps']:.2f} / {v['write_gbps']:.2f}" for d, v in res["by_depth"].items())

@@ -53,7 +53,8 @@ class FinetuneConfig:
                               "store (swap) or a host buffer pool (swap-host), or recompute them in backward; auto: "
                               "the planner chooses from a profiled step (plan.json); or one policy per layer, "
                               "comma-separated")
-    prefetch: int = option(2, help="layers read ahead of the one computing")
+    prefetch: int | None = option(None, help="layers read ahead of the one computing (default: picked from "
+                                  "`tierlm bench io`, `tierlm bench compute` and the model, and printed)")
     seed: int = option(0, help="seed for data order and dropout")
     save_dtype: str | None = option(None, help="dtype of the saved model (default: the compute dtype)", choices=("bf16", "fp32"))
     sample_prompt: str | None = option(None, help="generate from this prompt with the fine-tuned model at the end")

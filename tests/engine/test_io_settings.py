@@ -1,0 +1,108 @@
+"""The store's requests in flight and the window's read-ahead: bench io's and bench compute's picks
+for this model where they were measured, the defaults where not, an explicit setting always."""
+import os
+from pathlib import Path
+
+import pytest
+
+from tierlm.bench import cache
+from tierlm.engine.engine import Engine, EngineConfig
+from tierlm.engine.io_settings import (DEFAULT_IO_THREADS, DEFAULT_READ_AHEAD, MAX_READ_AHEAD, compute_rate,
+                                       io_depth, pick_read_ahead, read_ahead)
+
+
+def test_the_engine_takes_bench_ios_depth_for_its_file_system(monkeypatch, tmp_path):
+    """The measured directory's file system: its pick; an explicit setting wins; nothing cached or
+    another file system: the default."""
+    monkeypatch.setenv("TIERLM_CACHE_DIR", str(tmp_path / "cache"))
+    assert io_depth(None, tmp_path) == (DEFAULT_IO_THREADS, "default; `tierlm bench io` measures it")
+    (tmp_path / "nvme").mkdir()
+    cache.update("io", {"dir": str(tmp_path / "nvme"), "queue_depth": 8})
+    assert io_depth(None, tmp_path) == (8, "bench io's pick")
+    assert io_depth(3, tmp_path) == (3, "set")
+    other = Path("/dev/shm")
+    if other.is_dir() and os.stat(other).st_dev != os.stat(tmp_path).st_dev:
+        cache.update("io", {"dir": str(other), "queue_depth": 8})
+        assert io_depth(None, tmp_path)[0] == DEFAULT_IO_THREADS  # measured on another file system
+    cache.update("io", {"dir": str(tmp_path / "gone"), "queue_depth": 8})
+    assert io_depth(None, tmp_path)[0] == DEFAULT_IO_THREADS  # the measured directory is gone
+
+
+def test_read_ahead_covers_a_read_and_the_drives_slow_requests_when_compute_bound():
+    fast_drive = dict(step_io_s=0.05, step_compute_s=0.06)
+    assert pick_read_ahead(read_s=0.010, compute_s=0.020, spread_s=0.0, **fast_drive) == 2
+    assert pick_read_ahead(read_s=0.010, compute_s=0.020, spread_s=0.025, **fast_drive) == 3  # 35 ms over 20
+    assert pick_read_ahead(read_s=0.010, compute_s=0.020, spread_s=1.0, **fast_drive) == MAX_READ_AHEAD
+    # I/O-bound, by the layer's weights or by the step's whole traffic: the drive is the wait
+    # whatever the depth, and deeper only takes the state cache's RAM
+    assert pick_read_ahead(read_s=0.040, compute_s=0.020, spread_s=1.0, **fast_drive) == DEFAULT_READ_AHEAD
+    assert pick_read_ahead(read_s=0.010, compute_s=0.020, spread_s=1.0, step_io_s=0.07,
+                           step_compute_s=0.06) == DEFAULT_READ_AHEAD
+
+
+def test_compute_rate_prefers_the_layer_probe_nearest_the_models_shape():
+    comp = {"layer_dtype": "bf16", "matmul_tflops": {"bfloat16": 0.4, "float32": 0.2},
+            "layer_tflops_by_tokens": {"256": {"512": 0.1, "2048": 0.2}, "2048": {"512": 0.3, "2048": 0.35}}}
+    assert compute_rate(comp, "bf16", hidden=896, tokens=128) == pytest.approx(0.1e12)
+    assert compute_rate(comp, "bf16", hidden=2048, tokens=4096) == pytest.approx(0.35e12)
+    assert compute_rate(comp, "fp32", hidden=896, tokens=128) == pytest.approx(0.2e12)  # the layers ran in bf16
+    assert compute_rate({}, "bf16", 896, 128) is None and compute_rate(None, "bf16", 896, 128) is None
+
+
+def test_read_ahead_from_the_cache_for_this_file_system(monkeypatch, tmp_path):
+    monkeypatch.setenv("TIERLM_CACHE_DIR", str(tmp_path / "cache"))
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    # 15M parameters a layer in bf16, 128 tokens a micro-batch, a step moving 3 bytes a parameter
+    # (an optimizer state kept in RAM would move none: a step that only reads its weights is 2)
+    args = dict(layer_params=15_000_000, weight_bytes=2, step_bytes=(2.0, 1.0), tokens=128, micros=1,
+                precision="bf16", hidden=896, on_gpu=False)
+    assert read_ahead(None, nvme, **args) == (
+        DEFAULT_READ_AHEAD, "default; `tierlm bench io` and `tierlm bench compute` measure it")
+    cache.update("io", {"dir": str(nvme), "read_gbps": 3.0, "write_gbps": 3.0, "read_ms_p50": 20.0,
+                        "read_ms_p99": 45.0})
+    assert read_ahead(None, nvme, **args)[0] == DEFAULT_READ_AHEAD  # no compute rate yet
+    cache.update("compute", {"layer_dtype": "bf16", "matmul_tflops": {"bfloat16": 0.4},
+                             "layer_tflops_by_tokens": {"256": {"1024": 0.2}}})
+    # a layer reads in 10 ms and computes forward in 19.2 ms; slow reads come 25 ms later
+    depth, why = read_ahead(None, nvme, **args)
+    assert depth == 3 and why == ("a layer reads in 10 ms at 3.00 GB/s and computes forward in 19 ms at "
+                                  "0.20 TFLOP/s, slow reads 25 ms later")
+    # the optimizer's states through the drive each step: 15 ms of traffic against 58 ms of compute
+    # at 1 micro-batch is still compute-bound; at 28 bytes a parameter (fp32 states) it is not
+    depth, why = read_ahead(None, nvme, **{**args, "step_bytes": (2.0 + 12, 14.0)})
+    assert depth == DEFAULT_READ_AHEAD and why == (
+        "I/O-bound: a layer's SSD traffic takes 140 ms a step at 3.00 / 3.00 GB/s, its compute 58 ms at "
+        "0.20 TFLOP/s; further only takes RAM")
+    # ... unless the step computes 4 micro-batches for one optimizer pass
+    assert read_ahead(None, nvme, **{**args, "step_bytes": (8.0 + 12, 14.0), "micros": 4})[0] == 3
+    assert read_ahead(5, nvme, **args) == (5, "set")
+    assert read_ahead(None, nvme, **{**args, "on_gpu": True})[0] == DEFAULT_READ_AHEAD
+
+
+def test_the_engine_reads_ahead_what_it_picked_and_sizes_its_window_for_it(make_model_dir, monkeypatch, tmp_path):
+    monkeypatch.setenv("TIERLM_CACHE_DIR", str(tmp_path / "cache"))
+    model_dir, _ = make_model_dir()
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    # compute so slow against the drive, and the drive's slow requests so late, that the pick is the deepest
+    cache.update("io", {"dir": str(nvme), "read_gbps": 1000.0, "write_gbps": 1000.0, "read_ms_p50": 1.0,
+                        "read_ms_p99": 1e7})
+    cache.update("compute", {"matmul_tflops": {"float32": 1e-6}})
+    sizes = {}
+    for asked in (None, 1):
+        eng = Engine.from_pretrained(model_dir, EngineConfig(nvme_dir=str(nvme), cpu_mem="1GiB", precision="fp32",
+                                                             tokens_per_micro_batch=16, prefetch=asked),
+                                     overwrite=True)
+        try:
+            sizes[asked] = (eng.prefetch, eng.split.window)
+            if asked is None:
+                assert eng.prefetch_why.startswith("a layer reads in")
+            ahead = []
+            monkeypatch.setattr(eng.window, "prefetch", lambda names: ahead.append(list(names)))
+            eng._prefetch_from(-1, +1)
+            assert len(ahead) == eng.prefetch  # blocks 0.. read ahead of the forward's start
+        finally:
+            eng.close()
+    assert sizes[None][0] == MAX_READ_AHEAD and sizes[1][0] == 1
+    assert sizes[None][1] > sizes[1][1]  # the window holds the blocks it reads ahead

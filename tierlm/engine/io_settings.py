@@ -1,0 +1,91 @@
+"""The store's requests in flight and the weight window's read-ahead: picked from `tierlm bench io`,
+`tierlm bench compute` and the model, where they were measured, and printed with where they came from.
+
+Read-ahead: a layer's read must land before the compute reaches it. When the step is
+compute-bound and a layer reads faster than its forward computes, reading one layer ahead is
+enough on average, and the drive's slow requests decide the rest: the blocks ahead must cover a
+read plus the spread between a typical and a slow request (`bench io`'s p50 and p99). When the
+step's SSD traffic (weights, and the optimizer's states both ways) outlasts its compute, it waits on
+the drive whatever the depth: two layers ahead keep the drive queued, and every block further
+would only take RAM from the optimizer-state cache (I/O-bound on genoa-2c, --prefetch 3 or 4
+against 2: Qwen2.5-0.5B 6.20-6.55 against 5.92-6.71 s a step, TinyLlama within the noise too,
+docs/benchmarks.md).
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+DEFAULT_IO_THREADS = 4
+DEFAULT_READ_AHEAD = 2
+MAX_READ_AHEAD = 4  # each block further is a layer of window taken from the state cache
+
+
+def io_depth(asked: int | None, root: Path) -> tuple[int, str]:
+    """Requests the store keeps in flight, and where the number comes from."""
+    if asked is not None:
+        return asked, "set"
+    from ..bench.cache import io_for
+    io = io_for(root)
+    if io and io.get("queue_depth"):
+        return int(io["queue_depth"]), "bench io's pick"
+    return DEFAULT_IO_THREADS, "default; `tierlm bench io` measures it"
+
+
+def compute_rate(compute: dict | None, precision: str, hidden: int, tokens: int) -> float | None:
+    """FLOP/s of a decoder layer's products at this width and micro-batch: `bench compute`'s layer
+    probe nearest in tokens and width when it ran in this precision, else its square matmul."""
+    if not compute:
+        return None
+    by_tokens = compute.get("layer_tflops_by_tokens")
+    if compute.get("layer_dtype", "bf16") == precision and isinstance(by_tokens, dict) and by_tokens:
+        row = by_tokens[min(by_tokens, key=lambda t: abs(math.log(int(t) / max(tokens, 1))))]
+        if row:
+            width = min(row, key=lambda h: abs(math.log(int(h) / max(hidden, 1))))
+            return float(row[width]) * 1e12
+    tf = (compute.get("matmul_tflops") or {}).get("bfloat16" if precision == "bf16" else "float32")
+    return float(tf) * 1e12 if tf else None
+
+
+def pick_read_ahead(read_s: float, compute_s: float, spread_s: float, step_io_s: float, step_compute_s: float) -> int:
+    """Blocks read ahead of the one computing. read_s: one layer's weights at the measured read
+    rate; compute_s: its forward; spread_s: the drive's slow request past a typical one;
+    step_io_s, step_compute_s: a layer's share of the step's SSD traffic (weights and optimizer
+    state, both ways) and of its compute (forward and backward)."""
+    if step_io_s >= step_compute_s or read_s >= compute_s:
+        return DEFAULT_READ_AHEAD
+    return max(DEFAULT_READ_AHEAD, min(MAX_READ_AHEAD, 1 + math.ceil((read_s + spread_s) / compute_s)))
+
+
+def read_ahead(asked: int | None, root: Path, layer_params: int, weight_bytes: int, step_bytes: tuple[float, float],
+               tokens: int, micros: int, precision: str, hidden: int, on_gpu: bool) -> tuple[int, str]:
+    """The weight window's read-ahead in blocks, and where the number comes from. weight_bytes: a
+    working weight's bytes a parameter; step_bytes: what a step reads and writes on the SSD a
+    parameter (weights and optimizer state, no state cache); tokens: a micro-batch's, `micros` of
+    them a step."""
+    if asked is not None:
+        return asked, "set"
+    if on_gpu:  # bench compute measures the CPU's products
+        return DEFAULT_READ_AHEAD, "default with a GPU computing"
+    from ..bench import cache
+    io = cache.io_for(root)
+    try:
+        flops = compute_rate(cache.load().get("compute"), precision, hidden, tokens)
+    except ValueError:  # an unreadable cache: the run goes on with the default
+        flops = None
+    if not io or not io.get("read_gbps") or not io.get("write_gbps") or not flops:
+        return DEFAULT_READ_AHEAD, "default; `tierlm bench io` and `tierlm bench compute` measure it"
+    rd, wr = io["read_gbps"] * 1e9, io["write_gbps"] * 1e9
+    read_s = layer_params * weight_bytes / rd
+    compute_s = 2 * layer_params * tokens / flops
+    step_io_s = layer_params * (step_bytes[0] / rd + step_bytes[1] / wr)
+    p50, p99 = io.get("read_ms_p50"), io.get("read_ms_p99")
+    spread_s = max(0.0, (p99 - p50) / 1e3) if p50 is not None and p99 is not None else 0.0
+    step_compute_s = 3 * compute_s * micros  # backward is twice the forward
+    depth = pick_read_ahead(read_s, compute_s, spread_s, step_io_s, step_compute_s)
+    if step_io_s >= step_compute_s:
+        return depth, (f"I/O-bound: a layer's SSD traffic takes {step_io_s * 1e3:.0f} ms a step at "
+                       f"{io['read_gbps']:.2f} / {io['write_gbps']:.2f} GB/s, its compute {step_compute_s * 1e3:.0f} ms "
+                       f"at {flops / 1e12:.2f} TFLOP/s; further only takes RAM")
+    return depth, (f"a layer reads in {read_s * 1e3:.0f} ms at {io['read_gbps']:.2f} GB/s and computes forward in "
+                   f"{compute_s * 1e3:.0f} ms at {flops / 1e12:.2f} TFLOP/s, slow reads {spread_s * 1e3:.0f} ms later")
