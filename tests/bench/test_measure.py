@@ -63,3 +63,18 @@ def test_bench_io_times_each_read_request(tmp_path):
     """The read-ahead pick covers the drive's slow requests: bench io keeps a typical and a p99 read."""
     r = measure.bench_io(tmp_path / "nvme", size_bytes=16 << 20, block_bytes=1 << 20, inflight=2)
     assert 0 < r["read_ms_p50"] <= r["read_ms_p99"] < 60_000
+
+
+def test_shard_size_is_the_smallest_request_within_5_percent_of_the_best(monkeypatch, tmp_path):
+    rates = {4 << 20: (1.5, 2.0), 8 << 20: (2.3, 3.3), 16 << 20: (2.4, 3.4), 32 << 20: (2.42, 3.45)}
+    calls = []
+
+    def fake_io(directory, size_bytes, block_bytes, inflight):
+        calls.append((block_bytes, inflight))
+        r, w = rates[block_bytes]
+        return {"read_gbps": r, "write_gbps": w}
+    monkeypatch.setattr(measure, "bench_io", fake_io)
+    res = measure.bench_block_size(tmp_path, inflight=4)
+    assert calls == [(b, 4) for b in measure.BLOCKS] * 2  # interleaved rounds at the picked depth
+    assert res["shard_bytes"] == 8 << 20  # 2.3 / 3.3 against the best 2.42 / 3.45
+    assert res["by_block"][str(4 << 20)] == {"read_gbps": 1.5, "write_gbps": 2.0}

@@ -8,7 +8,7 @@ import pytest
 from tierlm.bench import cache
 from tierlm.engine.engine import Engine, EngineConfig
 from tierlm.engine.io_settings import (DEFAULT_IO_THREADS, DEFAULT_READ_AHEAD, MAX_READ_AHEAD, compute_rate,
-                                       io_depth, pick_read_ahead, read_ahead)
+                                       io_depth, pick_read_ahead, read_ahead, shard_size)
 
 
 def test_the_engine_takes_bench_ios_depth_for_its_file_system(monkeypatch, tmp_path):
@@ -106,3 +106,32 @@ def test_the_engine_reads_ahead_what_it_picked_and_sizes_its_window_for_it(make_
             eng.close()
     assert sizes[None][0] == MAX_READ_AHEAD and sizes[1][0] == 1
     assert sizes[None][1] > sizes[1][1]  # the window holds the blocks it reads ahead
+
+
+def test_shard_size_from_bench_io_within_the_budget_and_kept_on_resume(make_model_dir, monkeypatch, tmp_path):
+    monkeypatch.setenv("TIERLM_CACHE_DIR", str(tmp_path / "cache"))
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    gib = 1 << 30
+    assert shard_size(None, nvme, 4 * gib, resume=False) == (1 << 22, "default; `tierlm bench io` measures it")
+    cache.update("io", {"dir": str(nvme), "shard_bytes": 8 << 20})
+    assert shard_size(None, nvme, 4 * gib, resume=False) == (1 << 21, "bench io's pick")
+    # a shard's buffers stay within a twentieth of the budget: 256 MiB / 20 / 18 bytes
+    assert shard_size(None, nvme, 256 << 20, resume=False) == (745472, "bench io's pick, cut to fit --cpu-mem")
+    assert shard_size(6144, nvme, 4 * gib, resume=False) == (6144, "set")
+
+    # a run's state keeps its shards when bench io picks another size before the resume
+    model_dir, _ = make_model_dir()
+    cfg = lambda: EngineConfig(nvme_dir=str(nvme), cpu_mem="1GiB", precision="fp32", tokens_per_micro_batch=16)
+    cache.update("io", {"dir": str(nvme), "shard_bytes": 16 << 10})
+    eng = Engine.from_pretrained(model_dir, cfg(), overwrite=True)
+    first = eng.shard_elems
+    eng.close()
+    assert first == 4096 and eng.shard_why == "bench io's pick"
+    cache.update("io", {"dir": str(nvme), "shard_bytes": 32 << 10})
+    assert shard_size(None, nvme, gib, resume=False)[0] == 8192
+    eng = Engine.from_pretrained(model_dir, cfg(), resume=True)
+    try:
+        assert (eng.shard_elems, eng.shard_why) == (first, "the committed state's")
+    finally:
+        eng.close()

@@ -98,26 +98,50 @@ def _quantile(xs: list[float], q: float) -> float:
 DEPTHS = (2, 4, 8)
 
 
+def _fewest_within(by: dict[int, dict]) -> int:
+    """The smallest key whose read and write rates are both within 5% of the best any key reached."""
+    best_r = max(v["read_gbps"] for v in by.values())
+    best_w = max(v["write_gbps"] for v in by.values())
+    return min(d for d, v in by.items() if v["read_gbps"] >= 0.95 * best_r and v["write_gbps"] >= 0.95 * best_w)
+
+
 def pick_queue_depth(by_depth: dict[int, dict]) -> int:
     """The fewest requests in flight whose read and write rates are both within 5% of the best
     any depth reached: more I/O threads than that only take CPU from the compute."""
-    best_r = max(v["read_gbps"] for v in by_depth.values())
-    best_w = max(v["write_gbps"] for v in by_depth.values())
-    return min(d for d, v in by_depth.items() if v["read_gbps"] >= 0.95 * best_r and v["write_gbps"] >= 0.95 * best_w)
+    return _fewest_within(by_depth)
+
+
+def _interleaved(directory, values, run, rounds: int) -> dict[int, dict]:
+    """run(value) -> bench_io's result for each value, in interleaved rounds; best of each."""
+    by = {v: {"read_gbps": 0.0, "write_gbps": 0.0} for v in values}
+    for _ in range(rounds):
+        for v in values:
+            r = run(v)
+            for k in ("read_gbps", "write_gbps"):
+                by[v][k] = max(by[v][k], r[k])
+    return by
 
 
 def bench_queue_depth(directory: str | os.PathLike, depths=DEPTHS, size_bytes: int = 512 << 20,
                       block_bytes: int = 8 << 20, rounds: int = 2) -> dict:
     """`bench_io` at each number of requests in flight, in interleaved rounds (best of each), with
     the engine's smaller requests (a bf16 weight shard), and the depth the engine should use."""
-    by = {d: {"read_gbps": 0.0, "write_gbps": 0.0} for d in depths}
-    for _ in range(rounds):
-        for d in depths:
-            r = bench_io(directory, size_bytes, block_bytes, inflight=d)
-            for k in ("read_gbps", "write_gbps"):
-                by[d][k] = max(by[d][k], r[k])
+    by = _interleaved(directory, depths, lambda d: bench_io(directory, size_bytes, block_bytes, inflight=d), rounds)
     return {"queue_depth": pick_queue_depth(by), "depth_block_bytes": block_bytes,
             "by_depth": {str(d): v for d, v in by.items()}}
+
+
+BLOCKS = (4 << 20, 8 << 20, 16 << 20, 32 << 20)
+
+
+def bench_block_size(directory: str | os.PathLike, inflight: int, blocks=BLOCKS, size_bytes: int = 512 << 20,
+                     rounds: int = 2) -> dict:
+    """`bench_io` at each request size with `inflight` requests outstanding, in interleaved rounds
+    (best of each), and the size the engine's optimizer shards should have: the smallest within 5%
+    of the best. Smaller shards leave RAM to the state cache (four shards' buffers are in flight);
+    a drive that needs larger requests to reach its rate gets them."""
+    by = _interleaved(directory, blocks, lambda b: bench_io(directory, size_bytes, b, inflight=inflight), rounds)
+    return {"shard_bytes": _fewest_within(by), "by_block": {str(b): v for b, v in by.items()}}
 
 
 def bench_memory(size_bytes: int = 512 << 20, repeats: int = 5) -> dict:

@@ -73,13 +73,14 @@ def library_baseline(config, dtype: torch.dtype = torch.bfloat16, device=None) -
     return current_rss()
 
 
-def shard_elems_for(budget: int) -> int:
-    """Optimizer shard size: one shard's buffers (fp32 master, m, v, gradient, working weights:
-    18 bytes an element) at most a twentieth of the budget, a multiple of 2048, at most 4M."""
+def shard_elems_for(budget: int, want: int | None = None) -> int:
+    """Optimizer shard size: `want` elements (default 4M), or less where one shard's buffers (fp32
+    master, m, v, gradient, working weights: 18 bytes an element) would pass a twentieth of the
+    budget; a multiple of 2048."""
     from .layout import DEFAULT_SHARD_ELEMS
 
     n = budget // 20 // 18 // 2048 * 2048
-    return max(2048, min(DEFAULT_SHARD_ELEMS, n))
+    return max(2048, min((want or DEFAULT_SHARD_ELEMS) // 2048 * 2048, n))
 
 
 @dataclass

@@ -31,7 +31,7 @@ from .budget_plan import plan_budget
 from .block_fn import ParamRefHooks, wrap_layer
 from .head_loss import causal_lm_loss, chunk_tokens
 from .heap import HeapGuard
-from .io_settings import io_depth, read_ahead
+from .io_settings import io_depth, read_ahead, shard_size
 from .layout import key, make_param_info
 from .model import discover_blocks, empty_model, module_param_slots
 from .next_rows import NextRows
@@ -110,7 +110,7 @@ class Engine(DurableState):
         move_buffers(model, self.device)
         self.blocks, params = discover_blocks(model)
         self.names = list(params)  # canonical order: model.parameters()
-        self.shard_elems = cfg.shard_elems or B.shard_elems_for(cfg.cpu_mem)
+        self.shard_elems, self.shard_why = shard_size(cfg.shard_elems, Path(cfg.nvme_dir), cfg.cpu_mem, resume)
         self.infos = {n: make_param_info(n, tuple(p.shape), self.shard_elems) for n, p in params.items()}
         self._install_params(model)
         self.hooks = ParamRefHooks()

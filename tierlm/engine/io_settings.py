@@ -1,5 +1,6 @@
-"""The store's requests in flight and the weight window's read-ahead: picked from `tierlm bench io`,
-`tierlm bench compute` and the model, where they were measured, and printed with where they came from.
+"""The store's requests in flight, the optimizer's shard size (the size of most requests) and the
+weight window's read-ahead: picked from `tierlm bench io`, `tierlm bench compute` and the model,
+where they were measured, and printed with where they came from.
 
 Read-ahead: a layer's read must land before the compute reaches it. When the step is
 compute-bound and a layer reads faster than its forward computes, reading one layer ahead is
@@ -30,6 +31,30 @@ def io_depth(asked: int | None, root: Path) -> tuple[int, str]:
     if io and io.get("queue_depth"):
         return int(io["queue_depth"]), "bench io's pick"
     return DEFAULT_IO_THREADS, "default; `tierlm bench io` measures it"
+
+
+def shard_size(asked: int | None, root: Path, budget: int, resume: bool) -> tuple[int, str]:
+    """Elements in an optimizer shard, and where the number comes from. A resumed run keeps the
+    size its committed state was cut in (whatever bench io measured since, or --cpu-mem now)."""
+    from . import budget as B
+    if asked is not None:
+        return asked, "set"
+    if resume:
+        from . import commit as C
+        for m in C.list_manifests(root) + C.list_checkpoints(root):
+            try:
+                committed = C.read_manifest(m).get("fingerprint", {}).get("shard_elems")
+            except C.CorruptionError:  # resume passes over it and names it
+                continue
+            if committed:
+                return int(committed), "the committed state's"
+    from ..bench.cache import io_for
+    io = io_for(root)
+    if io and io.get("shard_bytes"):
+        want = int(io["shard_bytes"]) // 4  # a fp32 master shard's bytes
+        n = B.shard_elems_for(budget, want)
+        return n, "bench io's pick" if n == want // 2048 * 2048 else "bench io's pick, cut to fit --cpu-mem"
+    return B.shard_elems_for(budget), "default; `tierlm bench io` measures it"
 
 
 def compute_rate(compute: dict | None, precision: str, hidden: int, tokens: int) -> float | None:

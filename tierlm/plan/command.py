@@ -59,6 +59,7 @@ def run_bench(what: str, nvme: str | None, size: int = 2 << 30, quiet: bool = Fa
         say(f"bench io: writing and reading {fmt_bytes(size)} in {nvme} (direct I/O where allowed) ...")
         res = measure.bench_io(nvme, size)
         res.update(measure.bench_queue_depth(nvme))
+        res.update(measure.bench_block_size(nvme, res["queue_depth"]))
         res.update(measure.bench_memory())
     else:
         from ..bench.overhead import bench_overhead
@@ -90,7 +91,11 @@ def bench_text(what: str, res: dict) -> str:
                 + (f"; requests in flight for training: {res['queue_depth']} (read / write GB/s at "
                    f"{fmt_bytes(res['depth_block_bytes'])}: "
                    + ", ".join(f"{d}: {v['read_gbps']:.2f} / {v['write_gbps']:.2f}" for d, v in res["by_depth"].items())
-                   + ")" if "queue_depth" in res else ""))
+                   + ")" if "queue_depth" in res else "")
+                + (f"; optimizer shards of {fmt_bytes(res['shard_bytes'])} (read / write GB/s: "
+                   + ", ".join(f"{fmt_bytes(int(b))}: {v['read_gbps']:.2f} / {v['write_gbps']:.2f}"
+                               for b, v in res["by_block"].items())
+                   + ")" if "shard_bytes" in res else ""))
     mm = ", ".join(f"{k} {v:.3f}" for k, v in res["matmul_tflops"].items())
     o = res["overhead"]
     return (f"matmul TFLOPS ({res['matmul_n']}^3, {res['threads']} threads): {mm}; decoder layer fwd+bwd "

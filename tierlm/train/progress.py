@@ -25,7 +25,9 @@ class Progress:
         self.bar.write(f"--cpu-mem {fmt_bytes(st.budget)} beyond the libraries' {fmt_bytes(engine.library_rss)}: "
                        f"{st.describe()}; "
                        f"direct I/O {'on' if engine.store.direct else 'off'}, {engine.io_threads} requests in flight "
-                       f"({engine.io_threads_why}), {engine.prefetch} blocks read ahead ({engine.prefetch_why}); nvme {engine.root}")
+                       f"({engine.io_threads_why}), optimizer shards of {fmt_bytes(4 * engine.shard_elems)} in fp32 "
+                       f"({engine.shard_why}), {engine.prefetch} blocks read ahead ({engine.prefetch_why}); "
+                       f"nvme {engine.root}")
 
     def step(self, step: int, loss: float, lr: float, res, tokens: int, dt: float, io0: dict, io: dict) -> None:
         """io0, io: the store's counters where the step's time starts and ends."""
