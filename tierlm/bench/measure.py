@@ -111,7 +111,7 @@ def pick_queue_depth(by_depth: dict[int, dict]) -> int:
     return _fewest_within(by_depth)
 
 
-def _interleaved(directory, values, run, rounds: int) -> dict[int, dict]:
+def _interleaved(values, run, rounds: int) -> dict[int, dict]:
     """run(value) -> bench_io's result for each value, in interleaved rounds; best of each."""
     by = {v: {"read_gbps": 0.0, "write_gbps": 0.0} for v in values}
     for _ in range(rounds):
@@ -126,7 +126,7 @@ def bench_queue_depth(directory: str | os.PathLike, depths=DEPTHS, size_bytes: i
                       block_bytes: int = 8 << 20, rounds: int = 2) -> dict:
     """`bench_io` at each number of requests in flight, in interleaved rounds (best of each), with
     the engine's smaller requests (a bf16 weight shard), and the depth the engine should use."""
-    by = _interleaved(directory, depths, lambda d: bench_io(directory, size_bytes, block_bytes, inflight=d), rounds)
+    by = _interleaved(depths, lambda d: bench_io(directory, size_bytes, block_bytes, inflight=d), rounds)
     return {"queue_depth": pick_queue_depth(by), "depth_block_bytes": block_bytes,
             "by_depth": {str(d): v for d, v in by.items()}}
 
@@ -140,7 +140,7 @@ def bench_block_size(directory: str | os.PathLike, inflight: int, blocks=BLOCKS,
     (best of each), and the size the engine's optimizer shards should have: the smallest within 5%
     of the best. Smaller shards leave RAM to the state cache (four shards' buffers are in flight);
     a drive that needs larger requests to reach its rate gets them."""
-    by = _interleaved(directory, blocks, lambda b: bench_io(directory, size_bytes, b, inflight=inflight), rounds)
+    by = _interleaved(blocks, lambda b: bench_io(directory, size_bytes, b, inflight=inflight), rounds)
     return {"shard_bytes": _fewest_within(by), "by_block": {str(b): v for b, v in by.items()}}
 
 

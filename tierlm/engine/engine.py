@@ -51,7 +51,7 @@ class EngineConfig:
     grad_accum: int = 1
     activations: str = "auto"        # auto | keep | swap | swap-host | recompute, or one per layer, comma-separated
     prefetch: int | None = None      # blocks read ahead of the one computing; None: picked (io_settings)
-    shard_elems: int | None = None   # optimizer shard size; None: from the budget (<= 4M elements)
+    shard_elems: int | None = None   # optimizer shard size; None: bench io's pick within the budget (io_settings)
     io_threads: int | None = None    # requests in flight; None: `tierlm bench io`'s pick for this file system, else 4
     direct_io: bool | None = None    # None: where the file system allows it
     state_cache: bool = True         # keep optimizer state in RAM between steps where the budget has room
@@ -85,7 +85,6 @@ class EngineConfig:
         if self.grad_accum < 1:
             raise ValueError("grad_accum must be >= 1")
         check_mode(self.optim_states)
-
 
 
 class Engine(DurableState):
