@@ -56,9 +56,13 @@ class ShardItem:
             buf.release()
         self.bufs = {}
 
-    def release_after(self, writes: list[Future]) -> None:
+    def release_after(self, writes: list[Future], written: set[str]) -> None:
         """Give the buffers back when the last write from them finishes (on the I/O thread, so a
-        worker blocked on a full pool is woken without having to reap)."""
+        worker blocked on a full pool is woken without having to reap). Those no write reads from
+        (a gradient's fp32 copy, decoded moments) go back now: held until the writes landed, they
+        paced the optimizer by the drive's writes with the pool full of buffers nothing needed."""
+        for tag in [t for t in self.bufs if t not in written]:
+            self.bufs.pop(tag).release()
         if not writes:
             self.release()
             return

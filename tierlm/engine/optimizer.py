@@ -295,10 +295,10 @@ class OutOfCoreAdamW:
                     read_ahead()
                     for f in it.reads:
                         f.result()
-                    ws = self._process(it, mode, micro, clip)
+                    ws, written = self._process(it, mode, micro, clip)
                     if it.keep:
                         self._stage(it)
-                    it.release_after(ws)
+                    it.release_after(ws, written)
                     for f in writes:
                         if f.done():
                             f.result()  # a failed write raises now, naming its file
@@ -492,11 +492,13 @@ class OutOfCoreAdamW:
             return out
         return g
 
-    def _process(self, it: _Item, mode: str, micro: int, clip) -> list[Future]:
+    def _process(self, it: _Item, mode: str, micro: int, clip) -> tuple[list[Future], set[str]]:
+        """The shard's update (or accumulation): its writes, and the buffers they read from."""
         fault("optimizer.write")
         t0 = time.perf_counter()
         n = it.b - it.a
         writes = []
+        written = set()
         raw = None
         if mode == "redo":
             g = it.bufs["g"].view(torch.float32, (n,))
@@ -511,6 +513,7 @@ class OutOfCoreAdamW:
                 self._done_with_grad(it.src)
         if mode == "accumulate":
             writes.append(self.store.write(key("gacc", it.name, it.shard), g))
+            written.add("g")
         else:
             if mode == "update":
                 if micro > 0:
@@ -520,6 +523,7 @@ class OutOfCoreAdamW:
                     # exact, so the redo gets the same bits for half the bytes.
                     src = raw if raw is not None else g
                     writes.append(self.store.write(key("grad", it.name, it.shard), src))
+                    written.add("g")
             master = it.bufs["master"].view(torch.float32, (n,))
             m = it.bufs["m"].view(torch.float32, (n,))
             v = it.bufs["v"].view(torch.float32, (n,))
@@ -547,12 +551,13 @@ class OutOfCoreAdamW:
                 w = it.bufs["w"].view(self.weight_dtype, (n,))
                 w.copy_(master)  # the same rounding as `param.data.copy_(master)`
                 writes.append(self.store.write(key("w", it.name, it.shard, new), w))
+            written |= {"master", "w"} | ({"qm", "qv"} if self.quant else {"m", "v"})
             if self.on_new_weights is not None:
                 self.on_new_weights(it.name, it.shard, w)
             self._updated.add(it.name)
         if self.on_event:
             self.on_event("optimizer", f"{it.name}.{it.shard}", t0, time.perf_counter(), n)
-        return writes
+        return writes, written
 
     def _record_norm(self, it: _Item, g: torch.Tensor) -> None:
         info = self.infos[it.name]
