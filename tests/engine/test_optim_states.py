@@ -9,7 +9,8 @@ from tests.engine.test_exactness import assert_same, batches, reference_loop
 from tierlm.engine import state_quant as SQ
 from tierlm.engine.engine import Engine, EngineConfig
 from tierlm.engine.layout import ParamInfo
-from tierlm.engine.optimizer import AdamWConfig, OptimizerError, OutOfCoreAdamW, total_state_bytes
+from tierlm.engine.optim_types import total_state_bytes
+from tierlm.engine.optimizer import AdamWConfig, OptimizerError, OutOfCoreAdamW
 
 
 # ---- the quantiser -----------------------------------------------------------------------

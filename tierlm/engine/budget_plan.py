@@ -9,7 +9,7 @@ from ..storage import BudgetError
 from ..storage.aligned import round_up
 from . import budget as B
 from .layout import nbytes
-from .optimizer import shard_buffer_bytes
+from .optim_types import shard_buffer_bytes
 
 
 def plan_budget(eng, baseline: int) -> tuple[B.Split, int]:

@@ -584,21 +584,4 @@ class OutOfCoreAdamW:
             self._cv.notify_all()
 
 
-def total_state_bytes(infos: dict[str, ParamInfo], weight_dtype: torch.dtype | None,
-                      optim_states: str = "fp32") -> int:
-    """Bytes on NVMe per slot: fp32 master, m and v as stored, plus working weights when not fp32."""
-    w = torch.empty((), dtype=weight_dtype).element_size() if weight_dtype is not None else 0
-    return sum(4 * i.numel + 2 * SQ.stored_nbytes(optim_states, i.shard_numel(k)) + w * i.numel
-               for i in infos.values() for k in range(len(i.shards)))
-
-
-def shard_buffer_bytes(shard: int, weight_dtype: torch.dtype | None, optim_states: str = "fp32") -> int:
-    """The optimizer buffers of one shard in flight: fp32 master, m, v and gradient, the working
-    weights, and in a compressed mode the stored m and v beside their fp32 working copies."""
-    w = torch.empty((), dtype=weight_dtype).element_size() if weight_dtype is not None else 0
-    extra = 2 * SQ.stored_nbytes(optim_states, shard) if optim_states != "fp32" else 0
-    return shard * (16 + w) + extra
-
-
-__all__ = ["AdamWConfig", "OutOfCoreAdamW", "OptimizerError", "StepResult", "shard_buffer_bytes",
-           "total_state_bytes", "math"]
+__all__ = ["AdamWConfig", "OutOfCoreAdamW", "OptimizerError", "StepResult", "math"]
