@@ -523,7 +523,8 @@ class OutOfCoreAdamW:
                     # exact, so the redo gets the same bits for half the bytes.
                     src = raw if raw is not None else g
                     writes.append(self.store.write(key("grad", it.name, it.shard), src))
-                    written.add("g")
+                    if raw is None:  # the accumulator buffer is what this write reads
+                        written.add("g")
             master = it.bufs["master"].view(torch.float32, (n,))
             m = it.bufs["m"].view(torch.float32, (n,))
             v = it.bufs["v"].view(torch.float32, (n,))
