@@ -3,6 +3,7 @@ load beside them, alternating: what the drive does with exactly the step's reque
 does while two cores multiply matrices, as they do in the step.
 
     python benchmarks/replay_step_io.py RUN/timeline.json /path/on/the/nvme --rounds 3
+    python benchmarks/replay_step_io.py RUN/timeline.json /path/on/the/nvme --compute-nice 0 --compute-nice 19
 
 Each request's file, size and direction are the step's, issued in the order they started with
 `--inflight` outstanding, through tierlm's TensorStore (direct I/O, CRC32C on every request). The
@@ -15,6 +16,8 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import wait
@@ -29,6 +32,10 @@ ap.add_argument("dir", help="scratch directory on the drive to measure (removed 
 ap.add_argument("--inflight", type=int, default=4)
 ap.add_argument("--rounds", type=int, default=3)
 ap.add_argument("--compute-threads", type=int, default=2, help="threads of the bf16 matmul run beside")
+ap.add_argument("--compute-nice", type=int, action="append", metavar="N",
+                help="run the matmul in a separate process at this nice value instead (repeatable: "
+                     "each value is a mode of every round); 0 against 19 shows whether the slowdown is "
+                     "the drive's or the I/O threads' share of the cores")
 a = ap.parse_args()
 
 data = json.load(open(a.timeline))
@@ -66,6 +73,8 @@ try:
         return time.perf_counter() - t0
 
     stop = threading.Event()
+    code = (f"import torch; torch.set_num_threads({a.compute_threads}); "
+            "x = torch.randn(1024, 1024, dtype=torch.bfloat16)\nwhile True: x @ x")
 
     def compute():
         torch.set_num_threads(a.compute_threads)
@@ -74,22 +83,30 @@ try:
             x @ x
 
     print(f"{len(reqs)} requests, {total / 1e9:.2f} GB, {a.inflight} in flight", flush=True)
-    alone, loaded = [], []
+    modes = ["alone"] + ([f"nice {n}" for n in a.compute_nice] if a.compute_nice else ["compute"])
+    best: dict[str, float] = {}
     for r in range(a.rounds):
-        for mode in (("alone", "compute") if r % 2 == 0 else ("compute", "alone")):
-            th = None
+        for mode in (modes if r % 2 == 0 else modes[::-1]):
+            th = proc = None
             if mode == "compute":
                 stop.clear()
                 th = threading.Thread(target=compute)
                 th.start()
                 time.sleep(0.3)
+            elif mode != "alone":
+                proc = subprocess.Popen(["nice", "-n", mode.split()[1], sys.executable, "-c", code])
+                time.sleep(1.0)  # past the import
             s = replay()
             if th is not None:
                 stop.set()
                 th.join()
-            (alone if mode == "alone" else loaded).append(s)
+            if proc is not None:
+                proc.kill()
+                proc.wait()
+            best[mode] = min(best.get(mode, s), s)
             print(f"round {r + 1} {mode:8s} {s:6.2f} s  {total / s / 1e9:5.2f} GB/s", flush=True)
-    print(f"with compute / alone: {min(loaded) / min(alone):.2f} (best of each: {min(loaded):.2f} / {min(alone):.2f} s)")
+    for mode in modes[1:]:
+        print(f"{mode} / alone: {best[mode] / best['alone']:.2f} (best of each: {best[mode]:.2f} / {best['alone']:.2f} s)")
 finally:
     store.close()
     shutil.rmtree(root, ignore_errors=True)

@@ -8,6 +8,11 @@
        cc -O3 -fopenmp -o /tmp/row_loop_layouts benchmarks/row_loop_layouts.c
        /tmp/row_loop_layouts cache   # one core, from L2 (128 rows) and L3 (2048 rows), K = 2048
        /tmp/row_loop_layouts dram 5  # 16 matrices of 5632 x 2048, 1 and 2 threads, best of 5 rounds
+       /tmp/row_loop_layouts watch 600 > rounds.txt  # the same at 2 threads for 600 s, every round
+                                                     # printed, a plain read first and last in each
+
+   This machine's memory rate switches between ~30 and ~60 GB/s for seconds at a time; `watch`
+   catches the fast state's rounds, told apart by the two plain reads around each.
 
    GB/s of weights read. The tiled loop reads row-major data in tile order: the bytes and the
    access pattern are the tiled layout's, the sums are not (speed only). docs/inference.md. */
@@ -172,6 +177,30 @@ int main(int argc, char **argv) {
     void *w[16];
     float *y = malloc(N * sizeof(float));
     for (int m = 0; m < nm; m++) w[m] = filled(N * K * 2);
+    if (argc > 1 && !strcmp(argv[1], "watch")) {
+        static const int order[] = {SUM, BF16_ROW, BF16_TILED, I8_ROW, I8_TILED, SUM};
+        printf("# time_s plain bf16_row bf16_tiled int8_row int8_tiled plain  (GB/s of weights, 2 threads)\n");
+        double t0 = now(), end = t0 + (argc > 2 ? atof(argv[2]) : 60);
+        while (now() < end) {
+            printf("%.2f", now() - t0);
+            for (int i = 0; i < 6; i++) {
+                int v = order[i];
+                double t = now();
+                for (int m = 0; m < nm; m++) {
+#pragma omp parallel num_threads(2)
+                    {
+                        int id = omp_get_thread_num();
+                        int64_t n0 = N * id / 2 / 4 * 4, n1 = N * (id + 1) / 2 / 4 * 4;
+                        run(v, &x, K, (const uint8_t *)w[m] + n0 * K * BYTES[v], y + n0, n1 - n0);
+                    }
+                }
+                printf(" %.1f", (double)nm * N * K * BYTES[v] / (now() - t) / 1e9);
+            }
+            printf("\n");
+            fflush(stdout);
+        }
+        return 0;
+    }
     double best[NV][3] = {{0}};
     for (int r = 0; r < rounds; r++)
         for (int th = 1; th <= 2; th++)
