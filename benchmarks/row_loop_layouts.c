@@ -142,6 +142,20 @@ static void run(int v, const X *x, int64_t K, const void *w, float *y, int64_t N
     }
 }
 
+/* one pass of loop v over all nm matrices, rows split between th threads; GB/s of weights */
+static double pass(int v, int th, const X *x, int64_t K, void *const *w, int nm, float *y, int64_t N) {
+    double t = now();
+    for (int m = 0; m < nm; m++) {
+#pragma omp parallel num_threads(th)
+        {
+            int id = omp_get_thread_num();
+            int64_t n0 = N * id / th / 4 * 4, n1 = N * (id + 1) / th / 4 * 4;
+            run(v, x, K, (const uint8_t *)w[m] + n0 * K * BYTES[v], y + n0, n1 - n0);
+        }
+    }
+    return (double)nm * N * K * BYTES[v] / (now() - t) / 1e9;
+}
+
 static void *filled(int64_t bytes) {
     uint8_t *p = aligned_alloc(2 << 20, (bytes + (2 << 20) - 1) / (2 << 20) * (2 << 20));
     for (int64_t i = 0; i < bytes; i++) p[i] = (uint8_t)(0x3c + i % 7);  /* small finite bf16, small int8 */
@@ -183,19 +197,7 @@ int main(int argc, char **argv) {
         double t0 = now(), end = t0 + (argc > 2 ? atof(argv[2]) : 60);
         while (now() < end) {
             printf("%.2f", now() - t0);
-            for (int i = 0; i < 6; i++) {
-                int v = order[i];
-                double t = now();
-                for (int m = 0; m < nm; m++) {
-#pragma omp parallel num_threads(2)
-                    {
-                        int id = omp_get_thread_num();
-                        int64_t n0 = N * id / 2 / 4 * 4, n1 = N * (id + 1) / 2 / 4 * 4;
-                        run(v, &x, K, (const uint8_t *)w[m] + n0 * K * BYTES[v], y + n0, n1 - n0);
-                    }
-                }
-                printf(" %.1f", (double)nm * N * K * BYTES[v] / (now() - t) / 1e9);
-            }
+            for (int i = 0; i < 6; i++) printf(" %.1f", pass(order[i], 2, &x, K, w, nm, y, N));
             printf("\n");
             fflush(stdout);
         }
@@ -205,17 +207,7 @@ int main(int argc, char **argv) {
     for (int r = 0; r < rounds; r++)
         for (int th = 1; th <= 2; th++)
             for (int v = 0; v < NV; v++) {
-                double t = now();
-                for (int m = 0; m < nm; m++) {
-#pragma omp parallel num_threads(th)
-                    {
-                        int id = omp_get_thread_num();
-                        int64_t n0 = N * id / th / 4 * 4, n1 = N * (id + 1) / th / 4 * 4;
-                        const uint8_t *base = (const uint8_t *)w[m] + n0 * K * BYTES[v];
-                        run(v, &x, K, base, y + n0, n1 - n0);
-                    }
-                }
-                double gb = (double)nm * N * K * BYTES[v] / (now() - t) / 1e9;
+                double gb = pass(v, th, &x, K, w, nm, y, N);
                 best[v][th] = gb > best[v][th] ? gb : best[v][th];
             }
     printf("DRAM: %ld matrices of %ld x %ld, best of %d rounds (GB/s of weights; share of the plain read)\n",
