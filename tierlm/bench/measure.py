@@ -99,10 +99,14 @@ DEPTHS = (2, 4, 8)
 
 
 def _fewest_within(by: dict[int, dict]) -> int:
-    """The smallest key whose read and write rates are both within 5% of the best any key reached."""
-    best_r = max(v["read_gbps"] for v in by.values())
-    best_w = max(v["write_gbps"] for v in by.values())
-    return min(d for d, v in by.items() if v["read_gbps"] >= 0.95 * best_r and v["write_gbps"] >= 0.95 * best_w)
+    """The smallest key whose read and write rates are both within 5% of the best any key reached;
+    where none is (a noisy drive read best at one key and wrote best at another), the key whose
+    worse direction comes closest to its best, the smallest of equals."""
+    best_r = max(max(v["read_gbps"] for v in by.values()), 1e-12)
+    best_w = max(max(v["write_gbps"] for v in by.values()), 1e-12)
+    share = {d: min(v["read_gbps"] / best_r, v["write_gbps"] / best_w) for d, v in by.items()}
+    within = [d for d, s in share.items() if s >= 0.95]
+    return min(within) if within else min(share, key=lambda d: (-share[d], d))
 
 
 def pick_queue_depth(by_depth: dict[int, dict]) -> int:
