@@ -531,6 +531,19 @@ class Engine(DurableState):
         return "master" if self.dtype == torch.float32 and self._owned(name) else "w"
 
     # ---- export ------------------------------------------------------------------------
+    def release_step_memory(self) -> None:
+        """After the last step, before an export: hand back what the steps kept for reuse (the
+        state cache's copies, the pools' free buffers, the free heap). The export reads one tensor
+        at a time and needs none of it: Qwen2.5-0.5B under --cpu-mem 4GiB wrote its final model at
+        ~4.0 GiB of RSS before, 1.09 GiB after. Steps may still follow; they read the dropped
+        states from disk."""
+        self.settle()
+        self.optimizer.drop_cache()
+        for pool in (self.window_pool, self.opt_pool, self.cache_pool):
+            if pool is not None:
+                pool.trim()
+        B.trim()
+
     def weights(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The current working weights of one parameter, read from the store (a copy)."""
         self.settle()

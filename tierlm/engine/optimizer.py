@@ -212,6 +212,14 @@ class OutOfCoreAdamW:
                 b.release()
         self._staged = {}
 
+    def drop_cache(self) -> None:
+        """Hand the state cache's copies back (with nothing in flight: after settle()). Their
+        states are on disk, since the writes never skip a cached shard; a later step reads them."""
+        for bufs in self._resident.values():
+            for b in bufs.values():
+                b.release()
+        self._resident = {}
+
     def close(self) -> None:
         self._exec.shutdown(wait=True)
         for f in self.take_tail():

@@ -292,6 +292,7 @@ def _run(cfg: FinetuneConfig, out: Path, dist=None) -> dict:
         progress.close()
         if not lead:
             return dict(progress.summary(None), final_model=None)
+        engine.release_step_memory()
         save_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(cfg.save_dtype or "", None)
         final = engine.save_pretrained(out / "final", dtype=save_dtype)
         summary = progress.summary(final)
