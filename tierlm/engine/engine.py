@@ -13,7 +13,6 @@ AdamW the moment backward produces them; nothing of the model is resident beyond
 from __future__ import annotations
 
 import copy
-import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from .next_rows import NextRows
 from .optimizer import AdamWConfig, OutOfCoreAdamW, StepResult
 from .device import Uploads, move_buffers, synchronize, to_host
 from .durable import DurableState
+from .export import Exports
 from .state_quant import check_mode, moment_bytes_per_param
 from .tied import TiedHeadGrad
 from .timeline import Timeline
@@ -87,7 +87,7 @@ class EngineConfig:
         check_mode(self.optim_states)
 
 
-class Engine(DurableState):
+class Engine(DurableState, Exports):
     def __init__(self, model: nn.Module, source, cfg: EngineConfig, resume: bool = False, overwrite: bool = False,
                  library_rss: int | None = None, dist=None):
         """model: an HF causal LM whose parameters may be on `meta` (see from_pretrained);
@@ -529,64 +529,6 @@ class Engine(DurableState):
     def _wkind(self, name: str) -> str:
         """The store kind of the working weights: fp32 runs use the master where it is here."""
         return "master" if self.dtype == torch.float32 and self._owned(name) else "w"
-
-    # ---- export ------------------------------------------------------------------------
-    def release_step_memory(self) -> None:
-        """After the last step, before an export: hand back what the steps kept for reuse (the
-        state cache's copies, the pools' free buffers, the free heap). The export reads one tensor
-        at a time and needs none of it: Qwen2.5-0.5B under --cpu-mem 4GiB wrote its final model at
-        ~4.0 GiB of RSS before, 1.09 GiB after. Steps may still follow; they read the dropped
-        states from disk."""
-        self.settle()
-        self.optimizer.drop_cache()
-        for pool in (self.window_pool, self.opt_pool, self.cache_pool):
-            if pool is not None:
-                pool.trim()
-        B.trim()
-
-    def weights(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The current working weights of one parameter, read from the store (a copy)."""
-        self.settle()
-        info = self.infos[name]
-        out = torch.empty(info.numel, dtype=self.dtype)
-        futs = [self.store.read_into(key(self._wkind(name), name, k, self.optimizer.slots[name]), out[a:b])
-                for k, (a, b) in enumerate(info.shards)]
-        for f in futs:
-            f.result()
-        out = out.view(info.shape)
-        return out if dtype is None else out.to(dtype)
-
-    def master(self, name: str) -> torch.Tensor:
-        self.settle()
-        info = self.infos[name]
-        out = torch.empty(info.numel, dtype=torch.float32)
-        futs = [self.store.read_into(key("master", name, k, self.optimizer.slots[name]), out[a:b])
-                for k, (a, b) in enumerate(info.shards)]
-        for f in futs:
-            f.result()
-        return out.view(info.shape)
-
-    def save_pretrained(self, out_dir, dtype: torch.dtype | None = None, tokenizer_from=None) -> Path:
-        """An HF model directory of the current weights, written tensor by tensor."""
-        from ..hf.safetensors_io import SafetensorsWriter
-
-        dtype = dtype or self.dtype
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        specs = [(n, dtype, self.infos[n].shape) for n in self.names]
-        with SafetensorsWriter(out, specs) as w:
-            for n in self.names:
-                w.write(n, self.weights(n, dtype))
-        cfg = self.config
-        cfg.dtype = dtype
-        cfg.save_pretrained(out)
-        src = tokenizer_from or getattr(self, "model_dir", None)
-        if src:
-            for f in Path(src).iterdir():
-                if f.name.startswith(("tokenizer", "special_tokens_map", "vocab", "merges",
-                                      "generation_config", "chat_template")):
-                    shutil.copy2(f, out / f.name)
-        return out
 
     def stats(self) -> dict:
         return {"io": self.store.stats.snapshot(), "window_hits": self.window.hits,

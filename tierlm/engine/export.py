@@ -1,0 +1,74 @@
+"""The engine's exports: the current weights and master weights of a parameter, read from the
+store, and a Hugging Face model directory of them; and the release of what the steps kept in RAM
+before an export.
+
+`Engine` takes these methods from `Exports`; they use its store, optimizer, pools and infos.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from . import budget as B
+from .layout import key
+
+
+class Exports:
+    def release_step_memory(self) -> None:
+        """After the last step, before an export: hand back what the steps kept for reuse (the
+        state cache's copies, the pools' free buffers, the free heap). The export reads one tensor
+        at a time and needs none of it: Qwen2.5-0.5B under --cpu-mem 4GiB wrote its final model at
+        ~4.0 GiB of RSS before, 1.09 GiB after. Steps may still follow; they read the dropped
+        states from disk."""
+        self.settle()
+        self.optimizer.drop_cache()
+        for pool in (self.window_pool, self.opt_pool, self.cache_pool):
+            if pool is not None:
+                pool.trim()
+        B.trim()
+
+    def weights(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The current working weights of one parameter, read from the store (a copy)."""
+        self.settle()
+        info = self.infos[name]
+        out = torch.empty(info.numel, dtype=self.dtype)
+        futs = [self.store.read_into(key(self._wkind(name), name, k, self.optimizer.slots[name]), out[a:b])
+                for k, (a, b) in enumerate(info.shards)]
+        for f in futs:
+            f.result()
+        out = out.view(info.shape)
+        return out if dtype is None else out.to(dtype)
+
+    def master(self, name: str) -> torch.Tensor:
+        self.settle()
+        info = self.infos[name]
+        out = torch.empty(info.numel, dtype=torch.float32)
+        futs = [self.store.read_into(key("master", name, k, self.optimizer.slots[name]), out[a:b])
+                for k, (a, b) in enumerate(info.shards)]
+        for f in futs:
+            f.result()
+        return out.view(info.shape)
+
+    def save_pretrained(self, out_dir, dtype: torch.dtype | None = None, tokenizer_from=None) -> Path:
+        """An HF model directory of the current weights, written tensor by tensor."""
+        from ..hf.safetensors_io import SafetensorsWriter
+
+        dtype = dtype or self.dtype
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        specs = [(n, dtype, self.infos[n].shape) for n in self.names]
+        with SafetensorsWriter(out, specs) as w:
+            for n in self.names:
+                w.write(n, self.weights(n, dtype))
+        cfg = self.config
+        cfg.dtype = dtype
+        cfg.save_pretrained(out)
+        src = tokenizer_from or getattr(self, "model_dir", None)
+        if src:
+            for f in Path(src).iterdir():
+                if f.name.startswith(("tokenizer", "special_tokens_map", "vocab", "merges",
+                                      "generation_config", "chat_template")):
+                    shutil.copy2(f, out / f.name)
+        return out
