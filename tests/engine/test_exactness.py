@@ -269,33 +269,6 @@ def test_a_partial_state_cache_keeps_the_shards_updated_last(make_model_dir, tmp
         assert torch.equal(out[True][name], m), name
 
 
-def test_released_step_memory_is_handed_back_and_later_steps_read_it_from_disk(make_model_dir, tmp_path):
-    """release_step_memory (before the final export) empties the state cache and the pools' free
-    buffers; steps after it read the dropped states from disk and give the same bits."""
-    model_dir, _ = make_model_dir("llama")
-    data = batches(4)
-    out = {}
-    for release in (True, False):
-        eng = Engine.from_pretrained(model_dir, EngineConfig(
-            nvme_dir=str(tmp_path / f"nvme-{release}"), cpu_mem="1GiB", precision="bf16",
-            optim=AdamWConfig(lr=1e-3, weight_decay=0.1)))
-        try:
-            for i, x in enumerate(data):
-                eng.backward(eng.forward(x, labels=x).loss)
-                eng.step()
-                if release and i == 1:
-                    assert eng.cache_pool.used_bytes > 0
-                    eng.release_step_memory()
-                    assert eng.cache_pool.resident_bytes == 0 and not eng.optimizer._resident
-                    for pool in (eng.window_pool, eng.opt_pool):
-                        assert pool.resident_bytes == pool.used_bytes  # no free buffers kept
-            out[release] = {n: eng.master(n) for n in eng.names}
-        finally:
-            eng.close()
-    for name, m in out[False].items():
-        assert torch.equal(out[True][name], m), name
-
-
 # Every pipeline knob changes when bytes move, never which bytes: a covering set of combinations
 # (each value of each knob at least once, with the others varied) against the same reference.
 KNOBS = [

@@ -31,21 +31,19 @@ class Exports:
 
     def weights(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The current working weights of one parameter, read from the store (a copy)."""
-        self.settle()
-        info = self.infos[name]
-        out = torch.empty(info.numel, dtype=self.dtype)
-        futs = [self.store.read_into(key(self._wkind(name), name, k, self.optimizer.slots[name]), out[a:b])
-                for k, (a, b) in enumerate(info.shards)]
-        for f in futs:
-            f.result()
-        out = out.view(info.shape)
+        out = self._read_param(self._wkind(name), name, self.dtype)
         return out if dtype is None else out.to(dtype)
 
     def master(self, name: str) -> torch.Tensor:
+        """The fp32 master weights of one parameter, read from the store."""
+        return self._read_param("master", name, torch.float32)
+
+    def _read_param(self, kind: str, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """Every shard of one parameter's committed `kind`, read into one new tensor."""
         self.settle()
         info = self.infos[name]
-        out = torch.empty(info.numel, dtype=torch.float32)
-        futs = [self.store.read_into(key("master", name, k, self.optimizer.slots[name]), out[a:b])
+        out = torch.empty(info.numel, dtype=dtype)
+        futs = [self.store.read_into(key(kind, name, k, self.optimizer.slots[name]), out[a:b])
                 for k, (a, b) in enumerate(info.shards)]
         for f in futs:
             f.result()
