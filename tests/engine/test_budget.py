@@ -64,3 +64,15 @@ def test_the_embeddings_gradient_borrows_what_backward_has_freed():
     gpu = plan_split(3840 * MB, window_size=win, max_block_grad=545 * MB, max_layer_grad=60 * MB,
                      **{**common, "layer_act": 0, "layer_input": 0, "logits": 0})
     assert gpu.grads == 2 * 545 * MB and gpu.pending_grads == 545 * MB
+
+
+def test_a_held_gradient_is_compute_share_but_not_transient():
+    """A tied head's gradient lives through backward: the compute share holds it, but it is no
+    block's transient compute, the size of the heap's holes between HeapGuard's checks."""
+    common = dict(baseline=64 * MB, max_block_grad=545 * MB, optimizer_item=80 * MB, layer_act=2 * MB,
+                  layer_input=MB // 16, n_layers=24, logits=65 * MB, max_layer_grad=60 * MB)
+    win = window_size(qwen_like(), 2)
+    plain = plan_split(4096 * MB, window_size=win, **common)
+    held = plan_split(4096 * MB, window_size=win, held_grad=545 * MB, **common)
+    assert held.compute == plain.compute + 545 * MB and held.held_grad == 545 * MB
+    assert held.transient == plain.transient == plain.compute == 2 * 2 * MB + 65 * MB + (24 << 20)

@@ -98,6 +98,15 @@ class Split:
     # peaked 4.24 GiB beyond the libraries, at the embedding's gradient after the last layer's
     # backward; with this, 3.98 GiB (one run each: the peak depends on how far the optimizer lags).
     pending_grads: int = 0
+    # Of `compute`: a tied head's gradient, live through the whole backward (plan_split's held_grad)
+    held_grad: int = 0
+
+    @property
+    def transient(self) -> int:
+        """Of `compute`: what one block's compute allocates and frees again (its activations in
+        the making, the logits, the kernels' scratch), the size of the heap's holes between two of
+        HeapGuard's checks; not the held gradient, which is made once and lives through backward."""
+        return self.compute - self.held_grad
 
     def describe(self) -> str:
         parts = ["baseline", "window", "optimizer", "grads", "activations", "compute", "state_cache"]
@@ -229,7 +238,7 @@ def plan_split(budget: int, baseline: int, window_size: WindowSize, max_block_gr
     # waiting + the one in the making fit the share while layers run, and fit the share and what
     # backward has freed when the largest block's gradient is made
     pending = max(min(grads - g_layer, grads + acts + freed_at_end - max_block_grad), 0)
-    return Split(budget, baseline, window, optimizer, grads, acts, compute, cache, pending)
+    return Split(budget, baseline, window, optimizer, grads, acts, compute, cache, pending, held_grad)
 
 
 # cuBLAS workspaces, the caching allocator's rounding and fragmentation, kernels' scratch

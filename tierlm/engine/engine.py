@@ -181,7 +181,7 @@ class Engine(DurableState, Exports):
         self.tied_grad = TiedHeadGrad.attach(self)
         # last, so a constructor that raises leaves glibc's settings alone: between blocks, RSS at
         # most the budget less what the next block's compute may add
-        self.heap = HeapGuard(self.library_rss + self.split.budget - self.split.compute, self.split.compute)
+        self.heap = HeapGuard(self.library_rss + self.split.budget - self.split.compute, self.split.transient)
 
     # ---- construction ----------------------------------------------------------------
     @classmethod

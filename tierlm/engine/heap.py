@@ -25,7 +25,11 @@ KEEP_BELOW = 32 << 20
 # Kept blocks strand memory in holes within a block's own compute, between two checks: the 96 MiB
 # test budget (tests/train/test_budget.py) and the demo's 160 MiB went 22 and 11 MiB over with
 # the guard, where Qwen2.5-0.5B's 4 GiB peaked no higher than without it. Budgets whose compute
-# share is below this keep tierlm's import settings.
+# share is below this keep tierlm's import settings. The share is the transient part
+# (Split.transient): a tied head's held gradient is live, not freed between checks. Counting it,
+# Qwen2.5-0.5B at 1x32 tokens (a 352 MiB share, 260 MiB of it held) kept holes while backward
+# waited on the optimizer, where no check runs, and peaked 4.06-4.14 GiB beyond the libraries of
+# its 4 GiB; with the guard off, 3.90-3.92.
 MIN_COMPUTE_SHARE = 256 << 20
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
