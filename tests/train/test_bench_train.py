@@ -39,3 +39,17 @@ def test_bound_uses_the_drive_measured_before_and_after_the_run(monkeypatch, tmp
     assert "before and after the run 1.00 / 2.00; 3.00 / 2.00" in text
     assert "read 60% + write 40% = 100% of the step" in text
     assert "step / bound = 1.00x" in text
+    # each probe alone: 6/1 + 4/2 = 8 s and 6/3 + 4/2 = 4 s; twice apart, so the ratio is not settled
+    assert o["io_bound_by_probe_s"] == [8.0, 4.0]
+    assert "by the probe before / after alone: 8.00 / 4.00 s, 0.62 / 1.25x" in text
+    assert "the drive's rate moved during the run (the bounds by each probe differ by 100%)" in text
+
+
+def test_probes_that_agree_raise_no_warning(monkeypatch, tmp_path):
+    probes = iter([{"read_gbps": 2.0, "write_gbps": 2.0, "dir": "d"}, {"read_gbps": 2.2, "write_gbps": 2.0, "dir": "d"}])
+    monkeypatch.setattr(bt, "_probe_io", lambda nvme_dir: next(probes))
+    monkeypatch.setattr(bt, "_inmemory_fits", lambda model: (False, 1 << 40))
+    monkeypatch.setattr(bt.subprocess, "run", _fake_finetune)
+    text = bt.report(bt.bench_train("model", "data.txt", "1GiB", 3, str(tmp_path), ["--precision", "fp32", "--device", "cpu"]))
+    assert "by the probe before / after alone" in text
+    assert "rate moved" not in text

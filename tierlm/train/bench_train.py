@@ -32,6 +32,11 @@ from ..units import fmt_bytes
 # than overwriting one in place, as every later step does (TinyLlama 1x128 under 4 GiB, genoa-2c:
 # step 2 took 13.7-15.3 s, steps 3-5 11.2-13.5). Both runs leave out the same number.
 WARMUP_STEPS = 2
+# Where the bounds by the probe before and by the probe after alone differ by more than this, the
+# drive's rate moved during the run and the step / bound ratio is not settled by it (genoa-2c,
+# Qwen2.5-0.5B 1x32: a 1.26 GB/s read before and 2.49 after gave 6.07 and 3.99 s, and a mean-rate
+# ratio of 1.03x where the runs on either side of it measured 1.19-1.20x with probes within 14%).
+PROBES_DISAGREE = 0.20
 
 
 def _steady(rows: list[dict], key: str) -> float:
@@ -114,6 +119,7 @@ def bench_train(model: str, data: str, cpu_mem: str, steps: int, work: str, fine
            "library_rss_bytes": summary["library_rss_bytes"], "ssd_read_bytes": rd, "ssd_write_bytes": wr,
            "read_gbps": _steady(rows, "ssd_read_gbps"), "write_gbps": _steady(rows, "ssd_write_gbps"),
            "stall_pct": 100 * wait / last["s_per_step"], "io_bound_s": bound,
+           "io_bound_by_probe_s": [rd / (p["read_gbps"] * 1e9) + wr / (p["write_gbps"] * 1e9) for p in io["probes"]],
            "losses": [r["loss"] for r in rows], "timeline": str(run / "timeline.png")}
     ooc["ssd_read_share"], ooc["ssd_write_share"] = t_rd / ooc["s_per_step"], t_wr / ooc["s_per_step"]  # sum: bound / step
     result["outofcore"] = ooc
@@ -157,8 +163,17 @@ def report(r: dict) -> str:
         lines.append(f"  drive use: read {100 * o['ssd_read_share']:.0f}% + write {100 * o['ssd_write_share']:.0f}% "
                      f"= {100 * (o['ssd_read_share'] + o['ssd_write_share']):.0f}% of the step at the measured rates "
                      f"(one device: reads and writes share it)")
+    by_probe = o.get("io_bound_by_probe_s") or []
+    alone = ""
+    if len(by_probe) == 2:
+        alone = (f" (by the probe before / after alone: {by_probe[0]:.2f} / {by_probe[1]:.2f} s, "
+                 f"{o['s_per_step'] / by_probe[0]:.2f} / {o['s_per_step'] / by_probe[1]:.2f}x)")
     lines.append(f"  I/O bound (bytes / measured bandwidth): {o['io_bound_s']:.2f} s; step / bound = "
-                 f"{o['s_per_step'] / o['io_bound_s']:.2f}x")
+                 f"{o['s_per_step'] / o['io_bound_s']:.2f}x{alone}")
+    if by_probe and max(by_probe) > (1 + PROBES_DISAGREE) * min(by_probe):
+        lines.append(f"  the drive's rate moved during the run (the bounds by each probe differ by "
+                     f"{100 * (max(by_probe) / min(by_probe) - 1):.0f}%): this run does not settle step / bound; "
+                     f"run it again")
     lines.append(f"  compute waited on I/O {o['stall_pct']:.0f}% of the last step; timeline {o['timeline']}")
     return "\n".join(lines)
 
