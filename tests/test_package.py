@@ -70,6 +70,9 @@ def test_bench_trains_in_memory_reference_runs_on_glibcs_own_malloc(monkeypatch,
         raise SystemExit  # the first run is all this test looks at
     monkeypatch.setattr(bt.subprocess, "run", fake_run)
     monkeypatch.setattr(bt, "_inmemory_fits", lambda model: (True, 0))
+    from tierlm.hf import checks  # no model directory here: its checks pass
+    monkeypatch.setattr(checks, "check_model_dir", lambda path: {})
+    monkeypatch.setattr(checks, "load_tokenizer", lambda path: None)
     with pytest.raises(SystemExit):
         bt.bench_train("model", "data.txt", "1GiB", 2, str(tmp_path), ["--precision", "fp32", "--device", "cpu"])
     cmd, env = seen[0]

@@ -257,8 +257,9 @@ def main(argv=None) -> int:
         return EXIT_USAGE
     except RuntimeError as e:
         from .storage import BudgetError, StorageError
+        from .train.bench_train import RunFailed
         from .train.finetune import TrainingStopped
-        if isinstance(e, (BudgetError, StorageError, TrainingStopped)):
+        if isinstance(e, (BudgetError, StorageError, TrainingStopped, RunFailed)):
             print(f"tierlm {args.verb}: error: {e}", file=sys.stderr)
             return EXIT_USAGE if isinstance(e, BudgetError) else 1
         raise

@@ -2,6 +2,9 @@
 import json
 from pathlib import Path
 
+import pytest
+
+from tierlm.hf import checks
 from tierlm.train import bench_train as bt
 
 GB = 1e9
@@ -15,6 +18,13 @@ def _fake_finetune(cmd, check=False, env=None, **kw):
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (run / "summary.json").write_text(json.dumps({"peak_rss_bytes": 1 << 30, "library_rss_bytes": 1 << 28}))
     (run / "timeline.json").write_text(json.dumps({"traceEvents": [{"cat": "wait", "dur": 1e6}]}))
+
+
+@pytest.fixture(autouse=True)
+def _model_dir_checks_pass(monkeypatch):
+    """The runs are faked here; so is the model directory they would read."""
+    monkeypatch.setattr(checks, "check_model_dir", lambda path: {})
+    monkeypatch.setattr(checks, "load_tokenizer", lambda path: None)
 
 
 def test_bound_uses_the_drive_measured_before_and_after_the_run(monkeypatch, tmp_path):
@@ -53,3 +63,30 @@ def test_probes_that_agree_raise_no_warning(monkeypatch, tmp_path):
     text = bt.report(bt.bench_train("model", "data.txt", "1GiB", 3, str(tmp_path), ["--precision", "fp32", "--device", "cpu"]))
     assert "by the probe before / after alone" in text
     assert "rate moved" not in text
+
+
+def test_a_failed_run_is_one_clear_error(monkeypatch, tmp_path, capsys):
+    """A run's own error is printed by the run; bench then names which run failed, without a traceback."""
+    import subprocess
+
+    from tierlm.cli import main
+
+    def fail(cmd, check=False, **kw):
+        raise subprocess.CalledProcessError(2, cmd)
+    monkeypatch.setattr(bt, "_inmemory_fits", lambda model: (True, 1 << 20))
+    monkeypatch.setattr(bt.subprocess, "run", fail)
+    assert main(["bench", "train", "model", "--data", "data.txt", "--work", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "tierlm bench: error: the in-memory run failed (exit status 2); its own error is above" in err
+    assert "Traceback" not in err
+
+
+def test_a_model_without_a_tokenizer_fails_before_any_run(make_model_dir, tmp_path, capsys, monkeypatch):
+    from tierlm.cli import main
+
+    monkeypatch.undo()  # the real model directory checks
+    model_dir, _ = make_model_dir("llama")  # weights and config, no tokenizer files
+    assert main(["bench", "train", str(model_dir), "--data", "data.txt", "--work", str(tmp_path / "w")]) == 2
+    err = capsys.readouterr().err
+    assert "no tokenizer files" in err and "tierlm init" in err
+    assert not (tmp_path / "w").exists()

@@ -39,6 +39,18 @@ WARMUP_STEPS = 2
 PROBES_DISAGREE = 0.20
 
 
+class RunFailed(RuntimeError):
+    """One of the two runs exited with an error (printed above by the run itself)."""
+
+
+def _run(what: str, cmd: list[str], **kw) -> None:
+    try:
+        subprocess.run(cmd, check=True, **kw)
+    except subprocess.CalledProcessError as e:
+        raise RunFailed(f"the {what} run failed (exit status {e.returncode}); its own error is above. "
+                        f"Command: {' '.join(cmd)}") from None
+
+
 def _steady(rows: list[dict], key: str) -> float:
     xs = [r[key] for r in (rows[WARMUP_STEPS:] or rows[-1:])]
     return sum(xs) / len(xs)
@@ -68,6 +80,9 @@ def _mean_io(probes: list[dict]) -> dict:
 
 def bench_train(model: str, data: str, cpu_mem: str, steps: int, work: str, finetune_args: list[str],
                 nvme: str | None = None) -> dict:
+    from ..hf.checks import check_model_dir, load_tokenizer
+    check_model_dir(model)  # both runs would fail on these: one clear line now, not two tracebacks later
+    load_tokenizer(model)
     work_dir = Path(work)
     work_dir.mkdir(parents=True, exist_ok=True)
     from ..engine.device import resolve_device
@@ -87,8 +102,8 @@ def bench_train(model: str, data: str, cpu_mem: str, steps: int, work: str, fine
         out = work_dir / "inmemory.json"
         # plain PyTorch, as a user would run it: glibc's own malloc settings, not tierlm's (which
         # give every large tensor fresh pages, ~9% slower in memory)
-        subprocess.run([sys.executable, "-m", "tierlm.train.inmemory", *common, "--json", str(out)], check=True,
-                       env=dict(os.environ, TIERLM_MALLOC="glibc"))
+        _run("in-memory", [sys.executable, "-m", "tierlm.train.inmemory", *common, "--json", str(out)],
+             env=dict(os.environ, TIERLM_MALLOC="glibc"))
         mem = json.loads(out.read_text())
         result["inmemory"] = {"s_per_step": _steady(mem["rows"], "s_per_step"),
                               "steps_s": [r["s_per_step"] for r in mem["rows"]], "peak_rss_bytes": mem["peak_rss_bytes"],
@@ -101,8 +116,8 @@ def bench_train(model: str, data: str, cpu_mem: str, steps: int, work: str, fine
     shutil.rmtree(run, ignore_errors=True)
     nvme_dir = nvme or str(run / "nvme")
     before = _probe_io(nvme_dir)
-    subprocess.run([sys.executable, "-m", "tierlm", "finetune", *common, "--output", str(run), "--nvme", nvme_dir,
-                    "--cpu-mem", cpu_mem, "--overwrite", "--timeline-step", str(steps)], check=True)
+    _run("out-of-core", [sys.executable, "-m", "tierlm", "finetune", *common, "--output", str(run), "--nvme", nvme_dir,
+                         "--cpu-mem", cpu_mem, "--overwrite", "--timeline-step", str(steps)])
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((run / "summary.json").read_text())
     trace = json.loads((run / "timeline.json").read_text())["traceEvents"]
@@ -185,4 +200,4 @@ def main_args(args) -> int:
     return 0
 
 
-__all__ = ["bench_train", "report", "main_args"]
+__all__ = ["bench_train", "report", "main_args", "RunFailed"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 
 import torch
@@ -82,8 +83,12 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     json_path = args._json
     del args._json
-    cfg = _resolve(from_args(FinetuneConfig, args))
-    out = run(cfg)
+    try:
+        cfg = _resolve(from_args(FinetuneConfig, args))
+        out = run(cfg)
+    except ValueError as e:  # bad input (model directory, data, settings): its message names the fix
+        print(f"{ap.prog}: error: {e}", file=sys.stderr)
+        sys.exit(2)
     with open(json_path, "w") as f:
         json.dump(out, f)
 
