@@ -22,3 +22,15 @@ def test_a_large_low_precision_gradient_is_reduced_in_pieces_without_a_full_copy
     exact = g.double().norm().item()
     # torch sums a million fp32 squares to ~3e-5 of the exact norm; the pieces add no more
     assert got.dtype == torch.float32 and abs(got.item() - exact) <= 1e-4 * exact
+
+
+def test_pieces_taken_ahead_give_the_same_bits():
+    """A tied head's rows no token looks up are final early: the norms of the pieces inside them,
+    taken then, complete to the very norm taken at once (optim_tail)."""
+    n = 5 * GN.CHUNK + 99
+    g = torch.randn(n, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    final = [(0, 2 * GN.CHUNK + 10), (3 * GN.CHUNK - 5, n)]  # pieces 0, 1, 3 (its end is n), 4, 5
+    known = GN.piece_norms(g, final)
+    assert sorted(known) == [0, 1, 3, 4, 5]
+    assert torch.equal(GN.grad_norm(g, known), GN.grad_norm(g))
+    assert not GN.chunked(torch.randn(n))  # an fp32 gradient's norm is one reduction: nothing ahead

@@ -53,8 +53,8 @@ def test_tied_rows_not_looked_up_update_at_the_start_of_backward(make_model_dir,
     kw = dict(lr=1e-2, wd=0.1, clip=clip, accum=1, warmup=1, precision="fp32", loss_chunk=5, shard_elems=2048)
     early = []
     real = OutOfCoreAdamW.grad_ready
-    monkeypatch.setattr(OutOfCoreAdamW, "grad_ready", lambda self, n, g, shards=None:
-                        (early.append((n, shards)) if shards is not None else None) or real(self, n, g, shards))
+    monkeypatch.setattr(OutOfCoreAdamW, "grad_ready", lambda self, n, g, shards=None, **kw:
+                        (early.append((n, shards)) if shards is not None else None) or real(self, n, g, shards, **kw))
     masters, _, losses, _ = run_engine(model_dir, tmp_path, data, tag="early", **kw)
     assert early == [("model.embed_tokens.weight", [1, 2, 3])] * 3
     early.clear()

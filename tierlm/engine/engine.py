@@ -263,7 +263,8 @@ class Engine(DurableState, Exports):
             self._unload(names)
             return None
         # replaces the output F.embedding computed from the unloaded (placeholder) weight
-        return self.next_rows.lookup(mod, self.params[self.next_rows.name], args[0], *got)
+        tied = self.tied_grad if self.tied_grad is not None and self.tied_grad.name == self.next_rows.name else None
+        return self.next_rows.lookup(mod, self.params[self.next_rows.name], args[0], *got, taker=tied)
 
     def expect(self, input_ids: torch.Tensor) -> None:
         """The input ids of the forward after this step, when known before its (last) backward: the
@@ -448,7 +449,7 @@ class Engine(DurableState, Exports):
             (loss / self.cfg.grad_accum).backward()
             rest = self.tied_grad.leftover() if self.tied_grad is not None else None
             if rest is not None:  # the embedding had no gradient (its input did not need one)
-                self._hand_over(self.tied_grad.name, to_host(rest))
+                self._hand_over(self.tied_grad.name, to_host(rest), held=True)
         finally:
             if self.tied_grad is not None:
                 self.tied_grad.head_grad = None  # a backward that failed hands nothing over
@@ -512,15 +513,21 @@ class Engine(DurableState, Exports):
 
     def _on_grad(self, name: str, p: nn.Parameter) -> None:
         g, p.grad = p.grad, None
+        if g is None:  # every use routed its gradient around autograd (a tied head and its rows)
+            return
+        held = False
         if self.tied_grad is not None:
+            held = name == self.tied_grad.name and self.tied_grad.head_grad is not None
             g = self.tied_grad.add_to(name, g)  # where the gradient is: on a GPU, one copy crosses
-        self._hand_over(name, to_host(g))
+        self._hand_over(name, to_host(g), held)
 
-    def _hand_over(self, name: str, g: torch.Tensor) -> None:
+    def _hand_over(self, name: str, g: torch.Tensor, held: bool = False) -> None:
+        """held: `g` takes the memory of the tied head's gradient, which the budget held through
+        backward (Split.held_grad): it waits for the optimizer without taking the gradients' share."""
         if self.dist is not None:
             self.reducer.grad(name, g)  # summed over the ranks into the owner's optimizer
         else:
-            self.optimizer.grad_ready(name, g)
+            self.optimizer.grad_ready(name, g, held=held)
 
     def _owned(self, name: str) -> bool:
         """Does this process hold the parameter's master weights and moments?"""

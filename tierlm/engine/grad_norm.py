@@ -15,16 +15,40 @@ import torch
 CHUNK = 1 << 20  # elements: a 4 MiB fp32 transient
 
 
-def grad_norm(g: torch.Tensor) -> torch.Tensor:
-    """The fp32 2-norm of `g` (any float dtype)."""
-    if g.dtype == torch.float32 or g.numel() <= CHUNK:
+def chunked(g: torch.Tensor) -> bool:
+    """Is `g`'s norm taken in pieces (and can pieces of it be taken ahead, `piece_norms`)?"""
+    return g.dtype != torch.float32 and g.numel() > CHUNK
+
+
+def piece_norms(g: torch.Tensor, final) -> dict[int, torch.Tensor]:
+    """The norms of the pieces of a chunked `g` whose every element lies in one of the `final`
+    (start, end) element ranges: what grad_norm computes for them, taken before the rest of `g`
+    is (a tied head's rows that no token looks up are final at the start of backward). Only for
+    a `chunked` gradient: any other's norm is one reduction."""
+    flat = g.reshape(-1)
+    out = {}
+    buf = None
+    for i in range(0, flat.numel(), CHUNK):
+        j = min(i + CHUNK, flat.numel())
+        if any(a <= i and j <= b for a, b in final):
+            buf = torch.empty(CHUNK, dtype=torch.float32) if buf is None else buf
+            out[i // CHUNK] = _piece(flat[i:j], buf)
+    return out
+
+
+def _piece(piece: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+    b = buf[:piece.numel()]
+    b.copy_(piece)
+    return torch.linalg.vector_norm(b, 2)
+
+
+def grad_norm(g: torch.Tensor, known: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+    """The fp32 2-norm of `g` (any float dtype). known: norms of pieces taken ahead (piece_norms)."""
+    if not chunked(g):
         return torch.linalg.vector_norm(g, 2, dtype=torch.float32)
     flat = g.reshape(-1)
     buf = torch.empty(CHUNK, dtype=torch.float32)  # one, reused: fresh pages per piece cost 2x the time
-    parts = []
-    for i in range(0, flat.numel(), CHUNK):
-        piece = flat[i:i + CHUNK]
-        b = buf[:piece.numel()]
-        b.copy_(piece)
-        parts.append(torch.linalg.vector_norm(b, 2))
+    known = known or {}
+    parts = [known[i // CHUNK] if i // CHUNK in known else _piece(flat[i:i + CHUNK], buf)
+             for i in range(0, flat.numel(), CHUNK)]
     return torch.linalg.vector_norm(torch.stack(parts), 2)

@@ -21,19 +21,32 @@ from .layout import ParamInfo
 
 class _Lookup(torch.autograd.Function):
     """`F.embedding(ids, weight)` from the looked-up rows alone; the weight's gradient as
-    nn.Embedding's backward computes it."""
+    nn.Embedding's backward computes it.
+
+    With a `taker` (a tied head's gradient, TiedHeadGrad.add_rows) the gradient never becomes a
+    weight-sized tensor: the looked-up rows' sums (the same dense backward over the rows alone, the
+    same order of summation) are added into the head's gradient in place, one IEEE addition a row
+    as `add_to` does. For Qwen2.5-0.5B that is a 272 MB zeroed tensor and a 272 MB sum fewer at the
+    end of every backward (0.1 s alone, 0.4 s beside the optimizer at 1x32 tokens)."""
 
     @staticmethod
-    def forward(ctx, weight, ids, rows, inverse, padding_idx, scale_grad_by_freq):
-        ctx.save_for_backward(ids)
-        ctx.num, ctx.pad, ctx.scale = weight.shape[0], padding_idx, scale_grad_by_freq
+    def forward(ctx, weight, ids, rows, inverse, padding_idx, scale_grad_by_freq, uniq, taker):
+        ctx.save_for_backward(ids, inverse, uniq)
+        ctx.num, ctx.pad, ctx.scale, ctx.taker = weight.shape[0], padding_idx, scale_grad_by_freq, taker
         return rows.index_select(0, inverse.reshape(-1)).view(*ids.shape, rows.shape[1])
 
     @staticmethod
     def backward(ctx, grad):
-        ids, = ctx.saved_tensors
+        ids, inverse, uniq = ctx.saved_tensors
+        none = (None,) * 7
+        if ctx.taker is not None:
+            hit = (uniq == ctx.pad).nonzero()
+            pad = int(hit[0, 0]) if ctx.pad >= 0 and len(hit) else -1
+            sums = torch.ops.aten.embedding_dense_backward(grad, inverse.view(ids.shape), len(uniq), pad, ctx.scale)
+            if ctx.taker.add_rows(uniq, sums):
+                return (None,) + none
         g = torch.ops.aten.embedding_dense_backward(grad, ids, ctx.num, ctx.pad, ctx.scale)
-        return g, None, None, None, None, None
+        return (g,) + none
 
 
 class NextRows:
@@ -52,7 +65,7 @@ class NextRows:
 
     def _clear(self) -> None:
         self.ids: torch.Tensor | None = None
-        self.rows = self.elems = self.inverse = None
+        self.rows = self.elems = self.inverse = self.uniq = None
         self.seen: set[int] = set()
         self.committed = False
 
@@ -64,7 +77,7 @@ class NextRows:
         uniq, inverse = torch.unique(ids, return_inverse=True)
         if len(uniq) and (int(uniq[0]) < 0 or int(uniq[-1]) >= self.info.shape[0]):
             return  # the forward itself will name the bad id
-        self.ids, self.inverse = ids.clone(), inverse
+        self.ids, self.inverse, self.uniq = ids.clone(), inverse, uniq
         # rows ascending, each row's elements contiguous: the flat elements in ascending order, so
         # those of a shard [a, b) are one slice
         self.elems = (uniq[:, None] * self.width + torch.arange(self.width)).reshape(-1)
@@ -91,15 +104,17 @@ class NextRows:
         """Rows wait for the next forward (the engine then skips reading the embedding ahead)."""
         return self.committed
 
-    def take(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(rows, inverse) if `ids` are the ids expected; either way the copy is used up."""
+    def take(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(rows, inverse, the ids' distinct values) if `ids` are the ids expected; either way the copy is used up."""
         ok = self.committed and ids.shape == self.ids.shape and torch.equal(ids.detach().cpu(), self.ids)
-        out = (self.rows, self.inverse.to(ids.device)) if ok else None
+        out = (self.rows, self.inverse.to(ids.device), self.uniq.to(ids.device)) if ok else None
         self._clear()
         if ok:
             self.used += 1
         return out
 
-    def lookup(self, mod: nn.Embedding, weight: torch.Tensor, ids: torch.Tensor, rows, inverse) -> torch.Tensor:
+    def lookup(self, mod: nn.Embedding, weight: torch.Tensor, ids: torch.Tensor, rows, inverse, uniq,
+               taker=None) -> torch.Tensor:
+        """taker: where the rows' gradient goes instead of a weight-sized one (see _Lookup)."""
         pad = -1 if mod.padding_idx is None else mod.padding_idx
-        return _Lookup.apply(weight, ids, rows.to(ids.device), inverse, pad, mod.scale_grad_by_freq)
+        return _Lookup.apply(weight, ids, rows.to(ids.device), inverse, pad, mod.scale_grad_by_freq, uniq, taker)

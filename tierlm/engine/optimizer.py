@@ -37,9 +37,10 @@ from .grad_norm import grad_norm
 from .layout import ParamInfo, key, nbytes
 from .optim_types import EARLY, AdamWConfig, OptimizerError, StepResult
 from .optim_types import ShardItem as _Item
+from .optim_norms import NormsMixin
 
 
-class OutOfCoreAdamW:
+class OutOfCoreAdamW(NormsMixin):
     def __init__(self, store: TensorStore, pool: HostBufferPool, infos: dict[str, ParamInfo],
                  order: list[str], canonical: list[str], cfg: AdamWConfig,
                  weight_dtype: torch.dtype | None, state: dict, lookahead: int = 4,
@@ -67,7 +68,10 @@ class OutOfCoreAdamW:
         self.on_event = on_event
         self.max_pending = max_pending_grad_bytes
         self._grads: dict[str, torch.Tensor] = {}
+        self._counted: dict[str, int] = {}  # arrival -> the bytes of it counted as pending
         self._pending_bytes = 0
+        self._norm_at_hand_over = False
+        self._pieces: dict[str, dict] = {}  # norms of pieces of a gradient final before the rest
         self._cv = threading.Condition()
         self._exec = ThreadPoolExecutor(1, thread_name_prefix="tierlm-optim")
         self._run: Future | None = None
@@ -109,8 +113,13 @@ class OutOfCoreAdamW:
         if self._run is not None:
             raise OptimizerError("begin_micro called twice without end_micro")
         self.lr = lr
+        # One micro-batch a step: each gradient's norm is taken as backward hands it over, on its
+        # thread, which waits for the optimizer most of an I/O-bound step anyway; the optimizer's
+        # thread then has none to take, and the last ones do not wait until it gets to them.
+        self._norm_at_hand_over = n_micro == 1
         if micro == 0:
             self._norms.clear()
+            self._pieces.clear()
             self._sq.clear()
             self._updated.clear()
             self._early_done.clear()
@@ -118,14 +127,17 @@ class OutOfCoreAdamW:
         self._error = None
         self._run = self._exec.submit(self._consume, micro, n_micro)
 
-    def grad_ready(self, name: str, grad: torch.Tensor, shards: list[int] | None = None) -> None:
+    def grad_ready(self, name: str, grad: torch.Tensor, shards: list[int] | None = None,
+                   held: bool = False) -> None:
         """Hand over a parameter's gradient; blocks while too many gradient bytes wait.
 
         With `shards`: those shards' part of `grad` is already final (a tied weight's rows that the
         batch's tokens do not look up: their gradient is the head's alone, complete at the start of
         backward), so they are updated now; the full gradient, handed over later, updates the rest
-        and gives the norm."""
-        size = grad.numel() * grad.element_size()
+        and gives the norm. `held`: the gradient takes the memory of one the budget held through
+        backward (a tied head's, summed into it): it takes none of the gradients' share either."""
+        size = 0 if held else grad.numel() * grad.element_size()
+        norm = grad_norm(grad, self._pieces.get(name)) if self._norm_at_hand_over and shards is None else None
         if shards is not None:
             self._early_shards[name] = list(shards)
             name = name + EARLY
@@ -147,6 +159,9 @@ class OutOfCoreAdamW:
             if self._run is not None and self._run.done():
                 self._run.result()  # the worker failed: surface its error in backward
             self._grads[name] = grad
+            if norm is not None:
+                self._norms[name] = norm
+            self._counted[name] = size
             self._pending_bytes += size
             self._cv.notify_all()
 
@@ -165,27 +180,8 @@ class OutOfCoreAdamW:
             with self._cv:
                 self._closing = False
                 self._grads.clear()
+                self._counted.clear()
                 self._pending_bytes = 0
-
-    def finish_step(self) -> StepResult:
-        """After the last micro-batch: global norm, and the clip redo when torch would clip."""
-        per_param = self._norms
-        if self.dist is not None:
-            from ..dist.grads import gather_norms
-            per_param = gather_norms(self.dist, self._norms, self.canonical)
-        self.stepped = [n for n in self.canonical if n in per_param]  # on every rank alike
-        norms = [per_param[n] for n in self.stepped]
-        total = torch.linalg.vector_norm(torch.stack(norms), 2) if norms else torch.tensor(0.0)
-        finite = bool(torch.isfinite(total))
-        coef = 1.0
-        redone = False
-        if self.cfg.max_grad_norm is not None and finite:
-            clamped = torch.clamp(self.cfg.max_grad_norm / (total + 1e-6), max=1.0)
-            if float(clamped) < 1.0:
-                coef = float(clamped)
-                self._exec.submit(self._redo, clamped).result()
-                redone = True
-        return StepResult(float(total), coef, redone, finite)
 
     def commit(self) -> None:
         """The new slot becomes current for every parameter updated this step."""
@@ -280,13 +276,15 @@ class OutOfCoreAdamW:
                 real, ks = self._shards_of(name)
                 if real != name:
                     self._early_done[real] = set(ks)
+                    if mode == "update" and micro == 0:
+                        self._early_pieces(real, ks)
                 else:
                     skip = self._early_done.pop(real, set()) if mode == "update" else set()
                     ks = [k for k in ks if k not in skip]
-                    if mode == "update" and micro == 0:
+                    if mode == "update" and micro == 0 and name not in self._norms:
                         # The whole gradient is here: the reduction clip_grad_norm_ runs on it (the
                         # same bits as on a float copy, in pieces beyond grad_norm.CHUNK elements)
-                        self._norms[name] = grad_norm(self._grads[name])
+                        self._norms[name] = grad_norm(self._grads[name], self._pieces.get(name))
                 if not ks:
                     self._done_with_grad(name)
                 for i, k in enumerate(ks):
@@ -568,27 +566,13 @@ class OutOfCoreAdamW:
             self.on_event("optimizer", f"{it.name}.{it.shard}", t0, time.perf_counter(), n)
         return writes, written
 
-    def _record_norm(self, it: _Item, g: torch.Tensor) -> None:
-        info = self.infos[it.name]
-        if len(info.shards) == 1:
-            # The whole accumulated gradient: the very reduction clip_grad_norm_ runs.
-            self._norms[it.name] = torch.linalg.vector_norm(g, 2)
-            return
-        # An accumulated gradient exists only shard by shard: combining shard norms equals the
-        # tensor's norm to within rounding, not bitwise.
-        sq = torch.linalg.vector_norm(g, 2).double() ** 2
-        self._sq[it.name] = sq if it.shard == 0 else self._sq[it.name] + sq
-        if it.shard == len(info.shards) - 1:
-            self._norms[it.name] = self._sq.pop(it.name).sqrt().float()
-
     def _done_with_grad(self, name: str) -> None:
         with self._cv:
             g = self._grads.get(name)
             if g is not None:
                 # Keep the tensor until its writes finish (they hold a reference); only the
                 # accounting of what backward may produce ahead of us is released here.
-                if not name.endswith(EARLY):
-                    self._pending_bytes -= g.numel() * g.element_size()
+                self._pending_bytes -= self._counted.pop(name, 0)
                 del self._grads[name]
             self._cv.notify_all()
 

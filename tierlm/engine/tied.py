@@ -99,6 +99,15 @@ class TiedHeadGrad:
         self.head_grad = None
         return grad.add_(head)
 
+    def add_rows(self, rows: torch.Tensor, sums: torch.Tensor) -> bool:
+        """The embedding's gradient as the sums of the rows it looked up (next_rows' lookup),
+        added into the head's in place; False if there is no head's gradient to add them to. The
+        sum is then handed over after backward (`leftover`), the embedding's gradient in full."""
+        if self.head_grad is None or self.head_grad.dtype != sums.dtype:
+            return False
+        self.head_grad.index_add_(0, rows.to(self.head_grad.device), sums)
+        return True
+
     def leftover(self) -> torch.Tensor | None:
         """After backward: the head's gradient if the embedding gave none to add it to."""
         head, self.head_grad = self.head_grad, None
