@@ -88,3 +88,24 @@ def test_other_ids_or_a_dropped_step_read_the_embedding(make_model_dir, tmp_path
         assert torch.equal(got_m[n], ref_m[n]), n
     _, _, _, used = _train(model_dir, tmp_path, data, "other", expect=True, expect_ids=data[0].flip(0))
     assert used == 0
+
+
+def test_a_tied_lookups_gradient_goes_into_the_heads_without_a_weight_sized_tensor(make_model_dir, tmp_path,
+                                                                                   monkeypatch):
+    """With a tied head, the rows' gradient sums are added into the head's gradient in place
+    (TiedHeadGrad.add_rows): each lookup from the update goes that way, and the result is the bits
+    of the dense route (the test above compares the weights with the run that reads the embedding)."""
+    from tierlm.engine.tied import TiedHeadGrad
+    model_dir, _ = make_model_dir("qwen2")
+    data = batches(3)
+    calls = []
+    real = TiedHeadGrad.add_rows
+    monkeypatch.setattr(TiedHeadGrad, "add_rows", lambda self, rows, sums: calls.append(sums.shape) or real(self, rows, sums))
+    ref_m, _, ref_l, _ = _train(model_dir, tmp_path, data, "ref", expect=False)
+    assert not calls
+    got_m, _, got_l, used = _train(model_dir, tmp_path, data, "rows", expect=True)
+    assert used == 2 and len(calls) == 2
+    assert all(s[0] == len(torch.unique(x)) for s, x in zip(calls, data[1:]))  # the distinct rows only
+    assert [lo for lo, _ in got_l] == [lo for lo, _ in ref_l]
+    for n, t in ref_m.items():
+        assert torch.equal(got_m[n], t), n
