@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .grad_norm import chunked, piece_norms
-from .optim_types import EARLY, StepResult
+from .optim_types import EARLY, ShardItem, StepResult
 
 
 class NormsMixin:
@@ -36,7 +36,7 @@ class NormsMixin:
         if g is not None and chunked(g):
             self._pieces[real] = piece_norms(g, [self.infos[real].shards[k] for k in shards])
 
-    def _record_norm(self, it: _Item, g: torch.Tensor) -> None:
+    def _record_norm(self, it: ShardItem, g: torch.Tensor) -> None:
         info = self.infos[it.name]
         if len(info.shards) == 1:
             # The whole accumulated gradient: the very reduction clip_grad_norm_ runs.
