@@ -114,3 +114,42 @@ def test_prefetch_does_not_evict_weights_kept_for_the_next_forward(tmp_path):
         win.release(["p2"])
     finally:
         store.close()
+
+
+def test_a_large_weight_lands_in_resident_pages_and_moves_what_was_read_ahead(tmp_path, monkeypatch):
+    """A tied embedding takes most of a small window. It gets one contiguous range of the pool's
+    arena: the least recently used entries there are dropped, entries read ahead and not yet used
+    are moved out of it (not dropped, which would read them again), and no fresh pages are taken."""
+    from tierlm.engine.layout import make_param_info
+    from tierlm.storage import HostBufferPool, TensorStore
+    from tierlm.storage import pool as pool_mod
+
+    small = [f"p{i}" for i in range(6)]  # one page each
+    infos = {n: make_param_info(n, (1024,)) for n in small}
+    infos["E"] = make_param_info("E", (6 * 1024,))
+    store = TensorStore(tmp_path / "st", HostBufferPool(1 << 20, name="io"), direct_io=False)
+    for i, n in enumerate(small):
+        store.write(f"w/{n}.0", torch.full((1024,), float(i))).result()
+    store.write("w/E.0", torch.arange(6 * 1024, dtype=torch.float32)).result()
+    win = WeightWindow(store, HostBufferPool(10 * 4096, name="window", arena=True), infos, torch.float32,
+                       lambda n, k: f"w/{n}.{k}")
+    try:
+        for n in ("p0", "p1", "p2"):
+            win.acquire([n])
+            win.release([n])
+        win.prefetch(["p3", "p4"])  # read ahead, in the arena's middle
+        win.acquire(["p5"])
+        win.release(["p5"])
+        monkeypatch.setattr(pool_mod, "aligned_empty", lambda *a, **k: pytest.fail("fresh pages taken"))
+        misses = win.misses
+        e = win.acquire(["E"])["E"]
+        assert win._entries["E"].buffer.offset is not None
+        assert torch.equal(e, torch.arange(6 * 1024, dtype=torch.float32))
+        win.release(["E"])
+        got = win.acquire(["p3", "p4"])
+        assert win.misses == misses + 1, "an entry read ahead was dropped and read again"
+        assert float(got["p3"][0]) == 3.0 and float(got["p4"][-1]) == 4.0
+        assert {n for n in win._entries} >= {"p3", "p4", "E"}
+        win.release(["p3", "p4"])
+    finally:
+        store.close()

@@ -52,7 +52,7 @@ class EngineConfig:
     activations: str = "auto"        # auto | keep | swap | swap-host | recompute, or one per layer, comma-separated
     prefetch: int | None = None      # blocks read ahead of the one computing; None: picked (io_settings)
     shard_elems: int | None = None   # optimizer shard size; None: bench io's pick within the budget (io_settings)
-    io_threads: int | None = None    # requests in flight; None: `tierlm bench io`'s pick for this file system, else 4
+    io_threads: int | None = None    # reads (and writes) in flight; None: `tierlm bench io`'s pick for this file system, else 4
     direct_io: bool | None = None    # None: where the file system allows it
     state_cache: bool = True         # keep optimizer state in RAM between steps where the budget has room
     optim_states: str = "fp32"       # fp32 | bf16 | int8: how Adam's m and v are stored (state_quant)
@@ -139,8 +139,8 @@ class Engine(DurableState, Exports):
             self.config.hidden_size, self.on_gpu)
         self.split, self.act_allowance = plan_budget(self, max(baseline, 0))
         # pinned where a GPU reads it: copies from pageable memory are neither async nor fast
-        self.window_pool = HostBufferPool(self.split.window, pin=self.on_gpu, name="weight window")
-        self.opt_pool = HostBufferPool(self.split.optimizer, name="optimizer buffers")
+        self.window_pool = HostBufferPool(self.split.window, pin=self.on_gpu, name="weight window", arena=True)
+        self.opt_pool = HostBufferPool(self.split.optimizer, name="optimizer buffers", arena=True)
         self.cache_pool = HostBufferPool(self.split.state_cache, name="optimizer state cache") \
             if self.split.state_cache > 0 and cfg.state_cache else None
         self.io_threads, self.io_threads_why = io_depth(cfg.io_threads, root)

@@ -396,7 +396,8 @@ class OutOfCoreAdamW(NormsMixin):
                 self._cv.wait(0.5)
 
     def _acquire(self, it: _Item, tag: str, nbytes_: int, blocking: bool) -> bool:
-        buf = self.pool.acquire(nbytes_) if blocking else self.pool.try_acquire(nbytes_)
+        # read-ahead waits for a place in the pool's arena rather than take fresh pages beside it
+        buf = self.pool.acquire(nbytes_) if blocking else self.pool.try_acquire(nbytes_, arena_only=True)
         if buf is None:
             return False
         it.bufs[tag] = buf

@@ -49,15 +49,23 @@ class WeightWindow:
 
     def _load(self, name: str, blocking: bool) -> _Entry | None:
         size = self._bytes(name)
-        buf = self.pool.try_acquire(size)
+        buf = None
+        if self.pool.arena is not None and size >= self.pool.capacity // 8:
+            buf = self._make_room(size)
+        if buf is None:
+            buf = self.pool.try_acquire(size, arena_only=True)
         while buf is None:
+            # an entry the window would soon evict anyway, rather than fresh pages beside the arena
             if not self._evict_one(include_unused=blocking):
-                if not blocking:
-                    return None
+                buf = self.pool.try_acquire(size)
+                if buf is not None or not blocking:
+                    break
                 raise BudgetError(
                     f"the weight window ({fmt_bytes(self.pool.capacity)}) cannot hold {name} "
                     f"({fmt_bytes(size)}) beside the blocks in use; raise --cpu-mem")
-            buf = self.pool.try_acquire(size)
+            buf = self.pool.try_acquire(size, arena_only=True)
+        if buf is None:
+            return None
         info = self.infos[name]
         flat = buf.view(self.dtype, (info.numel,))
         reads = []
@@ -66,6 +74,47 @@ class WeightWindow:
         e = _Entry(buf, flat.view(info.shape), reads)
         self._entries[name] = e
         return e
+
+    def _make_room(self, size: int) -> Buffer | None:
+        """For a large parameter (a tied embedding takes most of a small window): free one
+        contiguous range of the pool's arena, so that it lands in pages already resident, not in
+        fresh ones (which the kernel zeroes: 272 MB a step for Qwen2.5-0.5B's head). The range is
+        the one whose most recently used entry is the oldest; entries read ahead and not used yet
+        are moved out of it (a copy), not dropped (a read again), and only where no range of used
+        entries will do."""
+        moved = float(1 << 40)
+        movable = {e.buffer: (moved if e.tick is None else e.tick) for e in self._entries.values() if e.pins == 0}
+        got = self.pool.to_free_for(size, movable)
+        if got is None:
+            return None
+        victims, span = set(got[0]), got[1]
+        moving = []
+        for n, e in list(self._entries.items()):
+            if e.buffer in victims:
+                if e.tick is None:
+                    moving.append(n)
+                else:
+                    self._drop(n)
+        while self.pool.used_bytes + size > self.pool.capacity and self._evict_one(include_unused=False):
+            pass
+        for n in moving:
+            self._move(n, span)
+        return self.pool.try_acquire(size)
+
+    def _move(self, name: str, avoid: tuple[int, int]) -> None:
+        """Copy an unpinned entry into a buffer outside `avoid`; drop it where there is none."""
+        e = self._entries[name]
+        buf = self.pool.try_acquire(e.buffer.nbytes, avoid=avoid)
+        if buf is None or any(f.exception() is not None for f in e.reads):
+            if buf is not None:
+                buf.release()
+            self._drop(name)  # read again when needed (a failed read raises then)
+            return
+        info = self.infos[name]
+        flat = buf.view(self.dtype, (info.numel,))
+        flat.copy_(e.tensor.view(-1))
+        old, e.buffer, e.tensor, e.reads = e.buffer, buf, flat.view(info.shape), []
+        old.release()
 
     def _evict_one(self, include_unused: bool) -> bool:
         """Evict the least recently used unpinned entry; read-ahead entries only if asked."""
