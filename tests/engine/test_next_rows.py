@@ -109,3 +109,25 @@ def test_a_tied_lookups_gradient_goes_into_the_heads_without_a_weight_sized_tens
     assert [lo for lo, _ in got_l] == [lo for lo, _ in ref_l]
     for n, t in ref_m.items():
         assert torch.equal(got_m[n], t), n
+
+
+def test_backward_does_not_read_ahead_an_embedding_whose_rows_are_expected(make_model_dir, tmp_path, monkeypatch):
+    """Backward's read-ahead past layer 0 is for the next forward's embedding block: with its rows
+    expected, that forward reads none of it, so neither does the read-ahead (for Qwen2.5-0.5B,
+    272 MB a step that nothing used)."""
+    from tierlm.engine.weights import WeightWindow
+    model_dir, _ = make_model_dir("llama")
+    events = []
+    for cls, name in ((WeightWindow, "prefetch"), (Engine, "expect"), (Engine, "commit")):
+        real = getattr(cls, name)
+        tag = "embed" if name == "prefetch" else name
+
+        def wrap(self, *a, real=real, tag=tag):
+            if tag != "embed" or any("embed_tokens" in n for n in a[0]):
+                events.append(tag)
+            return real(self, *a)
+        monkeypatch.setattr(cls, name, wrap)
+    _, _, _, used = _train(model_dir, tmp_path, batches(4), "rows", expect=True)
+    assert used == 3
+    between = " ".join(events).split("expect")[1:]
+    assert len(between) == 3 and not any("embed" in e.split("commit")[0] for e in between), events

@@ -101,8 +101,12 @@ class NextRows:
             self._clear()
 
     def pending(self) -> bool:
-        """Rows wait for the next forward (the engine then skips reading the embedding ahead)."""
-        return self.committed
+        """Rows wait for the next forward, or are being gathered for it: the engine then skips
+        reading the embedding ahead. From the expect() on, not only from the commit: backward's
+        read-ahead past layer 0 read the whole embedding (272 MB for Qwen2.5-0.5B) every step for a
+        forward that took its rows from here. Should the rows be dropped (a step not applied), that
+        forward reads the embedding when it needs it."""
+        return self.ids is not None
 
     def take(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(rows, inverse, the ids' distinct values) if `ids` are the ids expected; either way the copy is used up."""
