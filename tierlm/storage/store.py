@@ -109,7 +109,11 @@ class TensorStore:
         self.stats = IOStats()
         self.on_event = on_event  # callable(kind, key, t0, t1, nbytes) for the timeline
         self.in_place = in_place  # overwrite a key's file in place where that is safe (see _write)
-        self._exec = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="tierlm-io")
+        # Reads and writes each keep `io_threads` requests in flight, in queues of their own: in one
+        # shared queue a step's reads (which the compute waits on) queued behind its writes (which
+        # only have to land), and the two together kept no more in flight than either alone.
+        self._exec = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="tierlm-read")
+        self._wexec = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="tierlm-write")
         self._inflight: dict[str, Future] = {}  # key -> its latest write not yet landed
         self._reading: dict[str, set[Future]] = {}  # key -> its reads not yet done
 
@@ -138,7 +142,7 @@ class TensorStore:
             # after the key's write in flight and every read of it not yet done: a write in place
             # must not change the bytes under a read (nor interleave with another write)
             deps = [f for f in [self._inflight.get(key), *self._reading.get(key, ())] if f is not None]
-            fut = self._after(key, deps, self._write, key, tensor, durable)
+            fut = self._after(key, deps, self._write, key, tensor, durable, executor=self._wexec)
             self._inflight[key] = fut
         fut.add_done_callback(lambda f, k=key: self._landed(k, f))
         return fut
@@ -170,10 +174,12 @@ class TensorStore:
         prev = self._inflight.get(key)
         return self._after(key, [prev] if prev is not None else [], fn, *args)
 
-    def _after(self, key: str, deps: list[Future], fn, *args) -> Future:
-        """fn(*args) on the I/O threads once every future in `deps` is done (failed or not)."""
+    def _after(self, key: str, deps: list[Future], fn, *args, executor=None) -> Future:
+        """fn(*args) on the I/O threads (the read queue unless told) once every future in `deps`
+        is done (failed or not)."""
+        executor = executor or self._exec
         if not deps:
-            return self._exec.submit(fn, *args)
+            return executor.submit(fn, *args)
         out: Future = Future()
         left = [len(deps)]
         lock = threading.Lock()
@@ -189,7 +195,7 @@ class TensorStore:
             run, run_args = job
             job.clear()
             try:
-                inner = self._exec.submit(run, *run_args)
+                inner = executor.submit(run, *run_args)
             except RuntimeError as e:  # the store was closed meanwhile
                 out.set_exception(StorageError(f"{self.path(key)}: store closed before the I/O ran ({e})"))
                 return
@@ -401,4 +407,5 @@ class TensorStore:
             os.close(dfd)
 
     def close(self) -> None:
+        self._wexec.shutdown(wait=True)
         self._exec.shutdown(wait=True)

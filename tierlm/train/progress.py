@@ -24,7 +24,7 @@ class Progress:
         st = engine.split
         self.bar.write(f"--cpu-mem {fmt_bytes(st.budget)} beyond the libraries' {fmt_bytes(engine.library_rss)}: "
                        f"{st.describe()}; "
-                       f"direct I/O {'on' if engine.store.direct else 'off'}, {engine.io_threads} requests in flight "
+                       f"direct I/O {'on' if engine.store.direct else 'off'}, {engine.io_threads} reads and {engine.io_threads} writes in flight "
                        f"({engine.io_threads_why}), optimizer shards of {fmt_bytes(4 * engine.shard_elems)} in fp32 "
                        f"({engine.shard_why}), {engine.prefetch} blocks read ahead ({engine.prefetch_why}); "
                        f"nvme {engine.root}")
