@@ -55,15 +55,19 @@ class WeightWindow:
         if buf is None:
             buf = self.pool.try_acquire(size, arena_only=True)
         while buf is None:
-            # an entry the window would soon evict anyway, rather than fresh pages beside the arena
-            if not self._evict_one(include_unused=blocking):
-                buf = self.pool.try_acquire(size)
-                if buf is not None or not blocking:
-                    break
+            # an entry used already (the window would soon evict it anyway) rather than fresh pages
+            # beside the arena; those rather than an entry read ahead (it would be read again)
+            if self._evict_one(include_unused=False):
+                buf = self.pool.try_acquire(size, arena_only=True)
+                continue
+            buf = self.pool.try_acquire(size)
+            if buf is not None or not blocking:
+                break
+            if not self._evict_one(include_unused=True):
                 raise BudgetError(
                     f"the weight window ({fmt_bytes(self.pool.capacity)}) cannot hold {name} "
                     f"({fmt_bytes(size)}) beside the blocks in use; raise --cpu-mem")
-            buf = self.pool.try_acquire(size, arena_only=True)
+            buf = self.pool.try_acquire(size)
         if buf is None:
             return None
         info = self.infos[name]
