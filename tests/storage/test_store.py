@@ -211,3 +211,32 @@ def test_a_write_queued_behind_another_is_not_kept_by_it(store):
     first.result(), queued.result()
     gc.collect()
     assert alive() is None, "the first write's future keeps the second's tensor"
+
+
+def test_a_record_asked_for_while_its_write_is_in_flight_waits_for_it(store, monkeypatch):
+    """A write's record is known when it lands; the optimizer's redo asks for a saved gradient's
+    dtype while that write (deferred past the step) may still be queued."""
+    real = TensorStore._write
+    gate = threading.Event()
+    monkeypatch.setattr(TensorStore, "_write", lambda self, *a: gate.wait(5) and real(self, *a))
+    fut = store.write("g/x", torch.ones(8, dtype=torch.bfloat16))
+    with pytest.raises(StorageError, match="never written"):
+        store.record("g/x")
+    threading.Timer(0.1, gate.set).start()
+    assert store.landed_record("g/x").dtype == "bfloat16" and fut.done()
+
+
+def test_a_read_is_not_queued_behind_writes(store, monkeypatch):
+    """Reads and writes have a queue each: a read runs while every write thread is stuck."""
+    store.write("r/a", torch.arange(4.0)).result()
+    gate = threading.Event()
+    real = TensorStore._write
+    monkeypatch.setattr(TensorStore, "_write", lambda self, *a: gate.wait(5) and real(self, *a))
+    stuck = [store.write(f"w/{i}", torch.zeros(4)) for i in range(4)]  # twice the write threads
+    try:
+        got = store.read_into("r/a", torch.empty(4)).result(timeout=2)
+        assert torch.equal(got, torch.arange(4.0))
+    finally:
+        gate.set()
+    for f in stuck:
+        f.result()

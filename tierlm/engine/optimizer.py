@@ -417,7 +417,7 @@ class OutOfCoreAdamW(NormsMixin):
             need.append("g")
         saved_dtype = None
         if mode == "redo":
-            saved_dtype = getattr(torch, self.store.record(key("grad", it.name, it.shard)).dtype)
+            saved_dtype = getattr(torch, self.store.landed_record(key("grad", it.name, it.shard)).dtype)
             if saved_dtype != torch.float32:
                 need.append("gl")  # the saved gradient in its own (low) precision
         if mode == "redo":  # the speculative values cached for this shard are not the state
@@ -484,7 +484,7 @@ class OutOfCoreAdamW(NormsMixin):
         return it.bufs[tag].view(torch.float32, (n,))
 
     def _grad_dtype(self, it: _Item) -> torch.dtype:
-        return getattr(torch, self.store.record(key("grad", it.name, it.shard)).dtype)
+        return getattr(torch, self.store.landed_record(key("grad", it.name, it.shard)).dtype)
 
     def _grad_shard(self, it: _Item, micro: int) -> torch.Tensor:
         """The fp32 gradient of this shard, accumulated over the micro-batches so far."""

@@ -128,6 +128,15 @@ class TensorStore:
             raise StorageError(f"{self.path(key)}: no such tensor in the store (it was never written)")
         return rec
 
+    def landed_record(self, key: str) -> Record:
+        """The record of `key` once its write in flight, if any, has landed (a write's record is
+        known only then)."""
+        with self._rec_lock:
+            fut = self._inflight.get(key)
+        if fut is not None:
+            fut.exception()  # a failed write leaves the record it replaced, or none
+        return self.record(key)
+
     def __contains__(self, key: str) -> bool:
         with self._rec_lock:
             return key in self.records
