@@ -2,7 +2,7 @@
 next buffer of any size instead of going back to the OS.
 
 A pool that keeps freed buffers by exact size must allocate afresh whenever the sizes asked for
-change, and every fresh page is zeroed by the kernel (on this VM the host backs it too). Qwen2.5-0.5B
+change, and the kernel zeroes every fresh page. Qwen2.5-0.5B
 at 1x32 tokens under --cpu-mem 4GiB allocated ~1.0 GiB of weight-window buffers and 0.45-0.65 GiB
 of optimizer buffers afresh every step: the tied embedding (259 MiB of the window's 345) pushed the
 layers' buffers out once a step, and the optimizer's shards come in a dozen sizes.
@@ -38,8 +38,7 @@ class Arena:
         if avoid is not None:
             lo, hi = avoid
             segs = [c for a, b, d in segs for c in ([a, min(b, lo), d], [max(a, hi), b, d]) if c[1] > c[0]]
-        # (no tuple a run: this runs for every buffer, and tracked objects by the thousand a step
-        # set off the garbage collector's full passes over the model's objects)
+        # (plain ints, no tuple a run: this runs for every buffer a step)
         best, best_clean, best_len = -1, 0, 0
         i = 0
         n = len(segs)
