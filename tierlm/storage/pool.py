@@ -1,9 +1,10 @@
 """The bounded pool of reusable host buffers: the part of the `cpu` budget that holds tensors.
 
 Every byte the engine streams (weights, optimizer states, gradients) lands in a buffer from this pool,
-so its capacity is a hard ceiling, not an estimate. Buffers are reused by size (the layers of a model
-have the same shapes) because a fresh large allocation costs a page fault per 4 KiB, which at
-gigabytes per step is as slow as the copy itself.
+so its capacity is a hard ceiling, not an estimate. Freed buffers are reused because a fresh large
+allocation costs a page fault per 4 KiB, which at gigabytes per step is as slow as the copy itself:
+by exact size, or (`arena=True`, the engine's window and optimizer pools) by placing every buffer in
+one region whose freed ranges serve any later size (arena.py).
 """
 from __future__ import annotations
 
