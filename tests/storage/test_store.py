@@ -240,3 +240,46 @@ def test_a_read_is_not_queued_behind_writes(store, monkeypatch):
         gate.set()
     for f in stuck:
         f.result()
+
+
+def test_a_checksum_does_not_hold_an_io_slot(store, monkeypatch):
+    """A read's checksum runs after its bytes land and a write's while its bytes go out, off the
+    I/O threads: with every checksum stuck, more reads than there are read threads still reach
+    the drive, none is done unverified, and a write's record waits for its sum."""
+    import tierlm.storage.store as S
+    n = S.CRC_AWAY // 4  # float32 elements: at the size from which sums leave the I/O thread
+    tensors = [torch.full((n,), float(i)) for i in range(4)]  # twice the read threads
+    for i, t in enumerate(tensors):
+        store.write(f"k/{i}", t).result()
+    gate = threading.Event()
+    real = S.crc32c.crc32c
+    monkeypatch.setattr(S, "crc32c", type("C", (), {"crc32c": staticmethod(lambda b: gate.wait(5) and real(b))}))
+    landed = []
+    store.on_event = lambda kind, key, *a: landed.append(key) if kind == "ssd_read" else None
+    outs = [torch.empty(n) for _ in tensors]
+    reads = [store.read_into(f"k/{i}", o) for i, o in enumerate(outs)]
+    w = store.write("k/new", tensors[0] + 1)
+    deadline = time.monotonic() + 5
+    while len(landed) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sorted(landed) == [f"k/{i}" for i in range(4)]
+    assert not any(r.done() for r in reads) and not w.done()
+    gate.set()
+    for r, o, t in zip(reads, outs, tensors):
+        r.result()
+        assert torch.equal(o, t)
+    assert w.result().crc == real(S.as_bytes((tensors[0] + 1).view(torch.uint8)))
+
+
+def test_a_corrupt_file_read_beside_the_io_still_raises(store):
+    import tierlm.storage.store as S
+    a = torch.arange(S.CRC_AWAY // 4 * 2, dtype=torch.float32)
+    store.write("big", a).result()
+    path = store.path("big")
+    with open(path, "r+b") as f:
+        f.seek(12345)
+        b = f.read(1)
+        f.seek(12345)
+        f.write(bytes([b[0] ^ 1]))
+    with pytest.raises(CorruptionError, match="checksum mismatch"):
+        store.read_into("big", torch.empty_like(a)).result()

@@ -24,6 +24,22 @@ from .aligned import as_bytes, is_aligned, round_up, supports_direct_io
 from .pool import Buffer, HostBufferPool
 
 
+CRC_AWAY = 1 << 20  # bytes from which a checksum runs beside the I/O (TensorStore._checksum)
+
+
+def _settle(out: Future, f: Future) -> None:
+    """Settle `out` as `f` did; a Future result (work handed on) is followed."""
+    exc = f.exception()
+    if exc is not None:
+        out.set_exception(exc)
+        return
+    r = f.result()
+    if isinstance(r, Future):
+        r.add_done_callback(lambda g: _settle(out, g))
+    else:
+        out.set_result(r)
+
+
 class StorageError(RuntimeError):
     """Reading or writing a state file failed; the message names the file."""
 
@@ -114,6 +130,10 @@ class TensorStore:
         # only have to land), and the two together kept no more in flight than either alone.
         self._exec = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="tierlm-read")
         self._wexec = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="tierlm-write")
+        # Checksums run beside the I/O, not inside its slot: a request's CRC (2-4 ms per 32 MiB,
+        # longer while the compute holds both cores) left the drive that much short of requests.
+        # A read is verified here after its bytes land; a write's CRC runs while its bytes go out.
+        self._crc = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tierlm-crc")
         self._inflight: dict[str, Future] = {}  # key -> its latest write not yet landed
         self._reading: dict[str, set[Future]] = {}  # key -> its reads not yet done
 
@@ -188,7 +208,7 @@ class TensorStore:
         is done (failed or not)."""
         executor = executor or self._exec
         if not deps:
-            return executor.submit(fn, *args)
+            return self._submit(executor, fn, *args)
         out: Future = Future()
         left = [len(deps)]
         lock = threading.Lock()
@@ -208,8 +228,7 @@ class TensorStore:
             except RuntimeError as e:  # the store was closed meanwhile
                 out.set_exception(StorageError(f"{self.path(key)}: store closed before the I/O ran ({e})"))
                 return
-            inner.add_done_callback(lambda f: out.set_exception(f.exception()) if f.exception() is not None
-                                    else out.set_result(f.result()))
+            inner.add_done_callback(lambda f: _settle(out, f))
         for d in deps:
             d.add_done_callback(start)
         return out
@@ -237,7 +256,23 @@ class TensorStore:
             mv = memoryview(torch.as_strided(raw, (padded,), (1,)).numpy())
         else:
             mv = as_bytes(raw)
-        crc = crc32c.crc32c(as_bytes(raw)) if nbytes else 0
+        crc = self._checksum(raw)  # beside the bytes going out (_checksum)
+        try:
+            self._write_bytes(path, mv, nbytes, direct, durable)
+        except BaseException:
+            if isinstance(crc, Future):
+                crc.exception()  # the caller may reuse the tensor once this returns
+            raise
+        rec = Record(_dtype_name(tensor.dtype), tuple(tensor.shape), nbytes,
+                     crc.result() if isinstance(crc, Future) else crc)
+        with self._rec_lock:
+            self.records[key] = rec
+        self.stats.add(written=nbytes)
+        if self.on_event:
+            self.on_event("ssd_write", key, t0, time.perf_counter(), nbytes)
+        return rec
+
+    def _write_bytes(self, path: Path, mv: memoryview, nbytes: int, direct: bool, durable: bool) -> None:
         fd, target = self._open_for_write(path, nbytes, direct)
         try:
             try:
@@ -249,7 +284,7 @@ class TensorStore:
                     if n <= 0:
                         raise OSError(errno.EIO, "short write")
                     done += n
-                if direct and padded != nbytes:
+                if direct and length != nbytes:
                     os.ftruncate(fd, nbytes)  # the padding was only for the device's sake
                 if durable:
                     fault("store.fsync")
@@ -266,13 +301,6 @@ class TensorStore:
                     pass
             what = "the disk is full" if e.errno == errno.ENOSPC else (e.strerror or str(e))
             raise StorageError(f"{path}: write failed: {what}") from e
-        rec = Record(_dtype_name(tensor.dtype), tuple(tensor.shape), nbytes, crc)
-        with self._rec_lock:
-            self.records[key] = rec
-        self.stats.add(written=nbytes)
-        if self.on_event:
-            self.on_event("ssd_write", key, t0, time.perf_counter(), nbytes)
-        return rec
 
     def _open_for_write(self, path: Path, nbytes: int, direct: bool) -> tuple[int, Path]:
         """(fd, the path written): the file itself when it can be overwritten in place, else a
@@ -313,7 +341,7 @@ class TensorStore:
             if key in self._inflight:
                 buf.release()
                 raise StorageError(f"{self.path(key)}: read() while its write is in flight (use read_into)")
-            inner = self._track_read(key, self._exec.submit(self._read, key, rec, out, True))
+            inner = self._track_read(key, self._submit(self._exec, self._read, key, rec, out, True))
 
         def done(f):
             exc = f.exception()
@@ -339,7 +367,7 @@ class TensorStore:
             if key in self._inflight:  # a write was asked for meanwhile: read what it lands
                 return self._track_read(key, self._after_write(key, self._read_latest, key, out, owns_padding))
             # tracked, so that a write asked for later waits until this read is done
-            return self._track_read(key, self._exec.submit(self._read, key, rec, out, owns_padding))
+            return self._track_read(key, self._submit(self._exec, self._read, key, rec, out, owns_padding))
 
     def _check_into(self, key: str, out: torch.Tensor) -> Record:
         rec = self.record(key)
@@ -384,11 +412,50 @@ class TensorStore:
             os.close(fd)
         if got < rec.nbytes:
             raise CorruptionError(f"{path}: truncated: {got} of {rec.nbytes} bytes present")
-        if rec.nbytes and crc32c.crc32c(as_bytes(raw)) != rec.crc:
-            raise CorruptionError(f"{path}: checksum mismatch: the file was changed or damaged on disk")
         self.stats.add(read=rec.nbytes)
         if self.on_event:
             self.on_event("ssd_read", key, t0, time.perf_counter(), rec.nbytes)
+        crc = self._checksum(raw)
+        if isinstance(crc, Future):  # the read slot is free for the next request meanwhile
+            return self._then(crc, self._verify, path, rec, out)
+        return self._verify(crc, path, rec, out)
+
+    @staticmethod
+    def _verify(crc: int, path: Path, rec: Record, out: torch.Tensor) -> torch.Tensor:
+        if crc != rec.crc:
+            raise CorruptionError(f"{path}: checksum mismatch: the file was changed or damaged on disk")
+        return out
+
+    # ---- checksums and chaining --------------------------------------------------------
+    def _checksum(self, raw: torch.Tensor) -> "int | Future[int]":
+        """The CRC32C of `raw`'s bytes: on the checksum threads from CRC_AWAY bytes (the caller
+        goes on with its I/O), here below (a thread hop costs more than the sum)."""
+        if raw.numel() < CRC_AWAY:
+            return crc32c.crc32c(as_bytes(raw)) if raw.numel() else 0
+        try:
+            return self._crc.submit(crc32c.crc32c, as_bytes(raw))
+        except RuntimeError:  # closing: the I/O threads finish their own sums
+            return crc32c.crc32c(as_bytes(raw))
+
+    @staticmethod
+    def _then(fut: Future, fn, *args) -> Future:
+        """fn(fut's result, *args) once `fut` is done, on the thread that finishes it."""
+        out: Future = Future()
+
+        def done(f):
+            try:
+                out.set_result(fn(f.result(), *args))
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on `out`
+                out.set_exception(e)
+        fut.add_done_callback(done)
+        return out
+
+    @staticmethod
+    def _submit(executor: ThreadPoolExecutor, fn, *args) -> Future:
+        """fn(*args) on `executor`; when fn hands its result on as a Future, the returned one
+        settles with that."""
+        out: Future = Future()
+        executor.submit(fn, *args).add_done_callback(lambda f: _settle(out, f))
         return out
 
     # ---- manifest ----------------------------------------------------------------------
@@ -418,3 +485,4 @@ class TensorStore:
     def close(self) -> None:
         self._wexec.shutdown(wait=True)
         self._exec.shutdown(wait=True)
+        self._crc.shutdown(wait=True)
