@@ -25,7 +25,8 @@ def state_of(run: Path) -> dict:
     """Everything a run ends with: the committed state's bytes, the saved model, the loss history."""
     nvme = run / "nvme"
     manifest = read_manifest(list_manifests(nvme)[0])
-    files = {k: (nvme / k).read_bytes() for k in manifest["records"]}
+    # a record's bytes: a direct write leaves its file's last block whole, padding included
+    files = {k: (nvme / k).read_bytes()[:rec[2]] for k, rec in manifest["records"].items()}
     final = {p.name: p.read_bytes() for p in sorted((run / "final").glob("*.safetensors"))}
     losses = [(r["step"], r["loss"], r["grad_norm"]) for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())]
     return {"step": manifest["step"], "optim": manifest["optim"], "files": files, "final": final, "losses": losses}
