@@ -74,6 +74,16 @@ class Record:
         return Record(v[0], tuple(v[1]), int(v[2]), int(v[3]))
 
 
+def _crc(raw: torch.Tensor) -> int:
+    return crc32c.crc32c(as_bytes(raw)) if raw.numel() else 0
+
+
+def _verify(raw: torch.Tensor, path: Path, rec: Record, out: torch.Tensor) -> torch.Tensor:
+    if _crc(raw) != rec.crc:
+        raise CorruptionError(f"{path}: checksum mismatch: the file was changed or damaged on disk")
+    return out
+
+
 class Loaded:
     """A tensor read into a pool buffer; `release()` returns the buffer."""
 
@@ -256,7 +266,7 @@ class TensorStore:
             mv = memoryview(torch.as_strided(raw, (padded,), (1,)).numpy())
         else:
             mv = as_bytes(raw)
-        crc = self._checksum(raw)  # beside the bytes going out (_checksum)
+        crc = self._beside(nbytes, _crc, raw)  # while the bytes go out
         try:
             self._write_bytes(path, mv, nbytes, direct, durable)
         except BaseException:
@@ -416,40 +426,19 @@ class TensorStore:
         self.stats.add(read=rec.nbytes)
         if self.on_event:
             self.on_event("ssd_read", key, t0, time.perf_counter(), rec.nbytes)
-        crc = self._checksum(raw)
-        if isinstance(crc, Future):  # the read slot is free for the next request meanwhile
-            return self._then(crc, self._verify, path, rec, out)
-        return self._verify(crc, path, rec, out)
-
-    @staticmethod
-    def _verify(crc: int, path: Path, rec: Record, out: torch.Tensor) -> torch.Tensor:
-        if crc != rec.crc:
-            raise CorruptionError(f"{path}: checksum mismatch: the file was changed or damaged on disk")
-        return out
+        # verified beside the I/O: the read slot takes its next request meanwhile
+        return self._beside(rec.nbytes, _verify, raw, path, rec, out)
 
     # ---- checksums and chaining --------------------------------------------------------
-    def _checksum(self, raw: torch.Tensor) -> "int | Future[int]":
-        """The CRC32C of `raw`'s bytes: on the checksum threads from CRC_AWAY bytes (the caller
-        goes on with its I/O), here below (a thread hop costs more than the sum)."""
-        if raw.numel() < CRC_AWAY:
-            return crc32c.crc32c(as_bytes(raw)) if raw.numel() else 0
-        try:
-            return self._crc.submit(crc32c.crc32c, as_bytes(raw))
-        except RuntimeError:  # closing: the I/O threads finish their own sums
-            return crc32c.crc32c(as_bytes(raw))
-
-    @staticmethod
-    def _then(fut: Future, fn, *args) -> Future:
-        """fn(fut's result, *args) once `fut` is done, on the thread that finishes it."""
-        out: Future = Future()
-
-        def done(f):
+    def _beside(self, nbytes: int, fn, *args):
+        """fn(*args) on the checksum threads from CRC_AWAY bytes, its Future returned (the caller
+        goes on with its I/O); below that, here (a thread hop costs more than the sum)."""
+        if nbytes >= CRC_AWAY:
             try:
-                out.set_result(fn(f.result(), *args))
-            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on `out`
-                out.set_exception(e)
-        fut.add_done_callback(done)
-        return out
+                return self._crc.submit(fn, *args)
+            except RuntimeError:  # the store is closing: the I/O threads finish their own sums
+                pass
+        return fn(*args)
 
     @staticmethod
     def _submit(executor: ThreadPoolExecutor, fn, *args) -> Future:
