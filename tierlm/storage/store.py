@@ -24,7 +24,7 @@ from .aligned import as_bytes, is_aligned, round_up, supports_direct_io
 from .pool import Buffer, HostBufferPool
 
 
-CRC_AWAY = 1 << 20  # bytes from which a checksum runs beside the I/O (TensorStore._checksum)
+CRC_AWAY = 1 << 20  # bytes from which a checksum runs beside the I/O (TensorStore._beside)
 
 
 def _settle(out: Future, f: Future) -> None:
