@@ -1,4 +1,6 @@
 """A gradient's fp32 norm without an fp32 copy of the whole gradient (tierlm.engine.grad_norm)."""
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -34,3 +36,17 @@ def test_pieces_taken_ahead_give_the_same_bits():
     assert sorted(known) == [0, 1, 3, 4, 5]
     assert torch.equal(GN.grad_norm(g, known), GN.grad_norm(g))
     assert not GN.chunked(torch.randn(n))  # an fp32 gradient's norm is one reduction: nothing ahead
+
+
+def test_a_thread_keeps_its_pieces_buffer_from_call_to_call():
+    """A buffer per call was fresh pages for every gradient, zeroed by the kernel (an MLP gradient of
+    Qwen2.5-0.5B: 4.2 against 0.7 ms a call on genoa-2c). A thread's second call allocates no
+    buffer; the optimizer's thread, taking norms beside the compute's, has its own."""
+    g = torch.randn(2 * GN.CHUNK).to(torch.bfloat16)
+    GN.grad_norm(g)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        GN.grad_norm(g)
+    assert max((e.self_cpu_memory_usage for e in prof.events()), default=0) < 4 * GN.CHUNK
+    with ThreadPoolExecutor(1) as pool:
+        other = pool.submit(GN._buffer).result()
+    assert other.data_ptr() != GN._buffer().data_ptr()

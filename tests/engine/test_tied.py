@@ -15,10 +15,11 @@ VOCAB, HIDDEN = 4096, 64
 @pytest.mark.parametrize("early", [True, False], ids=["early", "late"])
 @pytest.mark.parametrize("chunk", [0, 5], ids=["hf-head", "chunked-head"])
 def test_backward_makes_no_third_tensor_the_tied_weights_size(make_model_dir, tmp_path, chunk, early):
-    """The head's and the embedding's gradients of qwen2's tied weight are the only tensors of its
-    size backward makes (the chunked head's is made in forward): autograd's out-of-place sum of
-    the two was a third, over the budget at the step's peak (Qwen2.5-0.5B under --cpu-mem 4GiB).
-    Leaving the sum to autograd fails this (checked)."""
+    """The embedding's gradient of qwen2's tied weight is the only tensor of its size a second step's
+    backward makes: autograd's out-of-place sum of it and the head's was another, over the budget at
+    the step's peak (Qwen2.5-0.5B under --cpu-mem 4GiB), and the unchunked head's own is made into
+    a buffer kept from the first step (the chunked head's is made in forward). Leaving the sum to
+    autograd fails this, and so does a new buffer for the head's gradient each step (checked)."""
     model_dir, _ = make_model_dir("qwen2", vocab_size=VOCAB, hidden_size=HIDDEN)
     data = batches(2, vocab=VOCAB)
     cfg = EngineConfig(nvme_dir=str(tmp_path / "nv"), cpu_mem="1GiB", precision="fp32", loss_chunk=chunk,
@@ -32,11 +33,13 @@ def test_backward_makes_no_third_tensor_the_tied_weights_size(make_model_dir, tm
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             eng.backward(loss)
         eng.step()
+        fresh = eng.tied_grad.fresh
     finally:
         eng.close()
     size = VOCAB * HIDDEN * 4
     made = [(e.name, e.self_cpu_memory_usage) for e in prof.events() if e.self_cpu_memory_usage >= size]
-    assert len(made) == (2 if chunk == 0 else 1), made
+    assert len(made) == 1, made
+    assert fresh == (1 if chunk == 0 else 0)
 
 
 @pytest.mark.parametrize("clip", [None, 0.5], ids=["noclip", "clip-triggers"])

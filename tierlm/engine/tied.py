@@ -5,7 +5,8 @@ of backward, and the embedding's, at its very end. Left to autograd, the two are
 place, a third tensor of the weight's size at the step's peak (measured on torch 2.13's CPU path:
 Qwen2.5-0.5B in fp32 under --cpu-mem 4GiB peaked 4.13 GiB, the third 545 MB tensor over the
 budget). So the head never hands its gradient to autograd: the unchunked head reads the weight
-through `_TakeGrad`, the chunked loss (head_loss) through the head's `tierlm_head_grad`, and the
+detached and `_WeightGrad` makes its gradient (in a buffer kept across steps, on the CPU), the chunked
+loss (head_loss) hands it over through the head's `tierlm_head_grad`, and the
 engine adds the head's gradient into the embedding's, in place (`add_to`), before the optimizer
 gets it. Same bits: head + embedding is one IEEE addition in either order.
 
@@ -34,18 +35,28 @@ def untouched_shards(shards, width: int, ids: torch.Tensor) -> list[int]:
     return out
 
 
-class _TakeGrad(torch.autograd.Function):
-    """The weight as the head reads it; its gradient goes to `taker`, not to autograd's sum."""
+class _WeightGrad(torch.autograd.Function):
+    """The head's output, unchanged (the head read its weight detached, so autograd makes only the
+    input's gradient). Backward makes the weight's gradient as autograd's linear does, one product of
+    the output's gradient and the input (the same bits), into `taker`'s buffer, and hands it over."""
 
     @staticmethod
-    def forward(ctx, weight, taker):
+    def forward(ctx, out, x, taker):
         ctx.taker = taker
-        return weight.view_as(weight)
+        ctx.save_for_backward(x)
+        return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.taker(grad)
-        return None, None
+        (x,) = ctx.saved_tensors
+        g2, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+        ctx.taker(torch.mm(g2.t(), x2, out=ctx.taker.buffer(x2.dtype)))
+        return grad, None, None
+
+
+def _refs(t: torch.Tensor) -> int:
+    """Tensors over `t`'s memory (it and its views; a view's view counts too)."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
 class TiedHeadGrad:
@@ -54,6 +65,15 @@ class TiedHeadGrad:
         self.param = head.weight
         self.ids: torch.Tensor | None = None  # the micro-batch's input ids (Engine.forward)
         self.head_grad: torch.Tensor | None = None  # taken over, until the embedding's arrives
+        self._reading = False  # the head runs with its weight detached (between the two hooks)
+        # The unchunked head's gradient, kept from step to step on the CPU: made fresh, it was 272 MB
+        # of new pages for Qwen2.5-0.5B, zeroed by the kernel while the head's backward waited
+        # (docs/benchmarks.md, "Fresh pages in backward"). On a GPU the caching
+        # allocator reuses the memory already.
+        self.keep = not engine.on_gpu
+        self._buf: torch.Tensor | None = None
+        self._buf_refs = 0
+        self.fresh = 0  # buffers made (tests)
 
     @classmethod
     def attach(cls, engine) -> "TiedHeadGrad | None":
@@ -72,10 +92,26 @@ class TiedHeadGrad:
 
     def _read_through(self, head: nn.Module, args) -> None:
         if torch.is_grad_enabled():  # (the chunked loss calls the head with autograd off)
-            head._parameters["weight"] = _TakeGrad.apply(self.param, self)
+            head._parameters["weight"] = self.param.detach()
+            self._reading = True
 
-    def _restore(self, head: nn.Module, args, out) -> None:
+    def _restore(self, head: nn.Module, args, out):
         head._parameters["weight"] = self.param
+        if self._reading:
+            self._reading = False
+            return _WeightGrad.apply(out, args[0], self)
+        return None
+
+    def buffer(self, dtype: torch.dtype) -> torch.Tensor:
+        """Memory for the head's gradient: the kept buffer when nothing holds it any more (the
+        optimizer let go of last step's, its saved-gradient writes landed), else new memory."""
+        buf = self._buf
+        if buf is None or buf.dtype != dtype or _refs(buf) > self._buf_refs:
+            buf = torch.empty(self.param.shape, dtype=dtype, device=self.param.device)
+            self.fresh += 1
+            if self.keep:
+                self._buf, self._buf_refs = buf, _refs(buf)
+        return buf.view_as(buf)  # what is handed out is a view: while one lives, _refs(buf) counts it
 
     def __call__(self, grad: torch.Tensor) -> bool:
         """The head's gradient of the weight, at the start of backward; always taken over."""
