@@ -60,6 +60,27 @@ def test_flipped_byte_is_detected_naming_the_file(store, numel):
     assert store.pool.used_bytes == 0  # the failed read gave its buffer back
 
 
+def _crc32c_bitwise(data: bytes) -> int:
+    crc = 0xFFFFFFFF
+    for b in data:
+        crc ^= b
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
+
+
+def test_the_checksum_is_crc32c_so_older_state_stays_readable():
+    """Records written before the checksum moved from the crc32c package to fastcrc hold CRC32C
+    values; the store must compute the same ones: the standard check value, and a bitwise
+    reference over lengths and offsets around the folding kernels' block sizes."""
+    import tierlm.storage.store as S
+    assert S.checksum(b"123456789") == 0xE3069283
+    data = torch.randint(0, 256, (70_000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    raw = bytes(data.numpy())
+    for off, n in [(0, 0), (0, 1), (3, 7), (1, 63), (5, 64), (7, 255), (11, 257), (13, 4099), (0, 70_000 - 17)]:
+        assert S.checksum(memoryview(raw)[off:off + n]) == _crc32c_bitwise(raw[off:off + n]), (off, n)
+
+
 def test_truncated_and_missing_files_are_detected(store):
     store.write("w", torch.randn(10000)).result()
     os.truncate(store.path("w"), 100)
@@ -253,8 +274,8 @@ def test_a_checksum_does_not_hold_an_io_slot(store, monkeypatch):
     for i, t in enumerate(tensors):
         store.write(f"k/{i}", t).result()
     gate = threading.Event()
-    real = S.crc32c.crc32c
-    monkeypatch.setattr(S, "crc32c", type("C", (), {"crc32c": staticmethod(lambda b: gate.wait(5) and real(b))}))
+    real = S.checksum
+    monkeypatch.setattr(S, "checksum", lambda b: gate.wait(5) and real(b))
     landed = []
     store.on_event = lambda kind, key, *a: landed.append(key) if kind == "ssd_read" else None
     outs = [torch.empty(n) for _ in tensors]
