@@ -1,6 +1,7 @@
 """The fine-tuning loop: data, steps, metrics, the final model. `tierlm finetune` calls `finetune`."""
 from __future__ import annotations
 
+import gc
 import json
 import math
 import sys
@@ -237,6 +238,11 @@ def _run(cfg: FinetuneConfig, out: Path, dist=None) -> dict:
         from ..dist.progress import RankProgress
         progress = RankProgress(total, start, engine, cfg, out / metrics_name, fresh=not trainer)
     bad_streak = trainer["bad_streak"] if trainer else 0
+    # What exists now (the model's modules, the tokenised data, the libraries' objects) lives for
+    # the whole run: out of the collector's sight until the run ends, a full collection no longer
+    # walks it. Walking it held the GIL 0.1-0.22 s each time, the I/O and optimizer threads stalled
+    # behind it (docs/benchmarks.md, "Full collections").
+    gc.freeze()
     try:
         # A step's time and bytes run from the end of the one before (its commit included: the
         # commit's writes land during this step's forward) to this one's end; only drawing a
@@ -305,3 +311,4 @@ def _run(cfg: FinetuneConfig, out: Path, dist=None) -> dict:
     finally:
         progress.close()
         engine.close()
+        gc.unfreeze()  # a caller's objects (the Python API, the tests) are collected as before
