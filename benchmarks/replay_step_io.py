@@ -4,6 +4,7 @@ does while two cores multiply matrices, as they do in the step.
 
     python benchmarks/replay_step_io.py RUN/timeline.json /path/on/the/nvme --rounds 3
     python benchmarks/replay_step_io.py RUN/timeline.json /path/on/the/nvme --compute-nice 0 --compute-nice 19
+    python benchmarks/replay_step_io.py RUN/timeline.json /path/on/the/nvme --small-below 65536 --rounds 6
 
 Each request's file, size and direction are the step's, issued in the order they started with
 `--inflight` outstanding, through tierlm's TensorStore (direct I/O, CRC32C on every request). The
@@ -36,6 +37,10 @@ ap.add_argument("--compute-nice", type=int, action="append", metavar="N",
                 help="run the matmul in a separate process at this nice value instead (repeatable: "
                      "each value is a mode of every round); 0 against 19 shows whether the slowdown is "
                      "the drive's or the I/O threads' share of the cores")
+ap.add_argument("--small-below", type=int, metavar="BYTES",
+                help="instead of the compute's load: the step's requests with and without those under "
+                     "BYTES, alternating (what the small requests cost the drive; a timeline recorded "
+                     "with packing off, EngineConfig(pack_below=0), has them)")
 a = ap.parse_args()
 
 data = json.load(open(a.timeline))
@@ -59,7 +64,7 @@ try:
     wait([store.write(k, bufs[0].tensor[:n]) for k, n in size.items()])
     os.sync()
 
-    def replay() -> float:
+    def replay(reqs=reqs) -> float:
         t0 = time.perf_counter()
         pending = []
         for i, e in enumerate(reqs):
@@ -83,8 +88,16 @@ try:
             x @ x
 
     print(f"{len(reqs)} requests, {total / 1e9:.2f} GB, {a.inflight} in flight", flush=True)
-    modes = ["alone"] + ([f"nice {n}" for n in a.compute_nice] if a.compute_nice else ["compute"])
+    subsets = {"alone": reqs}
+    if a.small_below:
+        big = [e for e in reqs if e["args"]["bytes"] >= a.small_below]
+        subsets["no small"] = big
+        print(f"no small: without the {len(reqs) - len(big)} requests under {a.small_below} bytes "
+              f"({sum(e['args']['bytes'] for e in reqs) - sum(e['args']['bytes'] for e in big)} bytes)", flush=True)
+    modes = ["alone"] + (["no small"] if a.small_below else
+                         [f"nice {n}" for n in a.compute_nice] if a.compute_nice else ["compute"])
     best: dict[str, float] = {}
+    times: dict[str, list[float]] = {}
     for r in range(a.rounds):
         for mode in (modes if r % 2 == 0 else modes[::-1]):
             th = proc = None
@@ -96,7 +109,7 @@ try:
             elif mode != "alone":
                 proc = subprocess.Popen(["nice", "-n", mode.split()[1], sys.executable, "-c", code])
                 time.sleep(1.0)  # past the import
-            s = replay()
+            s = replay(subsets.get(mode, reqs))
             if th is not None:
                 stop.set()
                 th.join()
@@ -104,9 +117,12 @@ try:
                 proc.kill()
                 proc.wait()
             best[mode] = min(best.get(mode, s), s)
+            times.setdefault(mode, []).append(s)
             print(f"round {r + 1} {mode:8s} {s:6.2f} s  {total / s / 1e9:5.2f} GB/s", flush=True)
     for mode in modes[1:]:
-        print(f"{mode} / alone: {best[mode] / best['alone']:.2f} (best of each: {best[mode]:.2f} / {best['alone']:.2f} s)")
+        mean = {m: sum(times[m]) / len(times[m]) for m in (mode, "alone")}
+        print(f"{mode} / alone: {best[mode] / best['alone']:.2f} (best of each: {best[mode]:.2f} / "
+              f"{best['alone']:.2f} s; means {mean[mode]:.2f} / {mean['alone']:.2f} s)")
 finally:
     store.close()
     shutil.rmtree(root, ignore_errors=True)

@@ -192,9 +192,11 @@ def test_corrupted_state_file_is_named_not_used(make_model_dir, tmp_path):
 
     model_dir, _ = make_model_dir("llama")
     # Without the state cache every step reads the state from disk (with it, the damage would be
-    # found on the next resume instead, which tests/train/test_reliability.py covers).
+    # found on the next resume instead, which tests/train/test_reliability.py covers); nothing
+    # packed, so that this tiny model's tensors have files of their own (a pack is read on resume).
     eng = Engine.from_pretrained(model_dir, EngineConfig(nvme_dir=str(tmp_path / "nvme"), cpu_mem="1GiB",
-                                                         optim=AdamWConfig(lr=1e-3), state_cache=False))
+                                                         optim=AdamWConfig(lr=1e-3), state_cache=False,
+                                                         pack_below=0))
     try:
         x = batches(1)[0]
         eng.backward(eng.forward(x, labels=x).loss)
@@ -354,3 +356,32 @@ def test_the_read_ahead_runs_shard_by_shard_through_a_long_parameter(make_model_
             wanted = f"/{name}.{k + 1}"
             ahead = [e for e in log[:at] if e[0] == "read" and e[1].startswith("master") and e[1].endswith(wanted)]
             assert ahead, f"{name} shard {k + 1}'s state was not read ahead of shard {k}'s update"
+
+
+def test_small_tensors_packed_or_not_give_the_same_bits_in_fewer_requests(make_model_dir, tmp_path, monkeypatch):
+    """Small tensors live in RAM and reach the disk in one pack file a commit (storage/packed.py);
+    with packing off each has files of its own, as before. Both equal torch.optim.AdamW, with
+    accumulation and a clip redo (which reads the saved gradients and the old slot back)."""
+    from tierlm.engine.commit import list_manifests, read_manifest
+    model_dir, model = make_model_dir("qwen2")
+    data = batches(4)
+    kw = dict(lr=1e-2, wd=0.1, clip=0.5, accum=2, warmup=1, precision="bf16")
+    _, ref_master, ref_losses, _ = run_reference(model, data, **kw)
+    stats = []
+    close = Engine.close
+    monkeypatch.setattr(Engine, "close", lambda self: (stats.append(self.store.stats.snapshot()), close(self)))
+    seen = {}
+    for below in (0, None):
+        knobs = {} if below is None else {"pack_below": below}
+        masters, _, losses, results = run_engine(model_dir, tmp_path, data, tag=f"-pack{below}",
+                                                 state_cache=False, **knobs, **kw)
+        assert losses == ref_losses
+        assert_same(ref_master, masters)
+        assert any(r.clip_coef < 1 for r in results)
+        nvme = tmp_path / f"nvme-bf16-auto-pack{below}"
+        recs = read_manifest(list_manifests(nvme)[0])["records"]
+        seen[below] = (sum(len(r) > 4 for r in recs.values()), sorted(p.name for p in nvme.glob("packs/*")))
+    assert seen[0] == (0, [])
+    assert seen[None][0] > 0 and seen[None][1] == ["00000001.bin", "00000002.bin"]  # the two manifests kept
+    plain, packed = stats
+    assert packed["reads"] + packed["writes"] < (plain["reads"] + plain["writes"]) / 2

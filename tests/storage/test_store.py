@@ -73,12 +73,12 @@ def test_the_checksum_is_crc32c_so_older_state_stays_readable():
     """Records written before the checksum moved from the crc32c package to fastcrc hold CRC32C
     values; the store must compute the same ones: the standard check value, and a bitwise
     reference over lengths and offsets around the folding kernels' block sizes."""
-    import tierlm.storage.store as S
-    assert S.checksum(b"123456789") == 0xE3069283
+    import tierlm.storage.records as R
+    assert R.checksum(b"123456789") == 0xE3069283
     data = torch.randint(0, 256, (70_000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     raw = bytes(data.numpy())
     for off, n in [(0, 0), (0, 1), (3, 7), (1, 63), (5, 64), (7, 255), (11, 257), (13, 4099), (0, 70_000 - 17)]:
-        assert S.checksum(memoryview(raw)[off:off + n]) == _crc32c_bitwise(raw[off:off + n]), (off, n)
+        assert R.checksum(memoryview(raw)[off:off + n]) == _crc32c_bitwise(raw[off:off + n]), (off, n)
 
 
 def test_truncated_and_missing_files_are_detected(store):
@@ -274,8 +274,9 @@ def test_a_checksum_does_not_hold_an_io_slot(store, monkeypatch):
     for i, t in enumerate(tensors):
         store.write(f"k/{i}", t).result()
     gate = threading.Event()
-    real = S.checksum
-    monkeypatch.setattr(S, "checksum", lambda b: gate.wait(5) and real(b))
+    import tierlm.storage.records as R
+    real = R.checksum
+    monkeypatch.setattr(R, "checksum", lambda b: gate.wait(5) and real(b))
     landed = []
     store.on_event = lambda kind, key, *a: landed.append(key) if kind == "ssd_read" else None
     outs = [torch.empty(n) for _ in tensors]

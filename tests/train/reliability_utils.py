@@ -5,6 +5,7 @@ from pathlib import Path
 from tierlm.engine.commit import list_manifests, read_manifest
 from tierlm.hf.init import init_model
 from tierlm.hf.presets import make_config
+from tierlm.storage.records import record_bytes
 
 # Clipping that triggers (the redo path), accumulation (the accumulator files), checkpoints.
 RUN_ARGS = ["--seq-len", "24", "--batch-size", "2", "--grad-accum", "2", "--steps", "6", "--lr", "3e-3",
@@ -25,8 +26,8 @@ def state_of(run: Path) -> dict:
     """Everything a run ends with: the committed state's bytes, the saved model, the loss history."""
     nvme = run / "nvme"
     manifest = read_manifest(list_manifests(nvme)[0])
-    # a record's bytes: a direct write leaves its file's last block whole, padding included
-    files = {k: (nvme / k).read_bytes()[:rec[2]] for k, rec in manifest["records"].items()}
+    # a record's bytes (a direct write leaves its file's last block whole; small ones share a pack)
+    files = {k: record_bytes(nvme, k, rec) for k, rec in manifest["records"].items()}
     final = {p.name: p.read_bytes() for p in sorted((run / "final").glob("*.safetensors"))}
     losses = [(r["step"], r["loss"], r["grad_norm"]) for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())]
     return {"step": manifest["step"], "optim": manifest["optim"], "files": files, "final": final, "losses": losses}

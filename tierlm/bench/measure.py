@@ -328,7 +328,7 @@ def bench_decode(formats=DECODE_FORMATS, hidden: int = 2048, total_bytes: int = 
 def bench_checksum(size_bytes: int = 64 << 20, repeats: int = 5) -> dict:
     """CRC32C bytes/s: every byte the store reads or writes is checksummed on the CPU, on the same
     cores as the compute when there is no GPU."""
-    from ..storage.store import checksum
+    from ..storage.records import checksum
 
     buf = torch.randint(0, 256, (size_bytes,), dtype=torch.uint8).numpy().tobytes()
     t = _best(lambda: checksum(buf), repeats)

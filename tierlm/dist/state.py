@@ -6,6 +6,7 @@ such step is the run's state. Every manifest also records the ownership map, so 
 number of ranks finds each file it now needs in the folder of the rank that wrote it, and hard-links
 it into its own folder (no bytes copied; every write renames a new file into place, so a linked file
 never changes). That needs all rank folders on one file system, as torchrun's --standalone gives.
+A small tensor the other rank kept in its pack (storage/packed.py) is copied into a file of its own.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from ..engine import commit as C
 from ..engine.layout import key
+from ..storage.records import record_bytes
 
 PENDING_RE = re.compile(r"^reshard-(\d{8})\.json$")
 
@@ -98,12 +100,18 @@ def _take(engine, states: dict, world: int, step: int) -> Path:
     if same:
         mine = ranks[dist.rank]
     else:
-        for src, dst in plan:
-            _link(src, root / dst)
+        records = {}
+        for (folder, src), dst in plan:
+            rec = contents_of(contents, ranks, folder)[src]
+            if len(rec) > 4:  # in the writer's pack: the bytes get a file of their own here
+                _materialize(folder, src, rec, root / dst)
+                rec = rec[:4]
+            else:
+                _link(folder / src, root / dst)
+            records[dst] = rec
         C.sync_fs(root)
         state = {k: v for k, v in contents[0].items() if k != "records"}
         state["dist"] = dist.describe()
-        records = dict(_records(plan, contents, ranks))
         mine = _write_pending(root, dict(state, records=records))
         dist.barrier()  # every rank's resharded manifest is durable: make them the state
     final = root / C.manifest_name(step)
@@ -117,8 +125,8 @@ def _take(engine, states: dict, world: int, step: int) -> Path:
     return final
 
 
-def _plan(engine, ranks: dict, contents: dict, world: int) -> list[tuple[Path, str]]:
-    """(source file, key here) for every file this rank's share of the state needs."""
+def _plan(engine, ranks: dict, contents: dict, world: int) -> list[tuple[tuple[Path, str], str]]:
+    """((source folder, key there), key here) for every tensor this rank's share of the state needs."""
     import torch
     slots, steps = contents[0]["optim"]["slots"], contents[0]["optim"]["steps"]
     folders = sorted(ranks, key=lambda r: r != engine.dist.rank)  # our own folder first
@@ -131,7 +139,7 @@ def _plan(engine, ranks: dict, contents: dict, world: int) -> list[tuple[Path, s
             for k in range(len(info.shards)):
                 dst = key(kind, n, k, slots[n])
                 alts = [dst] + ([key("master", n, k, slots[n])] if kind == "w" and fp32 else [])
-                src = next((ranks[r].parent / a for a in alts for r in folders
+                src = next(((ranks[r].parent, a) for a in alts for r in folders
                             if a in contents[r]["records"]), None)
                 if src is None:
                     raise ValueError(f"resharding the state of step {contents[0]['step']} ({world or 1} "
@@ -141,13 +149,20 @@ def _plan(engine, ranks: dict, contents: dict, world: int) -> list[tuple[Path, s
     return plan
 
 
-def _records(plan, contents: dict, ranks: dict):
-    by_path = {}
-    for r, p in ranks.items():
-        for k, rec in contents[r]["records"].items():
-            by_path[p.parent / k] = rec
-    for src, dst in plan:
-        yield dst, by_path[src]
+def contents_of(contents: dict, ranks: dict, folder: Path) -> dict:
+    """The records of the manifest in `folder`."""
+    return next(contents[r]["records"] for r, p in ranks.items() if p.parent == folder)
+
+
+def _materialize(folder: Path, src: str, rec: list, dst: Path) -> None:
+    """A packed tensor's bytes (storage/packed.py) as a file of its own at `dst`, renamed into place."""
+    data = record_bytes(folder, src, rec)
+    if len(data) < rec[2]:
+        raise ValueError(f"resharding: {folder / rec[4]} is truncated where it holds {src}")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(dst.name + ".link")
+    tmp.write_bytes(data)
+    os.replace(tmp, dst)
 
 
 def _link(src: Path, dst: Path) -> None:

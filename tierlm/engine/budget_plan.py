@@ -8,14 +8,30 @@ import torch
 from ..storage import BudgetError
 from ..storage.aligned import round_up
 from . import budget as B
+from . import state_quant as SQ
 from .layout import nbytes
 from .optim_types import shard_buffer_bytes
+
+
+def packed_bytes(eng) -> int:
+    """RAM the store's small tensors take (storage/packed.py): of each shard under the threshold,
+    both slots of master, m, v and the working weights, a saved gradient and an accumulator."""
+    below, mode = eng.cfg.pack_below, eng.cfg.optim_states
+    w = nbytes(eng.dtype, 1) if eng.dtype != torch.float32 else 0
+    total = 0
+    for info in eng.infos.values():
+        for k in range(len(info.shards)):
+            n = info.shard_numel(k)
+            for b, copies in ((4 * n, 2), (SQ.stored_nbytes(mode, n), 4), (w * n, 2), (4 * n, 2)):
+                total += b * copies if 0 < b < below else 0
+    return total
 
 
 def plan_budget(eng, baseline: int) -> tuple[B.Split, int]:
     """The engine's `--cpu-mem` split from its blocks' sizes, and the allowance for kept
     activations (host RAM, or what `--gpu-mem` leaves with a GPU computing). A budget too small
     for the batch names the longest micro-batch that fits, if any does."""
+    baseline += packed_bytes(eng)
     max_w = max(sum(nbytes(eng.dtype, eng.infos[n].numel) for n in b.uses) for b in eng.blocks)
     # each parameter has its own page-aligned buffer in the window's pool
     win = B.window_size([{n: round_up(nbytes(eng.dtype, eng.infos[n].numel)) for n in b.uses}

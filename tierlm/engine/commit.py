@@ -9,6 +9,9 @@ still exists as a fallback until its files are overwritten by the next step.
 
 Named checkpoints (`checkpoints/step-N/`) hard-link the files of a committed state: every write
 renames a new file into place, so a linked file is never changed afterwards.
+
+Small tensors share one file a commit (`packs/<step>.bin`, storage/packed.py): a manifest's entry
+for one names that file and the offset; every file a state needs is `files(records)`.
 """
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ from pathlib import Path
 
 from ..faults import fault
 from ..storage import CorruptionError, StorageError
+from ..storage.packed import prune_packs
+from ..storage.records import record_file
 
 MANIFEST_RE = re.compile(r"^manifest-(\d{8})\.json$")
 
@@ -70,10 +75,24 @@ def write_manifest(root: Path, content: dict) -> Path:
     return path
 
 
+def files(records: dict) -> list[str]:
+    """The files (relative to the state's folder) that hold a manifest's records, each once."""
+    return list(dict.fromkeys(record_file(k, r) for k, r in records.items()))
+
+
 def prune(root: Path, keep: int = 2) -> None:
-    """Delete all but the newest `keep` manifests (the current state and its fallback)."""
-    for old in list_manifests(root)[keep:]:
+    """Delete all but the newest `keep` manifests (the current state and its fallback), then the
+    packs that no manifest kept names."""
+    manifests = list_manifests(root)
+    for old in manifests[keep:]:
         old.unlink(missing_ok=True)
+    kept = set()
+    for m in manifests[:keep]:
+        try:
+            kept.update(files(read_manifest(m)["records"]))
+        except CorruptionError:
+            return  # an unreadable manifest: delete no pack it might name
+    prune_packs(root, kept)
 
 
 def list_manifests(root: Path) -> list[Path]:
@@ -110,9 +129,10 @@ def snapshot(root: Path, manifest: Path, name: str) -> Path:
     tmp = dest.with_name(name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    for key in content["records"]:
-        src = root / key
-        dst = tmp / key
+    held = files(content["records"])
+    for rel in held:
+        src = root / rel
+        dst = tmp / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
         fault("checkpoint")
         try:
@@ -120,7 +140,7 @@ def snapshot(root: Path, manifest: Path, name: str) -> Path:
         except OSError:
             shutil.copy2(src, dst)
     shutil.copy2(manifest, tmp / manifest.name)
-    for d in {(tmp / k).parent for k in content["records"]} | {tmp}:
+    for d in {(tmp / k).parent for k in held} | {tmp}:
         fsync_dir(d)
     shutil.rmtree(dest, ignore_errors=True)
     os.replace(tmp, dest)
@@ -131,15 +151,15 @@ def snapshot(root: Path, manifest: Path, name: str) -> Path:
 def restore_files(root: Path, checkpoint_manifest: Path) -> None:
     """Put a checkpoint's files back in the live layout (links; each renamed into place)."""
     src_root = checkpoint_manifest.parent
-    for key in read_manifest(checkpoint_manifest)["records"]:
-        dst = root / key
+    for rel in files(read_manifest(checkpoint_manifest)["records"]):
+        dst = root / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
         tmp = dst.with_name(dst.name + ".restore")
         tmp.unlink(missing_ok=True)
         try:
-            os.link(src_root / key, tmp)
+            os.link(src_root / rel, tmp)
         except OSError:
-            shutil.copy2(src_root / key, tmp)
+            shutil.copy2(src_root / rel, tmp)
         os.replace(tmp, dst)
 
 
@@ -149,5 +169,5 @@ def verify(store, records: dict) -> None:
         store.read(key).result().release()
 
 
-__all__ = ["CorruptionError", "StorageError", "fsync_dir", "list_checkpoints", "list_manifests", "prune",
+__all__ = ["CorruptionError", "StorageError", "files", "fsync_dir", "list_checkpoints", "list_manifests", "prune",
            "read_manifest", "restore_files", "snapshot", "verify", "write_manifest"]

@@ -14,10 +14,11 @@ import torch
 
 from ..faults import fault
 from ..storage import CorruptionError, StorageError
+from ..storage.packed import pack_name
 from . import commit as C
 from .layout import key
 
-_MANAGED = ("act", "w0", "w1", "master0", "master1", "m0", "m1", "v0", "v1", "grad", "gacc", "checkpoints")
+_MANAGED = ("act", "w0", "w1", "master0", "master1", "m0", "m1", "v0", "v1", "grad", "gacc", "packs", "checkpoints")
 
 
 class DurableState:
@@ -106,8 +107,8 @@ class DurableState:
         """Commit: make the step's files and renames durable, then the manifest; the manifest
         before the previous one goes last."""
         state = state or self.state
-        records = self.store.manifest()
-        current = {k: records[k] for k in self._current_keys(state)}
+        # the small tensors first, into this step's pack
+        current = {k: r.to_json() for k, r in self.store.pack(pack_name(state["step"]), self._current_keys(state)).items()}
         fault("commit.fsync")
         C.sync_fs(self.root)
         if self.dist is not None:

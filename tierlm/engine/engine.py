@@ -23,6 +23,7 @@ from torch import nn
 
 from ..faults import fault
 from ..storage import HostBufferPool, TensorStore
+from ..storage.packed import PACK_BELOW
 from ..units import parse_bytes
 from . import budget as B
 from .act_engine import ActivationPlanner
@@ -55,6 +56,7 @@ class EngineConfig:
     io_threads: int | None = None    # reads (and writes) in flight; None: `tierlm bench io`'s pick for this file system, else 4
     direct_io: bool | None = None    # None: where the file system allows it
     state_cache: bool = True         # keep optimizer state in RAM between steps where the budget has room
+    pack_below: int = PACK_BELOW     # tensors smaller (bytes) live in RAM, one pack file a commit (storage/packed.py); 0: none
     optim_states: str = "fp32"       # fp32 | bf16 | int8: how Adam's m and v are stored (state_quant)
     optim: AdamWConfig = field(default_factory=AdamWConfig)
     tokens_per_micro_batch: int = 2048  # for the budget check; the trainer sets batch * seq_len
@@ -145,7 +147,7 @@ class Engine(DurableState, Exports):
             if self.split.state_cache > 0 and cfg.state_cache else None
         self.io_threads, self.io_threads_why = io_depth(cfg.io_threads, root)
         self.store = TensorStore(root, self.opt_pool, io_threads=self.io_threads,
-                                 direct_io=cfg.direct_io, on_event=on_event)
+                                 direct_io=cfg.direct_io, on_event=on_event, pack_below=cfg.pack_below)
         self.fallbacks: list[str] = []  # committed states passed over on resume, and why
         if dist is not None:
             from ..dist.state import attach

@@ -13,15 +13,15 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
-import fastcrc
 import torch
 
 from ..faults import fault
 from .aligned import as_bytes, is_aligned, round_up, supports_direct_io
+from .packed import Packed
 from .pool import Buffer, HostBufferPool
+from .records import CorruptionError, Record, StorageError, _dtype, _dtype_name, crc_of, verify
 
 
 CRC_AWAY = 1 << 20  # bytes from which a checksum runs beside the I/O (TensorStore._beside)
@@ -38,57 +38,6 @@ def _settle(out: Future, f: Future) -> None:
         r.add_done_callback(lambda g: _settle(out, g))
     else:
         out.set_result(r)
-
-
-class StorageError(RuntimeError):
-    """Reading or writing a state file failed; the message names the file."""
-
-
-class CorruptionError(StorageError):
-    """A state file's bytes do not match its recorded checksum or length."""
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise StorageError(f"unknown dtype {name!r} in store manifest")
-    return dt
-
-
-@dataclass(frozen=True)
-class Record:
-    dtype: str
-    shape: tuple
-    nbytes: int
-    crc: int
-
-    def to_json(self) -> list:
-        return [self.dtype, list(self.shape), self.nbytes, self.crc]
-
-    @staticmethod
-    def from_json(v) -> "Record":
-        return Record(v[0], tuple(v[1]), int(v[2]), int(v[3]))
-
-
-# CRC32C (Castagnoli), the same values as every state written before: fastcrc folds with carry-less
-# multiplies (VPCLMULQDQ / PCLMULQDQ, PMULL on ARM), 27 against 12.8 GB/s for the crc32c package's
-# crc32 instructions over a 64 MiB buffer on genoa-2c, and releases the GIL from 16 KiB
-# (docs/benchmarks.md, "A faster CRC32C").
-checksum = fastcrc.crc32.iscsi
-
-
-def _crc(raw: torch.Tensor) -> int:
-    return checksum(as_bytes(raw)) if raw.numel() else 0
-
-
-def _verify(raw: torch.Tensor, path: Path, rec: Record, out: torch.Tensor) -> torch.Tensor:
-    if _crc(raw) != rec.crc:
-        raise CorruptionError(f"{path}: checksum mismatch: the file was changed or damaged on disk")
-    return out
 
 
 class Loaded:
@@ -132,7 +81,8 @@ class IOStats:
 
 class TensorStore:
     def __init__(self, root: str | os.PathLike, pool: HostBufferPool, io_threads: int = 4,
-                 direct_io: bool | None = None, on_event=None, in_place: bool = True):
+                 direct_io: bool | None = None, on_event=None, in_place: bool = True,
+                 pack_below: int = 0, pack_keys=None):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.pool = pool
@@ -153,6 +103,9 @@ class TensorStore:
         self._crc = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tierlm-crc")
         self._inflight: dict[str, Future] = {}  # key -> its latest write not yet landed
         self._reading: dict[str, set[Future]] = {}  # key -> its reads not yet done
+        # Tensors under pack_below bytes (of the keys pack_keys accepts) live in RAM and reach the
+        # disk together, in one file a commit (`pack`; storage/packed.py).
+        self.packed = Packed(self.root, pack_below, pack_keys)
 
     # ---- paths and records -------------------------------------------------------------
     def path(self, key: str) -> Path:
@@ -184,11 +137,17 @@ class TensorStore:
         if tensor.device.type != "cpu":
             raise StorageError(f"{key}: the store writes host tensors; copy to CPU first")
         tensor = tensor.contiguous()
+        small = self.packed.takes(key, tensor.numel() * tensor.element_size())
         with self._rec_lock:
             # after the key's write in flight and every read of it not yet done: a write in place
             # must not change the bytes under a read (nor interleave with another write)
             deps = [f for f in [self._inflight.get(key), *self._reading.get(key, ())] if f is not None]
-            fut = self._after(key, deps, self._write, key, tensor, durable, executor=self._wexec)
+            if small and not deps:  # a copy into RAM: done before this returns
+                fut = Future()
+                fut.set_result(self._put(key, tensor))
+                return fut
+            fut = self._after(key, deps, self._put if small else self._write, key, tensor,
+                              *(() if small else (durable,)), executor=self._wexec)
             self._inflight[key] = fut
         fut.add_done_callback(lambda f, k=key: self._landed(k, f))
         return fut
@@ -250,6 +209,12 @@ class TensorStore:
             d.add_done_callback(start)
         return out
 
+    def _put(self, key: str, tensor: torch.Tensor) -> Record:
+        rec = self.packed.put(key, tensor)
+        with self._rec_lock:
+            self.records[key] = rec
+        return rec
+
     def _write(self, key: str, tensor: torch.Tensor, durable: bool) -> Record:
         """Overwrite the key's file in place when it already holds a tensor of this size and no
         snapshot shares it; otherwise write a temporary name and rename it over the file.
@@ -273,7 +238,7 @@ class TensorStore:
             mv = memoryview(torch.as_strided(raw, (padded,), (1,)).numpy())
         else:
             mv = as_bytes(raw)
-        crc = self._beside(nbytes, _crc, raw)  # while the bytes go out
+        crc = self._beside(nbytes, crc_of, raw)  # while the bytes go out
         try:
             self._write_bytes(path, mv, nbytes, direct, durable)
         except BaseException:
@@ -359,6 +324,9 @@ class TensorStore:
             if key in self._inflight:
                 buf.release()
                 raise StorageError(f"{self.path(key)}: read() while its write is in flight (use read_into)")
+            if self.packed.get_into(key, out):
+                fut.set_result(Loaded(out, buf))
+                return fut
             inner = self._track_read(key, self._submit(self._exec, self._read, key, rec, out, True))
 
         def done(f):
@@ -384,6 +352,10 @@ class TensorStore:
         with self._rec_lock:
             if key in self._inflight:  # a write was asked for meanwhile: read what it lands
                 return self._track_read(key, self._after_write(key, self._read_latest, key, out, owns_padding))
+            if rec.pack is not None and self.packed.get_into(key, out):  # RAM holds its latest bytes
+                fut: Future = Future()
+                fut.set_result(out)
+                return fut
             # tracked, so that a write asked for later waits until this read is done
             return self._track_read(key, self._submit(self._exec, self._read, key, rec, out, owns_padding))
 
@@ -399,6 +371,12 @@ class TensorStore:
 
     def _read(self, key: str, rec: Record, out: torch.Tensor, owns_padding: bool = True) -> torch.Tensor:
         t0 = time.perf_counter()
+        if rec.pack is not None:  # small: in RAM, else (after a resume) in its pack
+            if self.packed.get_into(key, out):
+                return out
+            if not rec.pack:
+                raise StorageError(f"{self.path(key)}: held in RAM only, and not there")
+            return self._read_packed(key, rec, out, t0)
         path = self.path(key)
         padded = round_up(rec.nbytes)
         raw = out.reshape(-1).view(torch.uint8) if rec.nbytes else out.view(-1)
@@ -434,7 +412,60 @@ class TensorStore:
         if self.on_event:
             self.on_event("ssd_read", key, t0, time.perf_counter(), rec.nbytes)
         # verified beside the I/O: the read slot takes its next request meanwhile
-        return self._beside(rec.nbytes, _verify, raw, path, rec, out)
+        return self._beside(rec.nbytes, verify, raw, path, rec, out)
+
+    def _read_packed(self, key: str, rec: Record, out: torch.Tensor, t0: float) -> torch.Tensor:
+        """A small tensor from its pack (read once after a resume; RAM serves it from then on)."""
+        path = self.root / rec.pack
+        where = f"{path} (holding {key})"
+        raw = out.reshape(-1).view(torch.uint8)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError as e:
+            raise CorruptionError(f"{where}: state file is missing") from e
+        except OSError as e:
+            raise StorageError(f"{where}: cannot open for reading: {e.strerror}") from e
+        try:
+            got = os.preadv(fd, [as_bytes(raw)], rec.offset)
+        except OSError as e:
+            raise StorageError(f"{where}: read failed: {e.strerror or e}") from e
+        finally:
+            os.close(fd)
+        if got < rec.nbytes:
+            raise CorruptionError(f"{where}: truncated: {max(got, 0)} of {rec.nbytes} bytes present")
+        verify(raw, where, rec, out)
+        self.packed.remember(key, raw.clone())
+        self.stats.add(read=rec.nbytes)
+        if self.on_event:
+            self.on_event("ssd_read", key, t0, time.perf_counter(), rec.nbytes)
+        return out
+
+    def pack(self, rel: str, keys) -> dict[str, Record]:
+        """The records of `keys`, for a manifest: the small ones (packed) are first written
+        together into the new file `rel` (relative to the root), and their records point there.
+        Durable with the next syncfs, like every other write."""
+        with self._rec_lock:
+            recs = {k: self.record(k) for k in keys}
+        small = [(k, r) for k, r in recs.items() if r.pack is not None]
+        if not small:
+            return recs
+        t0 = time.perf_counter()
+        new, nbytes = self.packed.write(rel, small, self._load_small)
+        with self._rec_lock:
+            for k, r in new.items():
+                if self.records.get(k) is recs[k]:  # not written again meanwhile
+                    self.records[k] = r
+        recs.update(new)
+        self.stats.add(written=nbytes)
+        if self.on_event:
+            self.on_event("ssd_write", rel, t0, time.perf_counter(), nbytes)
+        return recs
+
+    def _load_small(self, key: str) -> torch.Tensor:
+        rec = self.record(key)
+        raw = torch.empty(rec.nbytes, dtype=torch.uint8)
+        self._read(key, rec, raw)
+        return raw
 
     # ---- checksums and chaining --------------------------------------------------------
     def _beside(self, nbytes: int, fn, *args):
@@ -463,6 +494,7 @@ class TensorStore:
     def load_manifest(self, entries: dict) -> None:
         with self._rec_lock:
             self.records = {k: Record.from_json(v) for k, v in entries.items()}
+            self.packed.forget()  # what RAM held belongs to the records replaced
 
     def save_manifest(self, path: str | os.PathLike) -> None:
         """Atomically: temp file, fsync, rename, fsync the directory."""
@@ -483,3 +515,4 @@ class TensorStore:
         self._wexec.shutdown(wait=True)
         self._exec.shutdown(wait=True)
         self._crc.shutdown(wait=True)
+        self.packed.forget()
