@@ -39,12 +39,23 @@ def update(section: str, values: dict, also_next_to: str | os.PathLike | None = 
     return path
 
 
+def mount_point(path: str | os.PathLike) -> str:
+    """The mount point of the file system `path` is on."""
+    p = Path(path).resolve()
+    while not os.path.ismount(p) and p != p.parent:
+        p = p.parent
+    return str(p)
+
+
 def io_for(path: str | os.PathLike) -> dict | None:
-    """The cached `bench io` section if it measured the file system `path` is on, else None."""
+    """The cached `bench io` section if it measured the file system `path` is on, else None: the
+    folder measured, or (once it is gone: a scratch folder) the same mount point."""
     try:
         io = load().get("io")
         if not io:
             return None
-        return io if os.stat(io["dir"]).st_dev == os.stat(path).st_dev else None
+        if os.path.exists(io["dir"]):
+            return io if os.stat(io["dir"]).st_dev == os.stat(path).st_dev else None
+        return io if io.get("mount") and io["mount"] == mount_point(path) else None
     except (OSError, KeyError, ValueError):
         return None

@@ -82,7 +82,8 @@ def bench_io(directory: str | os.PathLike, size_bytes: int = 2 << 30, block_byte
         store.close()
         shutil.rmtree(work, ignore_errors=True)
     total = n * block_bytes
-    return {"dir": str(root.resolve()), "direct_io": direct, "bytes": total, "block_bytes": block_bytes,
+    from .cache import mount_point
+    return {"dir": str(root.resolve()), "mount": mount_point(root), "direct_io": direct, "bytes": total, "block_bytes": block_bytes,
             "inflight": inflight, "read_gbps": total / read_s / GB, "write_gbps": total / write_s / GB,
             "create_write_gbps": total / create_s / GB,
             "read_ms_p50": 1e3 * _quantile(reads, 0.5), "read_ms_p99": 1e3 * _quantile(reads, 0.99),
