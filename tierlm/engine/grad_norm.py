@@ -20,9 +20,10 @@ _local = threading.local()
 
 def _buffer() -> torch.Tensor:
     """This thread's CHUNK-element fp32 buffer, kept across calls. A buffer per call is fresh pages
-    for every gradient (tierlm's malloc settings return them on free), zeroed by the kernel: ~500
-    faults and 4.2 ms a call for a Qwen2.5-0.5B MLP gradient on genoa-2c, 0.7 ms with this buffer;
-    72 such calls a step, on the compute's thread (docs/benchmarks.md, "Fresh pages in backward")."""
+    for every gradient (tierlm's malloc settings return them on free), zeroed by the kernel: 6.1 ms
+    a call for a Qwen2.5-0.5B MLP gradient on genoa-2c, 0.8 ms with this buffer; 72 such calls a
+    step, on the compute's thread (docs/benchmarks.md, "The step is the drive's time for its
+    requests")."""
     buf = getattr(_local, "buf", None)
     if buf is None:
         buf = _local.buf = torch.empty(CHUNK, dtype=torch.float32)
