@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ..faults import fault
 from ..storage import CorruptionError, StorageError
-from ..storage.packed import prune_packs
+from ..storage.packed import pack_name, prune_packs
 from ..storage.records import record_file
 
 MANIFEST_RE = re.compile(r"^manifest-(\d{8})\.json$")
@@ -82,17 +82,11 @@ def files(records: dict) -> list[str]:
 
 def prune(root: Path, keep: int = 2) -> None:
     """Delete all but the newest `keep` manifests (the current state and its fallback), then the
-    packs that no manifest kept names."""
+    packs of the steps deleted: a manifest's small tensors are in its own step's pack (durable.py)."""
     manifests = list_manifests(root)
     for old in manifests[keep:]:
         old.unlink(missing_ok=True)
-    kept = set()
-    for m in manifests[:keep]:
-        try:
-            kept.update(files(read_manifest(m)["records"]))
-        except CorruptionError:
-            return  # an unreadable manifest: delete no pack it might name
-    prune_packs(root, kept)
+    prune_packs(root, {pack_name(int(MANIFEST_RE.match(m.name).group(1))) for m in manifests[:keep]})
 
 
 def list_manifests(root: Path) -> list[Path]:

@@ -108,7 +108,8 @@ class DurableState:
         before the previous one goes last."""
         state = state or self.state
         # the small tensors first, into this step's pack
-        current = {k: r.to_json() for k, r in self.store.pack(pack_name(state["step"]), self._current_keys(state)).items()}
+        packed = self.store.pack(pack_name(state["step"]), self._current_keys(state))
+        current = {k: r.to_json() for k, r in packed.items()}
         fault("commit.fsync")
         C.sync_fs(self.root)
         if self.dist is not None:

@@ -69,14 +69,6 @@ class Packed:
         with self._lock:
             self._ram.clear()
 
-    def held(self, key: str) -> bool:
-        with self._lock:
-            return key in self._ram
-
-    def ram_bytes(self) -> int:
-        with self._lock:
-            return sum(r.numel() for r in self._ram.values())
-
     def write(self, rel: str, items: list[tuple[str, Record]], load) -> tuple[dict[str, Record], int]:
         """Write the bytes of `items` (key, record) into the new file `rel`, one after another;
         durable with the commit's syncfs. `load(key)` gives the bytes of one that is not in RAM
@@ -87,8 +79,7 @@ class Packed:
             with self._lock:
                 raw = self._ram.get(key)
             if raw is None:
-                raw = load(key)
-                self.remember(key, raw)
+                raw = load(key)  # read, checked and kept in RAM by the store
             parts.append(raw)
             out[key] = replace(rec, pack=rel, offset=off)
             off += rec.nbytes
@@ -109,7 +100,7 @@ class Packed:
 
 
 def prune_packs(root: Path, keep: set[str]) -> None:
-    """Delete the pack files of `root` that no manifest kept names (interrupted ones included)."""
+    """Delete the pack files of `root` other than `keep` (interrupted ones included)."""
     d = Path(root) / PACKS
     if not d.is_dir():
         return

@@ -40,6 +40,28 @@ def _settle(out: Future, f: Future) -> None:
         out.set_result(r)
 
 
+def _pread(path: Path, where: str, mv: memoryview, offset: int, flags: int = 0) -> int:
+    """Read up to len(mv) bytes of `path` from `offset` (fewer at its end); errors name `where`."""
+    try:
+        fd = os.open(path, os.O_RDONLY | flags)
+    except FileNotFoundError as e:
+        raise CorruptionError(f"{where}: state file is missing") from e
+    except OSError as e:
+        raise StorageError(f"{where}: cannot open for reading: {e.strerror}") from e
+    got = 0
+    try:
+        while got < len(mv):
+            n = os.preadv(fd, [mv[got:]], offset + got)
+            if n <= 0:
+                break
+            got += n
+    except OSError as e:
+        raise StorageError(f"{where}: read failed: {e.strerror or e}") from e
+    finally:
+        os.close(fd)
+    return got
+
+
 class Loaded:
     """A tensor read into a pool buffer; `release()` returns the buffer."""
 
@@ -384,28 +406,8 @@ class TensorStore:
         # (a slice of a larger buffer would have its neighbour overwritten).
         direct = (self.direct and rec.nbytes > 0 and is_aligned(out, padded)
                   and (owns_padding or rec.nbytes == padded))
-        try:
-            fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
-        except FileNotFoundError as e:
-            raise CorruptionError(f"{path}: state file is missing") from e
-        except OSError as e:
-            raise StorageError(f"{path}: cannot open for reading: {e.strerror}") from e
-        try:
-            if direct:
-                mv = memoryview(torch.as_strided(raw, (padded,), (1,)).numpy())
-            else:
-                mv = as_bytes(raw)
-            want = len(mv)
-            got = 0
-            while got < want:
-                n = os.preadv(fd, [mv[got:]], got)
-                if n <= 0:
-                    break
-                got += n
-        except OSError as e:
-            raise StorageError(f"{path}: read failed: {e.strerror or e}") from e
-        finally:
-            os.close(fd)
+        mv = memoryview(torch.as_strided(raw, (padded,), (1,)).numpy()) if direct else as_bytes(raw)
+        got = _pread(path, str(path), mv, 0, os.O_DIRECT if direct else 0)
         if got < rec.nbytes:
             raise CorruptionError(f"{path}: truncated: {got} of {rec.nbytes} bytes present")
         self.stats.add(read=rec.nbytes)
@@ -416,23 +418,11 @@ class TensorStore:
 
     def _read_packed(self, key: str, rec: Record, out: torch.Tensor, t0: float) -> torch.Tensor:
         """A small tensor from its pack (read once after a resume; RAM serves it from then on)."""
-        path = self.root / rec.pack
-        where = f"{path} (holding {key})"
+        where = f"{self.root / rec.pack} (holding {key})"
         raw = out.reshape(-1).view(torch.uint8)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError as e:
-            raise CorruptionError(f"{where}: state file is missing") from e
-        except OSError as e:
-            raise StorageError(f"{where}: cannot open for reading: {e.strerror}") from e
-        try:
-            got = os.preadv(fd, [as_bytes(raw)], rec.offset)
-        except OSError as e:
-            raise StorageError(f"{where}: read failed: {e.strerror or e}") from e
-        finally:
-            os.close(fd)
+        got = _pread(self.root / rec.pack, where, as_bytes(raw), rec.offset)
         if got < rec.nbytes:
-            raise CorruptionError(f"{where}: truncated: {max(got, 0)} of {rec.nbytes} bytes present")
+            raise CorruptionError(f"{where}: truncated: {got} of {rec.nbytes} bytes present")
         verify(raw, where, rec, out)
         self.packed.remember(key, raw.clone())
         self.stats.add(read=rec.nbytes)
