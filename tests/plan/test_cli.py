@@ -52,7 +52,7 @@ def test_plan_on_this_machine_uses_measurements(measured, capsys, make_model_dir
     assert "run `tierlm bench compute` again" in out  # an old cache: said, not silently re-measured
 
 
-def test_serving_weights_format_is_a_flag(tmp_path, capsys):
+def test_serving_weights_format_is_a_flag(tmp_path, capsys, monkeypatch):
     out = {}
     for fmt in ("bf16", "int4"):
         j = tmp_path / f"{fmt}.json"
@@ -62,7 +62,10 @@ def test_serving_weights_format_is_a_flag(tmp_path, capsys):
         out[fmt] = json.loads(j.read_text())
     assert out["int4"]["task"]["weights"] == "int4"
     assert out["int4"]["extra"]["decode_tokens_per_s"] > 2 * out["bf16"]["extra"]["decode_tokens_per_s"]
-    assert main(["plan", "gpt2", "--weights", "int8"]) == 2  # fine-tuning keeps its own weights
+    # fine-tuning keeps its own weights: said before `--hardware this` (the default) measures anything
+    from tierlm.plan import command
+    monkeypatch.setattr(command, "measured_this", lambda *a, **k: pytest.fail("measured before the flag was checked"))
+    assert main(["plan", "gpt2", "--weights", "int8"]) == 2
     assert "--weights int8 is for --task serve" in capsys.readouterr().err
 
 

@@ -120,6 +120,7 @@ def resolve(spec: str, catalog: Catalog, nvme: str | None = None) -> Hardware:
 
 def run_plan(model: str, task: Task, hardware: str, compare: str | None = None, json_path: str | None = None,
              chart_path: str | None = None, catalog_file: str | None = None, nvme: str | None = None) -> list[Plan]:
+    task.validate()  # a bad flag is said before `--hardware this` measures the machine (minutes)
     catalog = Catalog()
     if catalog_file:
         catalog.load_toml(catalog_file)
