@@ -1,10 +1,13 @@
 """A/B of one of the engine's on/off knobs (an EngineConfig field; early_tied: the tied head's early
 update; next_rows: the next lookup's embedding rows kept from the update, Engine.expect): the same
 Engine steps with it on and off, alternating, on real text (which rows a batch looks up depends on
-its tokens).
+its tokens; pack_below: tensors under that many bytes live in RAM and reach the drive in one pack a
+commit, storage/packed.py; io_threads: reads and writes in flight).
 
     python benchmarks/engine_knob_ab.py MODEL_DIR CORPUS NVME_DIR --knob early_tied \
         [--cpu-mem 3.75GiB --seq-len 448 --batch 2]
+    python benchmarks/engine_knob_ab.py MODEL_DIR CORPUS NVME_DIR --knob pack_below \
+        --order 1MiB,64KiB,1MiB,64KiB --precision bf16 --cpu-mem 4GiB --seq-len 32 --batch 1 --steps 6
 
 Prints each run's step times, SSD GiB read and written a step (steady), and the steady means
 (steps 2 on). At a small batch the early update costs a read: the embedding updated at the start of
@@ -14,33 +17,41 @@ Also how many layers recomputed or swapped their activations in the last step.
 import argparse
 import time
 
-import torch
 from transformers import AutoTokenizer
 
 from tierlm.engine.engine import Engine, EngineConfig
 from tierlm.engine.optimizer import AdamWConfig
+from tierlm.units import parse_bytes
 
 ap = argparse.ArgumentParser()
 ap.add_argument("model")
 ap.add_argument("corpus")
 ap.add_argument("nvme")
-ap.add_argument("--knob", required=True, choices=["early_tied", "next_rows"])
+ap.add_argument("--knob", required=True, choices=["early_tied", "next_rows", "pack_below", "io_threads"])
 ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
 ap.add_argument("--cpu-mem", default="3.75GiB")
 ap.add_argument("--seq-len", type=int, default=448)
 ap.add_argument("--batch", type=int, default=2)
 ap.add_argument("--steps", type=int, default=3)
-ap.add_argument("--order", default="on,off,on,off")
+ap.add_argument("--order", default="on,off,on,off", help="the arms in turn: on/off, sizes for pack_below, counts for io_threads")
 a = ap.parse_args()
 tok = AutoTokenizer.from_pretrained(a.model)
 ids = tok(open(a.corpus, encoding="utf-8").read()[:2_000_000], return_tensors="pt").input_ids[0]
 n = a.seq_len * a.batch
 batches = [ids[i * n:(i + 1) * n].reshape(a.batch, a.seq_len) for i in range(a.steps)]
+
+
+def value(mode: str):
+    if a.knob == "pack_below":
+        return parse_bytes(mode)
+    return int(mode) if a.knob == "io_threads" else mode == "on"
+
+
 res = {}
 for mode in a.order.split(","):
     cfg = EngineConfig(nvme_dir=a.nvme, cpu_mem=a.cpu_mem, precision=a.precision, tokens_per_micro_batch=n,
                        micro_batch_size=a.batch, optim=AdamWConfig(lr=1e-5, max_grad_norm=None),
-                       **{a.knob: mode == "on"})
+                       **{a.knob: value(mode)})
     eng = Engine.from_pretrained(a.model, cfg, overwrite=True)
     ts, io = [], []
     for i, x in enumerate(batches):

@@ -45,6 +45,8 @@ def test_queue_depth_is_the_fewest_requests_within_5_percent_of_the_best(monkeyp
     calls = []
 
     def fake_io(directory, size_bytes, block_bytes, inflight):
+        if block_bytes == measure.SMALL_BYTES:
+            return {"read_gbps": 1.0, "write_gbps": 1.0}  # small requests: every depth alike here
         calls.append(inflight)
         r, w = rates[inflight][sum(1 for c in calls if c == inflight) - 1]
         return {"read_gbps": r, "write_gbps": w}
@@ -62,6 +64,22 @@ def test_queue_depth_is_the_fewest_requests_within_5_percent_of_the_best(monkeyp
     assert measure.pick_queue_depth({2: {"read_gbps": 2.0, "write_gbps": 2.5},
                                      4: {"read_gbps": 1.8, "write_gbps": 2.9},
                                      8: {"read_gbps": 1.6, "write_gbps": 3.0}}) == 4
+
+
+def test_small_requests_decide_the_depth_where_large_ones_read_alike(monkeypatch, tmp_path):
+    """This host's drive: 8 MiB requests read as fast at 2 in flight as at 8; 256 KiB ones do not
+    (0.63 against 1.04 GB/s), and a step's requests are ~40% such ones."""
+    small = {2: (0.63, 1.01), 4: (0.85, 1.13), 8: (1.04, 1.10)}
+
+    def fake_io(directory, size_bytes, block_bytes, inflight):
+        r, w = small[inflight] if block_bytes == measure.SMALL_BYTES else (2.7, 3.8)
+        return {"read_gbps": r, "write_gbps": w}
+    monkeypatch.setattr(measure, "bench_io", fake_io)
+    res = measure.bench_queue_depth(tmp_path)
+    assert res["queue_depth"] == 8
+    assert res["by_depth_small"]["2"] == {"read_gbps": 0.63, "write_gbps": 1.01}
+    assert res["depth_small_bytes"] == measure.SMALL_BYTES
+    assert measure.pick_queue_depth({2: {"read_gbps": 2.7, "write_gbps": 3.8}, 8: {"read_gbps": 2.7, "write_gbps": 3.8}}) == 2
 
 
 def test_bench_io_times_each_read_request(tmp_path):

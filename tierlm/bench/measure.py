@@ -99,21 +99,26 @@ def _quantile(xs: list[float], q: float) -> float:
 DEPTHS = (2, 4, 8)
 
 
-def _fewest_within(by: dict[int, dict]) -> int:
-    """The smallest key whose read and write rates are both within 5% of the best any key reached;
-    where none is (a noisy drive read best at one key and wrote best at another), the key whose
-    worse direction comes closest to its best, the smallest of equals."""
-    best_r = max(max(v["read_gbps"] for v in by.values()), 1e-12)
-    best_w = max(max(v["write_gbps"] for v in by.values()), 1e-12)
-    share = {d: min(v["read_gbps"] / best_r, v["write_gbps"] / best_w) for d, v in by.items()}
+def _fewest_within(*bys: dict[int, dict]) -> int:
+    """The smallest key whose read and write rates are all within 5% of the best any key reached
+    (in each of `bys`: one measurement per request size); where none is (a noisy drive read best
+    at one key and wrote best at another), the key whose worst rate comes closest to its best, the
+    smallest of equals."""
+    share = {d: 1.0 for d in bys[0]}
+    for by in bys:
+        best_r = max(max(v["read_gbps"] for v in by.values()), 1e-12)
+        best_w = max(max(v["write_gbps"] for v in by.values()), 1e-12)
+        for d, v in by.items():
+            share[d] = min(share[d], v["read_gbps"] / best_r, v["write_gbps"] / best_w)
     within = [d for d, s in share.items() if s >= 0.95]
     return min(within) if within else min(share, key=lambda d: (-share[d], d))
 
 
-def pick_queue_depth(by_depth: dict[int, dict]) -> int:
-    """The fewest requests in flight whose read and write rates are both within 5% of the best
-    any depth reached: more I/O threads than that only take CPU from the compute."""
-    return _fewest_within(by_depth)
+def pick_queue_depth(by_depth: dict[int, dict], by_depth_small: dict[int, dict] | None = None) -> int:
+    """The fewest requests in flight whose read and write rates, at the shard size and at the
+    small requests' size, are all within 5% of the best any depth reached: more I/O threads than
+    that only take CPU from the compute."""
+    return _fewest_within(by_depth, *([by_depth_small] if by_depth_small else []))
 
 
 def _interleaved(values, run, rounds: int) -> dict[int, dict]:
@@ -127,13 +132,22 @@ def _interleaved(values, run, rounds: int) -> dict[int, dict]:
     return by
 
 
+SMALL_BYTES = 256 << 10  # a k or v projection's bf16 weight (Qwen2.5-0.5B: 224 KiB; TinyLlama: 1 MiB)
+
+
 def bench_queue_depth(directory: str | os.PathLike, depths=DEPTHS, size_bytes: int = 512 << 20,
-                      block_bytes: int = 8 << 20, rounds: int = 2) -> dict:
+                      block_bytes: int = 8 << 20, small_bytes: int = SMALL_BYTES, small_size: int = 128 << 20,
+                      rounds: int = 2) -> dict:
     """`bench_io` at each number of requests in flight, in interleaved rounds (best of each), with
-    the engine's smaller requests (a bf16 weight shard), and the depth the engine should use."""
+    the engine's shard-sized requests (a bf16 weight shard) and with its small ones, and the depth
+    the engine should use. The small ones decide on drives like this host's: at 8 MiB two in flight
+    read as fast as eight, at 256 KiB 35-40% slower (docs/benchmarks.md), and a step's requests are
+    ~40% small ones."""
     by = _interleaved(depths, lambda d: bench_io(directory, size_bytes, block_bytes, inflight=d), rounds)
-    return {"queue_depth": pick_queue_depth(by), "depth_block_bytes": block_bytes,
-            "by_depth": {str(d): v for d, v in by.items()}}
+    small = _interleaved(depths, lambda d: bench_io(directory, small_size, small_bytes, inflight=d), rounds)
+    return {"queue_depth": pick_queue_depth(by, small), "depth_block_bytes": block_bytes,
+            "by_depth": {str(d): v for d, v in by.items()}, "depth_small_bytes": small_bytes,
+            "by_depth_small": {str(d): v for d, v in small.items()}}
 
 
 BLOCKS = (4 << 20, 8 << 20, 16 << 20, 32 << 20)

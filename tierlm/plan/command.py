@@ -89,8 +89,10 @@ def bench_text(what: str, res: dict) -> str:
                    if "read_ms_p99" in res else "")
                 + f"); host memory copy {res['mem_gbps']:.1f} GB/s"
                 + (f"; requests in flight for training: {res['queue_depth']} (read / write GB/s at "
-                   f"{fmt_bytes(res['depth_block_bytes'])}: "
-                   + ", ".join(f"{d}: {v['read_gbps']:.2f} / {v['write_gbps']:.2f}" for d, v in res["by_depth"].items())
+                   + "; at ".join(f"{fmt_bytes(res[b])}: " + ", ".join(f"{d}: {v['read_gbps']:.2f} / {v['write_gbps']:.2f}"
+                                                                       for d, v in res[k].items())
+                                  for b, k in (("depth_block_bytes", "by_depth"), ("depth_small_bytes", "by_depth_small"))
+                                  if k in res)
                    + ")" if "queue_depth" in res else "")
                 + (f"; optimizer shards of {fmt_bytes(res['shard_bytes'])} (read / write GB/s: "
                    + ", ".join(f"{fmt_bytes(int(b))}: {v['read_gbps']:.2f} / {v['write_gbps']:.2f}"
