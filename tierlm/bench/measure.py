@@ -141,8 +141,8 @@ def bench_queue_depth(directory: str | os.PathLike, depths=DEPTHS, size_bytes: i
     """`bench_io` at each number of requests in flight, in interleaved rounds (best of each), with
     the engine's shard-sized requests (a bf16 weight shard) and with its small ones, and the depth
     the engine should use. The small ones decide on drives like this host's: at 8 MiB two in flight
-    read as fast as eight, at 256 KiB 35-40% slower (docs/benchmarks.md), and a step's requests are
-    ~40% small ones."""
+    read as fast as eight, at 256 KiB 35-40% slower (docs/benchmarks.md), and about a third of a
+    step's requests are small ones."""
     by = _interleaved(depths, lambda d: bench_io(directory, size_bytes, block_bytes, inflight=d), rounds)
     small = _interleaved(depths, lambda d: bench_io(directory, small_size, small_bytes, inflight=d), rounds)
     return {"queue_depth": pick_queue_depth(by, small), "depth_block_bytes": block_bytes,
