@@ -68,7 +68,7 @@ def test_queue_depth_is_the_fewest_requests_within_5_percent_of_the_best(monkeyp
 
 def test_small_requests_decide_the_depth_where_large_ones_read_alike(monkeypatch, tmp_path):
     """This host's drive: 8 MiB requests read as fast at 2 in flight as at 8; 256 KiB ones do not
-    (0.63 against 1.04 GB/s), and a step's requests are ~40% such ones."""
+    (0.63 against 1.04 GB/s), and about a third of a step's requests are such ones."""
     small = {2: (0.63, 1.01), 4: (0.85, 1.13), 8: (1.04, 1.10)}
 
     def fake_io(directory, size_bytes, block_bytes, inflight):

@@ -114,11 +114,11 @@ def _fewest_within(*bys: dict[int, dict]) -> int:
     return min(within) if within else min(share, key=lambda d: (-share[d], d))
 
 
-def pick_queue_depth(by_depth: dict[int, dict], by_depth_small: dict[int, dict] | None = None) -> int:
-    """The fewest requests in flight whose read and write rates, at the shard size and at the
-    small requests' size, are all within 5% of the best any depth reached: more I/O threads than
-    that only take CPU from the compute."""
-    return _fewest_within(by_depth, *([by_depth_small] if by_depth_small else []))
+def pick_queue_depth(*by_size: dict[int, dict]) -> int:
+    """The fewest requests in flight whose read and write rates, at each request size measured
+    (one table each), are all within 5% of the best any depth reached: more I/O threads than that
+    only take CPU from the compute."""
+    return _fewest_within(*by_size)
 
 
 def _interleaved(values, run, rounds: int) -> dict[int, dict]:
