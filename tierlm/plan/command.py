@@ -51,6 +51,15 @@ def measured_this(nvme: str | None, quiet: bool = False) -> dict:
     return cache.load()
 
 
+def _existing(directory: str) -> str:
+    """The cached `bench io` folder, or where it was removed (a scratch folder), its nearest
+    surviving parent: the same file system, as the cache's mount-point match assumes."""
+    p = Path(directory)
+    while not p.is_dir() and p != p.parent:
+        p = p.parent
+    return str(p)
+
+
 def run_bench(what: str, nvme: str | None, size: int = 2 << 30, quiet: bool = False) -> dict:
     from ..bench import cache, measure
 
@@ -69,7 +78,7 @@ def run_bench(what: str, nvme: str | None, size: int = 2 << 30, quiet: bool = Fa
         res.update(measure.bench_decode())
         res.update(measure.bench_checksum())
         # The commit's syncfs is part of the overhead: measure on the drive the runs use.
-        where = nvme if nvme and nvme != "." else cache.load().get("io", {}).get("dir", ".")
+        where = nvme if nvme and nvme != "." else _existing(cache.load().get("io", {}).get("dir", "."))
         res["overhead"] = bench_overhead(where)
         from ..bench.overlap import bench_overlap
         res.update(bench_overlap(where))
