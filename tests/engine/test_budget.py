@@ -1,5 +1,6 @@
 """The weight window's size: what a step's cycle of blocks needs, not prefetch + 2 of the largest."""
 import pytest
+import torch
 
 from tierlm.engine.budget import plan_split, window_size
 from tierlm.storage import BudgetError
@@ -76,3 +77,45 @@ def test_a_held_gradient_is_compute_share_but_not_transient():
     held = plan_split(4096 * MB, window_size=win, held_grad=545 * MB, **common)
     assert held.compute == plain.compute + 545 * MB and held.held_grad == 545 * MB
     assert held.transient == plain.transient == plain.compute == 2 * 2 * MB + 65 * MB + (24 << 20)
+
+
+def test_room_the_whole_state_leaves_keeps_the_weights():
+    """Once the state cache holds all the optimizer state, what is left goes to the window, up to
+    every weight (it keeps them between steps); a tight budget, or the cache off, changes nothing."""
+    common = dict(baseline=64 * MB, max_block_grad=60 * MB, optimizer_item=80 * MB, layer_act=100 * MB,
+                  layer_input=4 * MB, n_layers=24, logits=200 * MB, window_size=window_size(qwen_like(), 2))
+    state, weights = 6000 * MB, 1500 * MB
+    off = plan_split(10240 * MB, **common)
+    big = plan_split(10240 * MB, state_total=state, weights_total=weights, **common)
+    assert big.state_cache == state and 0 < big.weights_kept < weights  # some of the weights
+    assert big.weights_kept == big.window - off.window
+    assert big.window + big.state_cache == off.window + off.state_cache
+    huge = plan_split(24576 * MB, state_total=state, weights_total=weights, **common)
+    assert huge.weights_kept == weights and huge.state_cache > state
+    for budget in (4096 * MB, 8192 * MB):  # the state does not fit: the window keeps its size
+        tight = plan_split(budget, state_total=state, weights_total=weights, **common)
+        assert tight.weights_kept == 0 and tight == plan_split(budget, **common)
+    assert plan_split(24576 * MB, state_total=None, weights_total=weights, **common).weights_kept == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+def test_kernel_warm_up_runs_one_layer_and_the_engines_head(arch, monkeypatch):
+    """library_baseline's warm-up (run on a GPU: CUDA loads a kernel's module into host memory on
+    first use) is a one-layer model of the real config at the real batch, its loss through the
+    engine's chunked head where the engine would chunk; checked here on the CPU for each family."""
+    from tierlm.engine import budget as B
+    from tierlm.engine import head_loss
+
+    from ..conftest import tiny_config
+
+    monkeypatch.setattr(head_loss, "CHUNK_ABOVE", 0)
+    monkeypatch.setattr(head_loss, "MIN_CHUNK_TOKENS", 4)
+    monkeypatch.setattr(head_loss, "CHUNK_TARGET", 1)
+    calls = []
+    real = head_loss.causal_lm_loss
+    monkeypatch.setattr(head_loss, "causal_lm_loss", lambda h, head, labels, chunk: calls.append(
+        (tuple(h.shape), chunk)) or real(h, head, labels, chunk))
+    cfg = tiny_config(arch, **({"n_layer": 3} if arch == "gpt2" else {"num_hidden_layers": 3}))
+    B.warm_kernels(cfg, torch.bfloat16, "cpu", (2, 16))
+    assert calls == [((2, 16, 64), 4)]
+    assert cfg.num_hidden_layers == 3  # the caller's config is not changed

@@ -154,3 +154,65 @@ def test_a_large_weight_lands_in_resident_pages_and_moves_what_was_read_ahead(tm
         win.release(["p3", "p4"])
     finally:
         store.close()
+
+
+def test_new_weights_of_a_block_still_computing_are_stashed_until_the_commit(tmp_path):
+    """A layer's weight gradients come before its backward ends, so the optimizer offers new values
+    while the block still holds the old ones: with `stash` they go to a second buffer (the block
+    keeps computing with the old values) that replaces the entry at the commit; without room for
+    one, or without `stash`, the entry is read back as before."""
+    from tierlm.engine.layout import make_param_info
+    from tierlm.storage import HostBufferPool, TensorStore
+
+    infos = {n: make_param_info(n, (1024,)) for n in ("a", "b")}
+    store = TensorStore(tmp_path / "st", HostBufferPool(1 << 20, name="io"), direct_io=False)
+    for n in infos:
+        store.write(f"w/{n}.0", torch.full((1024,), 1.0)).result()
+    try:
+        for stash, room, kept in ((True, 4, {"a", "b"}), (True, 2, set()), (False, 4, set())):
+            win = WeightWindow(store, HostBufferPool(room * 4096, name="window"), infos, torch.float32,
+                               lambda n, k: f"w/{n}.{k}", stash=stash)
+            held = win.acquire(["a", "b"])
+            win.offer("a", 0, torch.full((1024,), 2.0))
+            win.offer("b", 0, torch.full((1024,), 3.0))
+            assert torch.equal(held["a"], torch.full((1024,), 1.0))  # what the block computes with
+            win.release(["a", "b"])
+            win.invalidate_all(keep_renewed=True)
+            assert set(win._entries) == kept and win.pool.used_bytes == len(kept) * 4096
+            misses = win.misses
+            got = win.acquire(["a", "b"])
+            assert float(got["a"][0]) == (2.0 if kept else 1.0) and float(got["b"][0]) == (3.0 if kept else 1.0)
+            assert win.misses == misses + 2 - len(kept)
+            win.release(["a", "b"])
+            win.invalidate_all(keep_renewed=False)
+    finally:
+        store.close()
+
+
+def test_a_budget_with_room_reads_no_weights_after_the_first_step(make_model_dir, tmp_path):
+    """Where --cpu-mem holds all the optimizer state, the window takes the rest up to every weight:
+    after the first step nothing is read (state from the cache, weights kept), and the weights
+    equal a run that reads them back (with the state cache off the window keeps its size)."""
+    model_dir, _ = make_model_dir("qwen2")
+    data = batches(3)
+    runs = {}
+    for cache in (True, False):
+        cfg = EngineConfig(nvme_dir=str(tmp_path / str(cache)), cpu_mem="1GiB", precision="bf16", state_cache=cache,
+                           optim=AdamWConfig(lr=1e-2), tokens_per_micro_batch=data[0].numel(), pack_below=0)
+        eng = Engine.from_pretrained(model_dir, cfg)
+        reads = []
+        try:
+            for x in data:
+                before = eng.store.stats.snapshot()["bytes_read"]
+                eng.backward(eng.forward(x, labels=x).loss)
+                eng.step()
+                reads.append(eng.store.stats.snapshot()["bytes_read"] - before)
+            runs[cache] = (eng.split.weights_kept, reads, {n: eng.weights(n) for n in eng.names})
+        finally:
+            eng.close()
+    kept, reads, weights = runs[True]
+    assert kept > 0 and reads[0] > 0 and reads[1:] == [0, 0]
+    kept, reads, ref = runs[False]
+    assert kept == 0 and all(r > 0 for r in reads)
+    for n, t in ref.items():
+        assert torch.equal(weights[n], t), n

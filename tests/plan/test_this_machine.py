@@ -47,9 +47,13 @@ def test_traffic_is_the_engines_write_through_cache(shape):
     hw = hardware_from_measurements(measurements())
     big = plan(s, hw, Task(batch=1, seq_len=128, activations="keep", cpu_mem=4 << 30, clip="off"))
     assert big.extra["resident_params"] == s.params  # every shard cached: state reads skipped ...
-    reread = s.params - 2 * s.layer_params - s.head_params
-    assert big.traffic_bytes["ssd_read"] == (s.params + reread) * 2
+    assert big.traffic_bytes["ssd_read"] == 0  # and the room left keeps the weights (Split.weights_kept)
     assert big.traffic_bytes["ssd_write"] == s.params * 14  # ... its writes are not
+    # with the cache off, the window keeps its size: the weights are read in forward and again in
+    # backward for the layers it no longer holds, and the state once
+    off = plan(s, hw, Task(batch=1, seq_len=128, activations="keep", cpu_mem=4 << 30, clip="off", state_cache=False))
+    reread = s.params - 2 * s.layer_params - s.head_params
+    assert off.traffic_bytes["ssd_read"] == (s.params + reread) * 2 + s.params * 12
     # the store's CRC32C of every byte runs on the same two cores as the compute
     assert big.resources_s["checksum"] == pytest.approx(
         (big.traffic_bytes["ssd_read"] + big.traffic_bytes["ssd_write"]) / 5e9)

@@ -47,11 +47,17 @@ def trim() -> None:
         pass
 
 
-def library_baseline(config, dtype: torch.dtype = torch.bfloat16, device=None) -> int:
+def library_baseline(config, dtype: torch.dtype = torch.bfloat16, device=None,
+                     batch: tuple[int, int] | None = None) -> int:
     """RSS of the libraries alone: torch, transformers, this architecture's model code, and the
     code pages of the kernels it runs (a tiny model of the same architecture runs one forward and
     backward in `dtype` to touch them; on `device`, so a GPU's driver context and libraries are
-    counted too). `--cpu-mem` counts everything beyond this; none of it grows with the model."""
+    counted too). `--cpu-mem` counts everything beyond this; none of it grows with the model.
+
+    batch: (sequences, tokens each) of a micro-batch. On a GPU, CUDA loads each kernel's module into
+    host memory on its first use, and which kernels run depends on the shapes: one decoder layer of
+    the real width, and the head's loss as the engine computes it, run at that batch first, so
+    that what a step loads is counted here and not against `--cpu-mem`."""
     from ..hf.presets import make_config
     from .model import empty_model  # noqa: F401  (our own modules, imported before measuring)
 
@@ -65,12 +71,43 @@ def library_baseline(config, dtype: torch.dtype = torch.bfloat16, device=None) -
     ids = torch.randint(0, tiny.vocab_size, (1, 8)).to(device)
     m(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     del m
+    if device.type == "cuda" and batch is not None:
+        warm_kernels(config, dtype, device, batch)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
     torch.random.set_rng_state(state)
     trim()
     return current_rss()
+
+
+def warm_kernels(config, dtype: torch.dtype, device, batch: tuple[int, int]) -> None:
+    """One forward and backward of a one-layer model of `config` on `device` (made there: nothing of
+    it in host memory) at `batch`, the loss through the engine's head (head_loss), so that the
+    kernels a step of this shape selects are loaded."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from .head_loss import causal_lm_loss, chunk_tokens
+    one = copy.deepcopy(config)
+    one.num_hidden_layers = 1
+    device = torch.device(device)
+    cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    with torch.device(device):
+        m = AutoModelForCausalLM.from_config(one).to(dtype)
+    n, seq = batch
+    ids = torch.randint(0, one.vocab_size, (n, seq), device=device)
+    chunk = chunk_tokens(n * seq, one.vocab_size, dtype)
+    if chunk is None:
+        loss = m(input_ids=ids, labels=ids, use_cache=False).loss
+    else:
+        hidden = m.base_model(input_ids=ids, use_cache=False).last_hidden_state
+        loss = causal_lm_loss(hidden, m.get_output_embeddings(), ids, chunk)
+    loss.backward()
+    del m, loss
+    if cuda_rng is not None:
+        torch.cuda.set_rng_state(cuda_rng, device)
 
 
 def shard_elems_for(budget: int, want: int | None = None) -> int:
@@ -100,6 +137,9 @@ class Split:
     pending_grads: int = 0
     # Of `compute`: a tied head's gradient, live through the whole backward (plan_split's held_grad)
     held_grad: int = 0
+    # Of `window`: what the state cache could not use (it holds all the state) and the window took,
+    # so that it keeps the working weights between steps instead of reading them back
+    weights_kept: int = 0
 
     @property
     def transient(self) -> int:
@@ -188,7 +228,8 @@ def window_size(blocks: list[dict[str, int]], prefetch: int) -> WindowSize:
 def plan_split(budget: int, baseline: int, window_size: WindowSize, max_block_grad: int,
                optimizer_item: int, layer_act: int, layer_input: int, n_layers: int,
                logits: int, held_grad: int = 0, reserve: int = TRAINING_RESERVE,
-               max_layer_grad: int | None = None) -> Split:
+               max_layer_grad: int | None = None, state_total: int | None = None,
+               weights_total: int = 0) -> Split:
     """window_size: `window_size()` of the model's blocks.
 
     held_grad: gradient bytes autograd holds through the whole backward, outside the optimizer's
@@ -201,7 +242,13 @@ def plan_split(budget: int, baseline: int, window_size: WindowSize, max_block_gr
     backward is making. A block larger than every layer (an embedding: Qwen2.5-0.5B's is 9 layers'
     worth) makes its gradient last, when every kept activation, layer input and the layer's compute
     scratch are free again, so what it needs beyond a layer's is taken from those, not set aside for
-    the whole step."""
+    the whole step.
+
+    state_total, weights_total: the bytes of all the optimizer state the cache would hold and of
+    all the working weights (page-rounded as their pools hold them). What the state cache has beyond
+    the whole state goes to the window, up to every weight: Qwen2.5-0.5B on a GPU under --cpu-mem
+    24GiB read its 1.49 GiB of weights back every step with 16 GiB of the budget unused (the
+    forward waited ~1 s on them). None: the cache is off, and the window keeps its size."""
     g_layer = min(max_layer_grad or max_block_grad, max_block_grad)
     window, least = window_size
     optimizer = 4 * optimizer_item
@@ -235,10 +282,14 @@ def plan_split(budget: int, baseline: int, window_size: WindowSize, max_block_gr
     keep_all = n_layers * layer_act
     cache = max(acts - keep_all, 0)
     acts -= cache
+    kept = 0
+    if state_total is not None:
+        kept = max(min(cache - state_total, weights_total), 0)
+        window, cache = window + kept, cache - kept
     # waiting + the one in the making fit the share while layers run, and fit the share and what
     # backward has freed when the largest block's gradient is made
     pending = max(min(grads - g_layer, grads + acts + freed_at_end - max_block_grad), 0)
-    return Split(budget, baseline, window, optimizer, grads, acts, compute, cache, pending, held_grad)
+    return Split(budget, baseline, window, optimizer, grads, acts, compute, cache, pending, held_grad, kept)
 
 
 # cuBLAS workspaces, the caching allocator's rounding and fragmentation, kernels' scratch

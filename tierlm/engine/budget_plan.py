@@ -27,6 +27,20 @@ def packed_bytes(eng) -> int:
     return total
 
 
+def whole_model_bytes(eng) -> tuple[int | None, int]:
+    """What the state cache would need to hold all the optimizer state (master, m and v of every
+    shard, page-rounded as the cache holds them; None when the cache is off), and what the window
+    would need to hold every working weight."""
+    mode = eng.cfg.optim_states
+    state = 0
+    for info in eng.infos.values():
+        for k in range(len(info.shards)):
+            n = info.shard_numel(k)
+            state += round_up(4 * n) + 2 * round_up(SQ.stored_nbytes(mode, n))
+    weights = sum(round_up(nbytes(eng.dtype, i.numel)) for i in eng.infos.values())
+    return (state if eng.cfg.state_cache else None), weights
+
+
 def plan_budget(eng, baseline: int) -> tuple[B.Split, int]:
     """The engine's `--cpu-mem` split from its blocks' sizes, and the allowance for kept
     activations (host RAM, or what `--gpu-mem` leaves with a GPU computing). A budget too small
@@ -46,6 +60,7 @@ def plan_budget(eng, baseline: int) -> tuple[B.Split, int]:
     # (engine/tied.py) until the owner's arrives at the end of backward
     held = sum(nbytes(eng.dtype, eng.infos[n].numel) for b in eng.blocks if b.kind == "head"
                for n in b.uses if n not in b.owns)
+    state_total, weights_total = whole_model_bytes(eng)
 
     def sizes(tokens: int) -> tuple[int, int, int]:
         act = B.layer_activation_bytes(eng.config, tokens, eng.dtype)
@@ -56,10 +71,12 @@ def plan_budget(eng, baseline: int) -> tuple[B.Split, int]:
     def split(tokens: int) -> B.Split:
         if eng.on_gpu:  # activations, layer inputs, logits and the held gradient are on the GPU
             return B.plan_split(eng.cfg.cpu_mem, baseline, win, max_g, item, 0, 0, n_layers, 0,
-                                0, reserve=B.GPU_HOST_RESERVE)
+                                0, reserve=B.GPU_HOST_RESERVE, state_total=state_total,
+                                weights_total=weights_total)
         act, inp, logits = sizes(tokens)
         return B.plan_split(eng.cfg.cpu_mem, baseline, win, max_g, item, act, inp, n_layers,
-                            logits, held, max_layer_grad=layer_g)
+                            logits, held, max_layer_grad=layer_g, state_total=state_total,
+                            weights_total=weights_total)
 
     def gpu(tokens: int) -> int:
         act, inp, logits = sizes(tokens)

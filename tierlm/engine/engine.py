@@ -166,7 +166,8 @@ class Engine(DurableState, Exports):
             from ..dist.grads import GradReducer
             self.reducer = GradReducer(dist, backward_order, self.optimizer, self.split.pending_grads)
         self.window = WeightWindow(self.store, self.window_pool, self.infos, self.dtype,
-                                   lambda n, k: key(self._wkind(n), n, k, self.optimizer.slots[n]))
+                                   lambda n, k: key(self._wkind(n), n, k, self.optimizer.slots[n]),
+                                   stash=self.split.weights_kept > 0)
         self.uploads = Uploads(self.device, self.window) if self.on_gpu else None
         # Deferred commit: the next forward reads (the store orders each read after the write of
         # its file) and writes nothing; the next backward's first write waits for the manifest.

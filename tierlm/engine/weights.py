@@ -7,6 +7,9 @@ resident for the start of backward, and after backward the first blocks are resi
 forward. The optimizer hands every updated shard of working weights to `offer` before writing it:
 an entry no block is using takes the new values in place, and an entry whose every shard was
 renewed survives the commit, so the next forward does not read back what the step just wrote.
+A block still computing holds its entry when the optimizer finishes its first shards (a layer's
+weight gradients come before its backward ends): with `stash`, the new values go into a second
+buffer from the pool's free room, which replaces the entry's at the commit.
 """
 from __future__ import annotations
 
@@ -22,20 +25,26 @@ from .layout import ParamInfo, nbytes
 
 
 class _Entry:
-    __slots__ = ("buffer", "tensor", "reads", "pins", "tick", "renewed")
+    __slots__ = ("buffer", "tensor", "reads", "pins", "tick", "renewed", "fresh")
 
     def __init__(self, buffer: Buffer, tensor: torch.Tensor, reads: list[Future]):
         self.buffer, self.tensor, self.reads = buffer, tensor, reads
         self.pins = 0
         self.tick = None  # None: read ahead and not used yet (evicted last)
-        self.renewed: set[int] = set()  # shards overwritten with this step's new values
+        self.renewed: set[int] = set()  # shards holding this step's new values
+        # (buffer, tensor) holding the renewed shards where a block held `tensor` at the offer
+        self.fresh: tuple[Buffer, torch.Tensor] | None = None
 
 
 class WeightWindow:
     def __init__(self, store: TensorStore, pool: HostBufferPool, infos: dict[str, ParamInfo],
-                 dtype: torch.dtype, key_fn):
-        """key_fn(name, shard) -> the store key of the current working weights of that shard."""
+                 dtype: torch.dtype, key_fn, stash: bool = False):
+        """key_fn(name, shard) -> the store key of the current working weights of that shard.
+        stash: keep the new values of entries a block holds at the offer (the window has room for
+        every weight: budget.Split.weights_kept); without room to spare the copies would take the
+        room that reading ahead needs."""
         self.store, self.pool, self.infos, self.dtype, self.key_fn = store, pool, infos, dtype, key_fn
+        self.stash = stash
         self._entries: dict[str, _Entry] = {}
         self._lock = threading.RLock()
         self._clock = itertools.count()
@@ -134,6 +143,8 @@ class WeightWindow:
         for f in e.reads:
             f.exception()  # a read in flight must land before its buffer is reused
         e.buffer.release()
+        if e.fresh is not None:
+            e.fresh[0].release()
 
     def prefetch(self, names) -> None:
         """Start reading `names` if there is room without evicting anything still to be used."""
@@ -184,15 +195,23 @@ class WeightWindow:
     def offer(self, name: str, shard: int, values: torch.Tensor) -> None:
         """The step's new working weights of one shard (called before they are written). Only an
         entry no block holds takes them: until the commit, nothing reads a parameter whose update
-        has started (backward is past its block, and a clip redo reads from the store)."""
+        has started (backward is past its block, and a clip redo reads from the store); with
+        `stash`, one a block holds takes them in a second buffer (the old values stay for the block)."""
         with self._lock:
             e = self._entries.get(name)
-            if e is None or e.pins:
+            if e is None or (e.pins and not self.stash):
                 return
             for f in e.reads:
                 f.result()
+            if e.pins and e.fresh is None:
+                buf = self.pool.try_acquire(e.buffer.nbytes)
+                if buf is None:
+                    return
+                flat = buf.view(self.dtype, (self.infos[name].numel,))
+                flat.copy_(e.tensor.view(-1))  # shards renewed in place before the block took it
+                e.fresh = (buf, flat.view(e.tensor.shape))
             a, b = self.infos[name].shards[shard]
-            e.tensor.view(-1)[a:b].copy_(values)
+            (e.fresh[1] if e.fresh is not None else e.tensor).view(-1)[a:b].copy_(values)
             e.renewed.add(shard)
             self.renewed_bytes += values.numel() * values.element_size()
 
@@ -204,6 +223,9 @@ class WeightWindow:
                 if e.pins == 0 and not (keep_renewed and len(e.renewed) == len(self.infos[n].shards)):
                     self._drop(n)
                 else:
+                    if e.fresh is not None and e.pins == 0:
+                        old, (e.buffer, e.tensor), e.fresh = e.buffer, e.fresh, None
+                        old.release()
                     e.renewed = set()
                     # kept for the next forward, which needs them before anything it reads ahead:
                     # as read-ahead entries, prefetch cannot evict them (by the last use in

@@ -250,7 +250,8 @@ def _finetune(p: Plan, s: ModelShape, hw: Hardware, task: Task, r: C.Rates) -> N
         choices = [(n, rest - n) for n in range(rest + 1)]
     best = None
     for n_ssd, n_rec in choices:
-        res = _finetune_times(s, task, r, T, resident, k_ram, n_ssd, n_rec, act, gpu)
+        res = _finetune_times(s, task, r, T, resident, k_ram, n_ssd, n_rec, act, gpu,
+                              split.weights_kept if split is not None else 0)
         if best is None or res[1] < best[1][1] - 1e-12:
             best = ((n_ssd, n_rec), res)
     (n_ssd, n_rec), (devices, step, resources, traffic, flops) = best
@@ -304,7 +305,9 @@ def _engine_split(s: ModelShape, task: Task, T: int, act: int, p: Plan):
                                               tied=tied),
                             # a tied head (no matrix of its own) holds its gradient through backward
                             s.vocab * s.hidden * lay.grad if tied else 0,
-                            max_layer_grad=s.layer_params * lay.grad)
+                            max_layer_grad=s.layer_params * lay.grad,
+                            state_total=s.params * lay.state if task.state_cache else None,
+                            weights_total=s.params * lay.w)
     except BudgetError as e:
         p.problems.append(str(e))
         return None
@@ -322,20 +325,22 @@ ENGINE_PREFETCH = 2
 KEPT_AT_TURN = ENGINE_PREFETCH
 
 
-def _finetune_times(s, task, r: C.Rates, T, resident, k_ram, n_ssd, n_rec, act, gpu):
+def _finetune_times(s, task, r: C.Rates, T, resident, k_ram, n_ssd, n_rec, act, gpu, kept_w=0):
     P, L = s.params, s.layers
     flops = C.train_flops(s, T, task.seq_len) + n_rec * C.layer_fwd_flops(s, T, task.seq_len)
     # The engine's traffic: weights read in forward, and again in backward for the layers the window
     # no longer holds; master, m and v read unless cached in RAM; every step writes the new state
     # and weights (a cached shard's writes are not skipped, so each step stays durable), plus the
-    # gradient saved for an exact clip redo when clipping is on.
+    # gradient saved for an exact clip redo when clipping is on. Weights the window keeps between
+    # steps (kept_w: the room the state cache could not use, budget.Split.weights_kept) are not read.
     # Catalog hardware is planned with the cache tierlm is designed for (LoHan's: resident state
     # holds the weights too and is written only when evicted), which the engine does not have yet.
     lay = _layout(task)
     grad = lay.grad if task.clip != "off" else 0
     if r.measured:
         reread = P - min(L, KEPT_AT_TURN) * s.layer_params - s.head_params
-        ssd_r = (P + reread) * lay.w + (P - resident) * lay.state + n_ssd * act
+        unkept = max(1 - kept_w / (P * lay.w), 0)
+        ssd_r = (P + reread) * lay.w * unkept + (P - resident) * lay.state + n_ssd * act
         ssd_w = P * (lay.state + lay.w_write + grad) + n_ssd * act
     else:
         ssd_r = (P - resident) * (2 * lay.w + lay.state) + n_ssd * act

@@ -182,7 +182,7 @@ def _run(cfg: FinetuneConfig, out: Path, dist=None) -> dict:
         raise ValueError(f"--seq-len {cfg.seq_len} is beyond the {max_pos} positions of {cfg.model}; "
                          f"use --seq-len {max_pos} or less")
     library_rss = library_baseline(hf_config, torch.bfloat16 if cfg.precision == "bf16" else torch.float32,
-                                   cfg.device)
+                                   cfg.device, (cfg.batch_size, cfg.seq_len))
     tokenizer = load_tokenizer(cfg.model)
     dataset = load_dataset(cfg.data, tokenizer, cfg.seq_len)
     batches = Batches(dataset, cfg.batch_size, seed=cfg.seed)
