@@ -7,7 +7,8 @@
 #    and peak RSS against the budget (the CUDA reserve in the split was never measured on a GPU);
 # 3. the same at --cpu-mem 24GiB (optimizer state and weights resident in RAM), if time is left;
 # before them, what CUDA's lazily loaded kernels add to host memory at this batch.
-# Wheels the image lacks (transformers >= 5.20, fastcrc) travel in .whl/ (docs/benchmarks.md says how).
+# Packages the GPU machine lacks (transformers >= 5.20, fastcrc) travel as wheels in .whl/, fetched here
+# with `pip download --no-deps --only-binary=:all:` for that machine's Python (3.12, manylinux x86_64).
 set -o pipefail
 OUT=${1:-${OUT:-/tmp/gpu-session}}
 mkdir -p "$OUT"
