@@ -14,7 +14,6 @@ import ast
 import hashlib
 import json
 import math
-import os
 import sysconfig
 import time
 from pathlib import Path

@@ -170,7 +170,7 @@ def streamed_row(work: Path, name: str, new_tokens: int, bench: str | None, rep:
         return infer_row(work, name, "streamed", new_tokens, hardware_from_measurements(cache.load()), reuse)
     before = run_bench("io", bench, size=1 << 30, quiet=True)["read_gbps"]
     tag = f"streamed-{rep}"
-    row = infer_row(work, name, "streamed", new_tokens, None, reuse, tag=tag)
+    infer_row(work, name, "streamed", new_tokens, None, reuse, tag=tag)  # the run; re-planned below
     after = run_bench("io", bench, size=1 << 30, quiet=True)["read_gbps"]
     m = cache.load()
     m["io"] = dict(m["io"], read_gbps=(before + after) / 2)

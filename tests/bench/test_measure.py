@@ -1,9 +1,6 @@
 """`bench compute`'s probes: the decode probe runs the inference engine's own decode path, per weight
 format; the layer probe times every shape in interleaved rounds; the I/O probe picks the requests
 in flight the engine keeps."""
-import os
-from pathlib import Path
-
 import torch
 
 from tierlm.bench import measure

@@ -71,7 +71,7 @@ def test_bf16_seed_and_reuse(tmp_path):
     a = init_model(tmp_path / "a", config, seed=3, dtype="bf16", tokenizer=False)
     b = init_model(tmp_path / "b", config, seed=3, dtype=torch.bfloat16, tokenizer=False)
     c = init_model(tmp_path / "c", config, seed=4, dtype="bf16", tokenizer=False)
-    fa, fb, fc = SafetensorsDir(a), SafetensorsDir(b), SafetensorsDir(c)
+    fa, fc = SafetensorsDir(a), SafetensorsDir(c)
     name = "model.layers.0.mlp.up_proj.weight"
     assert fa.info(name)[0] == torch.bfloat16
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()

@@ -1,11 +1,8 @@
 """The pools' arena: buffers of any size placed in one region whose freed pages serve the next
 buffer, within the pool's capacity, with nothing overlapping."""
 import random
-import resource
 import subprocess
 import sys
-
-import torch
 
 from tierlm.storage import HostBufferPool
 from tierlm.storage import pool as pool_mod

@@ -405,7 +405,6 @@ class OutOfCoreAdamW(NormsMixin):
 
     def _prepare(self, it: _Item, mode: str, micro: int, blocking: bool) -> bool:
         n = it.b - it.a
-        f32 = nbytes(torch.float32, n)
         need = []
         if mode in ("update", "redo"):
             need += ["master", "m", "v"] + (["qm", "qv"] if self.quant else [])

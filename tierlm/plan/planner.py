@@ -129,7 +129,7 @@ def _assumptions(eff: C.Efficiency, hw: Hardware, lifetime_years: float, usd_per
             a.append("no decoder-layer rate or engine fixed costs in the measurements (cached by an older "
                      "`tierlm bench compute`): the large-GEMM rate is used and fixed costs are left out; run "
                      "`tierlm bench compute` again")
-    a.append(f"overlap: step = busiest device + (sum of the others) / layers; SSD reads and writes share the drives")
+    a.append("overlap: step = busiest device + (sum of the others) / layers; SSD reads and writes share the drives")
     ov = (hw.measured or {}).get("overlap")
     if ov is not None and hw.gpu is None:
         a.append(f"CPU compute and SSD I/O share the cores: {ov:.0%} of the shorter is hidden (measured, "
