@@ -150,7 +150,8 @@ def _cmd_bench(args) -> int:
         if not args.model or not args.data:
             raise ValueError("bench train needs MODEL and --data FILE")
         r = bench_train(args.model, args.data, args.cpu_mem, args.steps, args.work,
-                        shlex.split(args.finetune_args or ""), nvme=None if args.nvme == "." else args.nvme)
+                        shlex.split(args.finetune_args or ""), nvme=None if args.nvme == "." else args.nvme,
+                        inmemory=args.inmemory)
         print(report(r))
         return 0
     res = run_bench(args.what, args.nvme, size=parse_bytes(args.size, "--size"))
@@ -199,6 +200,9 @@ def _add_plan_verbs(sub) -> None:
     q.add_argument("--work", default="runs/bench-train", help="train: where both runs write")
     q.add_argument("--finetune-args", default="", help="train: more finetune options for both runs, e.g. "
                                                       "'--seq-len 1024 --batch-size 4'")
+    q.add_argument("--inmemory", choices=("auto", "always", "never"), default="auto",
+                   help="train: run the in-memory reference where its estimate fits the RAM (auto), anyway "
+                        "(always: it may be killed for memory), or not (never: compare with the I/O bound only)")
     q.add_argument("--nvme", default=".", metavar="DIR", help="directory on the drive to measure (io)")
     q.add_argument("--size", default="2GiB", help="bytes to write and read back (io)")
     q.set_defaults(fn=_cmd_bench)

@@ -90,3 +90,32 @@ def test_a_model_without_a_tokenizer_fails_before_any_run(make_model_dir, tmp_pa
     err = capsys.readouterr().err
     assert "no tokenizer files" in err and "tierlm init" in err
     assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.parametrize("mode,fits,ran", [("auto", True, True), ("auto", False, False), ("always", False, True),
+                                           ("never", True, False)])
+def test_the_in_memory_reference_runs_where_it_fits_or_where_asked(monkeypatch, tmp_path, mode, fits, ran):
+    """The estimate keeps a fifth of the RAM spare; `--inmemory always` runs the reference anyway
+    (TinyLlama-1.1B fitted where the estimate said no) and `never` compares with the I/O bound only."""
+    import subprocess as sp
+
+    cmds = []
+
+    def run(cmd, check=False, env=None, **kw):
+        cmds.append(cmd)
+        if "tierlm.train.inmemory" in cmd:
+            out = Path(cmd[cmd.index("--json") + 1])
+            out.write_text(json.dumps({"rows": [{"s_per_step": 5.0, "loss": 1.0}] * 3, "peak_rss_bytes": 1 << 30}))
+            return sp.CompletedProcess(cmd, 0)
+        return _fake_finetune(cmd, check, env, **kw)
+    monkeypatch.setattr(bt, "_probe_io", lambda nvme_dir: {"read_gbps": 2.0, "write_gbps": 2.0, "dir": "d"})
+    monkeypatch.setattr(bt, "_inmemory_fits", lambda model: (fits, 20 << 30))
+    monkeypatch.setattr(bt.subprocess, "run", run)
+    r = bt.bench_train("model", "data.txt", "1GiB", 3, str(tmp_path), ["--device", "cpu", "--precision", "fp32"],
+                       inmemory=mode)
+    assert any("tierlm.train.inmemory" in c for c in cmds) == ran
+    assert (r["inmemory"] is not None) == ran
+    if not ran:
+        assert ("--inmemory always" in r["inmemory_skipped"]) == (mode == "auto")
+    with pytest.raises(ValueError, match="--inmemory must be auto, always or never"):
+        bt.bench_train("model", "data.txt", "1GiB", 3, str(tmp_path), ["--device", "cpu"], inmemory="yes")
