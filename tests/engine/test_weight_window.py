@@ -156,11 +156,12 @@ def test_a_large_weight_lands_in_resident_pages_and_moves_what_was_read_ahead(tm
         store.close()
 
 
-def test_new_weights_of_a_block_still_computing_are_stashed_until_the_commit(tmp_path):
+def test_new_weights_of_a_block_still_computing_are_stashed_until_it_lets_go(tmp_path):
     """A layer's weight gradients come before its backward ends, so the optimizer offers new values
     while the block still holds the old ones: with `stash` they go to a second buffer (the block
-    keeps computing with the old values) that replaces the entry at the commit; without room for
-    one, or without `stash`, the entry is read back as before."""
+    keeps computing with the old values) that replaces the entry when the block releases it (so
+    stashes never pile up over a backward); without room for one, or without `stash`, the entry
+    is read back as before."""
     from tierlm.engine.layout import make_param_info
     from tierlm.storage import HostBufferPool, TensorStore
 
@@ -177,6 +178,7 @@ def test_new_weights_of_a_block_still_computing_are_stashed_until_the_commit(tmp
             win.offer("b", 0, torch.full((1024,), 3.0))
             assert torch.equal(held["a"], torch.full((1024,), 1.0))  # what the block computes with
             win.release(["a", "b"])
+            assert win.pool.used_bytes == 2 * 4096  # the stashes replaced the entries
             win.invalidate_all(keep_renewed=True)
             assert set(win._entries) == kept and win.pool.used_bytes == len(kept) * 4096
             misses = win.misses

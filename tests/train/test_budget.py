@@ -88,3 +88,22 @@ def test_logits_larger_than_the_budget_run_in_chunks_under_it(tmp_path):
     peak = summary["peak_rss_bytes"]
     print(f"peak libraries + {(peak - libraries) / 2**20:.0f} MiB of 160 MiB")
     assert peak <= libraries + budget
+
+
+@pytest.mark.slow
+def test_a_budget_with_room_for_everything_reads_nothing_and_stays_under_it(tmp_path):
+    """Where --cpu-mem holds all the optimizer state and every weight, the state cache and the
+    window keep them (Split.weights_kept): from the second step nothing is read, and the run still
+    peaks under the budget (the window's stashed copies come out of its own share). Without
+    clipping: a step whose gradients clip is redone from the state before it, which is read back
+    (the speculative update overwrote the cached copy)."""
+    config = make_config("llama", None, SHAPE)
+    state = 16 * param_count(config)
+    budget = "768MiB"
+    assert state < parse_bytes(budget) * 0.75
+    libraries, summary = finetune_under(tmp_path, SHAPE, 400, budget, "--seq-len", "64", "--steps", "3",
+                                        "--lr", "1e-3", "--precision", "bf16", "--max-grad-norm", "0")
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["ssd_read_bytes"] for r in rows][1:] == [0, 0]
+    assert all(r["ssd_write_bytes"] > 0 for r in rows)  # every step is still written
+    assert summary["peak_rss_bytes"] <= libraries + parse_bytes(budget)

@@ -9,7 +9,7 @@ an entry no block is using takes the new values in place, and an entry whose eve
 renewed survives the commit, so the next forward does not read back what the step just wrote.
 A block still computing holds its entry when the optimizer finishes its first shards (a layer's
 weight gradients come before its backward ends): with `stash`, the new values go into a second
-buffer from the pool's free room, which replaces the entry's at the commit.
+buffer from the pool's free room, which replaces the entry's once the block lets go of it.
 """
 from __future__ import annotations
 
@@ -191,6 +191,12 @@ class WeightWindow:
                 e = self._entries[n]
                 e.pins -= 1
                 e.tick = next(self._clock)
+                if e.pins == 0 and e.fresh is not None:
+                    # no block uses the old values any more: the stash becomes the entry now (as an
+                    # offer to an unused entry would have been), so stashes do not pile up until
+                    # the commit (they had taken a whole backward's worth of the window)
+                    old, (e.buffer, e.tensor), e.fresh = e.buffer, e.fresh, None
+                    old.release()
 
     def offer(self, name: str, shard: int, values: torch.Tensor) -> None:
         """The step's new working weights of one shard (called before they are written). Only an
