@@ -213,8 +213,13 @@ class WeightWindow:
                 buf = self.pool.try_acquire(e.buffer.nbytes)
                 if buf is None:
                     return
-                flat = buf.view(self.dtype, (self.infos[name].numel,))
-                flat.copy_(e.tensor.view(-1))  # shards renewed in place before the block took it
+                info = self.infos[name]
+                flat, held = buf.view(self.dtype, (info.numel,)), e.tensor.view(-1)
+                # only the shards renewed in place before the block took the entry: the others are
+                # offered into the stash, or the entry is not whole at the commit and is dropped
+                for k in e.renewed:
+                    lo, hi = info.shards[k]
+                    flat[lo:hi].copy_(held[lo:hi])
                 e.fresh = (buf, flat.view(e.tensor.shape))
             a, b = self.infos[name].shards[shard]
             (e.fresh[1] if e.fresh is not None else e.tensor).view(-1)[a:b].copy_(values)
@@ -229,9 +234,6 @@ class WeightWindow:
                 if e.pins == 0 and not (keep_renewed and len(e.renewed) == len(self.infos[n].shards)):
                     self._drop(n)
                 else:
-                    if e.fresh is not None and e.pins == 0:
-                        old, (e.buffer, e.tensor), e.fresh = e.buffer, e.fresh, None
-                        old.release()
                     e.renewed = set()
                     # kept for the next forward, which needs them before anything it reads ahead:
                     # as read-ahead entries, prefetch cannot evict them (by the last use in
