@@ -105,6 +105,10 @@ def main():
     p.add_argument("--window", type=int, default=256,
                    help="tokens scored per forward; 32 or fewer runs the few-row kernels decoding uses "
                         "(int8 and int4 round x there), more runs the prefill path")
+    p.add_argument("--decode", action="store_true",
+                   help="feed each window a token a step through the KV cache: every product runs the "
+                        "one-row loops that generating runs (TIERLM_NATIVE_EXACT_X=1: with x kept to 16 bits)")
+    p.add_argument("--formats", nargs="*", default=["fp32", "bf16", "int8", "int4"])
     a = p.parse_args()
     root = Path(a.dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -120,13 +124,15 @@ def main():
     rows = {}
     for name, text in evals.items():
         ids = tok(text).input_ids[: a.eval_tokens]
-        for w in ("fp32", "bf16", "int8", "int4"):
+        for w in a.formats:
             eng = InferenceEngine(model, InferConfig(cpu_mem="2GiB", weights=w, max_seq_len=512,
                                                      nvme_dir=str(root / f"store-{w}")))
-            rows[(name, w)] = perplexity(eng, ids, window=a.window)
+            rows[(name, w)] = perplexity(eng, ids, window=a.window, decode=a.decode)
             eng.close()
             print(json.dumps({"text": name, "tokens": len(ids), "weights": w, "ppl": rows[(name, w)]}), flush=True)
-    print(f"\nwindows of {a.window} tokens")
+    print(f"\nwindows of {a.window} tokens" + (", a token a step" if a.decode else ""))
+    if set(a.formats) != {"fp32", "bf16", "int8", "int4"}:
+        return
     print("| text | tokens | fp32 | bf16 | int8 (vs bf16) | int4 (vs bf16) |\n|---|---|---|---|---|---|")
     for name, text in evals.items():
         b = rows[(name, "bf16")]

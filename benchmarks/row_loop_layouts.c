@@ -114,6 +114,36 @@ T static void i8_tiled(const int16_t *xq, int64_t K, const int8_t *w, float *y, 
     }
 }
 
+/* bf16 with x rounded to bf16 (hi only): one vdpbf16ps per 32 weights, as a bf16 model computes */
+T static void bf16_row_hi(const uint16_t *xh, int64_t K, const uint16_t *w, float *y, int64_t N) {
+    for (int64_t n = 0; n < N; n++) {
+        const uint16_t *wr = w + n * K;
+        __m512 c0 = _mm512_setzero_ps(), c1 = c0;
+        for (int64_t k = 0; k + 64 <= K; k += 64) {
+            c0 = _mm512_dpbf16_ps(c0, BH(LD(wr + k)), BH(LD(xh + k)));
+            c1 = _mm512_dpbf16_ps(c1, BH(LD(wr + k + 32)), BH(LD(xh + k + 32)));
+        }
+        y[n] = _mm512_reduce_add_ps(_mm512_add_ps(c0, c1));
+    }
+}
+
+/* int8 against 8-bit x with one scale per 128 inputs (as llama.cpp's q8 activations): the weights'
+   sign bit flipped makes them unsigned (w + 128), so vpdpbusd takes 64 weight/x pairs at once with
+   no widening; the 128 * sum(xq) this adds is one number per x, subtracted once per row. */
+T static void i8_row_x8(const int8_t *x8, const float *xs8, int64_t K, const int8_t *w, float *y, int64_t N) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int64_t n = 0; n < N; n++) {
+        const int8_t *wr = w + n * K;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t k = 0; k + 128 <= K; k += 128) {
+            __m512i c0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_xor_si512(LD(wr + k), flip), LD(x8 + k));
+            __m512i c1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_xor_si512(LD(wr + k + 64), flip), LD(x8 + k + 64));
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(c0, c1)), _mm512_set1_ps(xs8[k >> 7]), acc);
+        }
+        y[n] = _mm512_reduce_add_ps(acc);
+    }
+}
+
 /* a plain read of n bf16 elements (4 chains), the reference */
 T static float sum_read(const uint16_t *p, int64_t n) {
     __m512 a[4];
@@ -123,13 +153,14 @@ T static float sum_read(const uint16_t *p, int64_t n) {
     return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
 }
 
-enum { BF16_ROW, BF16_FOUR, BF16_TILED, I8_ROW, I8_TILED, SUM, NV };
+enum { BF16_ROW, BF16_FOUR, BF16_TILED, BF16_HI, I8_ROW, I8_TILED, I8_X8, SUM, NV };
 static const char *NAMES[NV] = {"bf16 row-major (shipped)", "bf16 four rows at once", "bf16 tiled 4x128",
-                                "int8 row-major (shipped)", "int8 tiled 4x128", "plain read"};
-static const int BYTES[NV] = {2, 2, 2, 1, 1, 2};
+                                "bf16 x rounded to bf16", "int8 row-major (shipped)", "int8 tiled 4x128",
+                                "int8, 8-bit x, vpdpbusd", "plain read"};
+static const int BYTES[NV] = {2, 2, 2, 2, 1, 1, 1, 2};
 static volatile float sink;
 
-typedef struct { const uint16_t *xh, *xl; const int16_t *xq; } X;
+typedef struct { const uint16_t *xh, *xl; const int16_t *xq; const int8_t *x8; const float *xs8; } X;
 
 static void run(int v, const X *x, int64_t K, const void *w, float *y, int64_t N) {
     switch (v) {
@@ -138,6 +169,8 @@ static void run(int v, const X *x, int64_t K, const void *w, float *y, int64_t N
     case BF16_TILED: bf16_tiled(x->xh, x->xl, K, w, y, N); break;
     case I8_ROW: i8_row(x->xq, K, w, y, N); break;
     case I8_TILED: i8_tiled(x->xq, K, w, y, N); break;
+    case BF16_HI: bf16_row_hi(x->xh, K, w, y, N); break;
+    case I8_X8: i8_row_x8(x->x8, x->xs8, K, w, y, N); break;
     default: sink = sum_read(w, N * K); break;
     }
 }
@@ -164,7 +197,7 @@ static void *filled(int64_t bytes) {
 
 int main(int argc, char **argv) {
     const int64_t K = 2048;
-    X x = {filled(K * 2), filled(K * 2), filled(K * 2)};
+    X x = {filled(K * 2), filled(K * 2), filled(K * 2), filled(K), filled(K * 4)};
     if (argc > 1 && !strcmp(argv[1], "cache")) {
         for (int64_t N = 128; N <= 2048; N *= 16) {
             void *w = filled(N * K * 2);

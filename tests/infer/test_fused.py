@@ -139,7 +139,9 @@ def test_fused_decode_on_quantised_weights_runs_every_layer(arch, tmp_path, fuse
     rounding (x rounded to 16 bits at one row); int4's 8-bit x and these wide random weights
     amplify last-bit differences across 8 steps (chaotic here: int4 errs by ~0.85 of the logits'
     size against fp32), so it must only be as close to the fp32 forward as the per-product path;
-    bf16 differs by the bf16 attention of the per-product path."""
+    bf16 differs by the bf16 attention of the per-product path, and from the fp32 forward by no
+    more than transformers' own bf16 forward does (one row's x rounded to bf16, as it rounds its
+    activations; ~0.15 of the logits' size here for llama, and for both)."""
     config = _bf16_model(arch, tmp_path / "m")
     d = tmp_path / "m"
     for rows in (1, 2):
@@ -157,4 +159,5 @@ def test_fused_decode_on_quantised_weights_runs_every_layer(arch, tmp_path, fuse
             elif weights == "int4":
                 assert e_fused < e_per * 1.15, (rows, e_fused, e_per)
             else:
-                assert apart < 0.05 and e_fused < 0.1, (rows, apart, e_fused)
+                hf = _run(_engine(d, tmp_path, lean=False, weights=weights, dtype=dtype, rows=rows), rows)
+                assert apart < 0.05 and e_fused < max(0.1, 1.15 * _err(hf, ref)), (rows, apart, e_fused, _err(hf, ref))

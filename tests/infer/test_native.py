@@ -29,6 +29,22 @@ def round16(x):
     return torch.trunc(v + 0.5 * torch.sign(v)) * (m / 32767)
 
 
+# Where the CPU has the AVX-512 rows, one row's x is rounded lighter by default (kernels/gemv.c,
+# x_light): to bf16 against bf16 weights, to 8 bits a group of 128 against int8 weights
+LIGHT = native.available() and "light-x" in native.isa()
+
+
+def one_row_x(x, kind):
+    """One row of x as the one-row loops take it: bf16 weights, rounded to bf16 (light x) or x
+    itself to 2^-17; int8, 8 bits a group of 128 (light x, a row of a multiple of 128 inputs on
+    VNNI) or 16 bits a row."""
+    if kind == "bf16":
+        return x.bfloat16().float() if LIGHT and "avx512bf16" in native.isa() else x
+    if LIGHT and "avx512vnni" in native.isa() and x.shape[-1] % 128 == 0:
+        return round8_groups(x, 128)
+    return round16(x)
+
+
 def int4_weight(n, k, group, seed=0):
     """Our int4 layout of a random weight: (packed, (scale, lo) pairs, q as fp32 [n, k])."""
     from tierlm.infer.quant import _int4, dequant_int4
@@ -100,20 +116,20 @@ def test_int4_group_must_divide_the_row_in_multiples_of_32():
 
 @needs_kernels
 @pytest.mark.parametrize("rows", [1, 2, 4, 5, 9])
-@pytest.mark.parametrize("k", [16, 40, 2056])  # whole vectors, a tail only, vectors and a tail
+@pytest.mark.parametrize("k", [16, 40, 2056, 2048])  # whole vectors, a tail only, vectors and a tail; groups of 128
 def test_products_match_float64(rows, k):
     n = 67
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1))
     q, s = int8_weight(n, k)
     xr = x.double()
-    if rows == 1:  # one row runs in integers: x rounded to 16 bits with one scale (kernels/gemv.c)
-        xr = round16(x).double()
+    if rows == 1:  # one row runs in integers: x rounded with scales (kernels/gemv.c)
+        xr = one_row_x(x, "int8").double()
     ref = xr @ (q.double() * s.double()[:, None]).T
     got = native.gemv_int8(x, q, s)
     assert got.shape == (rows, n) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5 * k ** 0.5)
     w = torch.randn(n, k).bfloat16()
-    ref = x.double() @ w.double().T
+    ref = (one_row_x(x, "bf16") if rows == 1 else x).double() @ w.double().T
     torch.testing.assert_close(native.gemv_bf16(x, w).double(), ref, rtol=1e-5, atol=1e-5 * k ** 0.5)
 
 
@@ -126,6 +142,18 @@ def test_one_row_int8_integer_sums_do_not_overflow():
     x = torch.full((1, k), -1.0)
     got = native.gemv_int8(x, q, torch.ones(3))
     assert torch.equal(got, torch.full((1, 3), 128.0 * k))
+
+
+@needs_kernels
+@pytest.mark.parametrize("w", [127, -128])
+def test_one_row_int8_of_8_bit_x_is_exact_at_the_extremes(w):
+    """8-bit x (groups of 128, weights sign-flipped to unsigned): the largest products of either
+    sign over a long row; integer sums per group stay exact in fp32."""
+    k = 3 * 4096
+    q = torch.full((3, k), w, dtype=torch.int8)
+    for v in (1.0, -1.0):
+        got = native.gemv_int8(torch.full((1, k), v), q, torch.ones(3))
+        torch.testing.assert_close(got, torch.full((1, 3), v * w * k), rtol=1e-6, atol=0)
 
 
 @needs_kernels
@@ -253,8 +281,8 @@ def test_int8_qlinear_uses_ours_for_few_rows_and_agrees_with_pytorchs_kernel():
     for rows in (1, 7, 33):  # 33: above NATIVE_MAX_ROWS, PyTorch's kernel itself
         x = torch.randn(rows, 256)
         xr = x
-        if rows == 1:  # ours rounds one row to 16 bits (kernels/gemv.c); PyTorch's is given the same x
-            xr = round16(x)
+        if rows == 1:  # ours rounds one row (kernels/gemv.c); PyTorch's is given the same x
+            xr = one_row_x(x, "int8")
         torch_y = torch.ops.aten._weight_int8pack_mm(xr, lin.qweight, lin.scales)
         y = lin(x)
         if rows == 33:
@@ -328,13 +356,14 @@ def test_the_avx2_row_loops_pass_the_kernel_tests_too(switch, feature, make, tmp
         pytest.skip(f"no {feature} here: the AVX2 loop is the only one")
     r = run_py("from tierlm.infer import native\nprint(native.isa())", **{switch: "0"})
     assert r.returncode == 0 and feature not in r.stdout, r.stderr
+    exact = {"TIERLM_NATIVE_EXACT_X": "1"}  # the AVX-512 loops' exact forms; light x: the test below
     code = ("import sys, torch\nfrom tierlm.infer import native\nfrom tierlm.infer.quant import _int8\n"
             "torch.manual_seed(0)\nx = torch.randn(1, 2050)\n" + make + "\ntorch.save((x, weff, y), sys.argv[1])")
     outs = []
     for flag in ("1", "0"):
         path = tmp_path / f"y{flag}.pt"
         r = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120,
-                           env={**os.environ, switch: flag})
+                           env={**os.environ, **exact, switch: flag})
         assert r.returncode == 0, r.stderr
         outs.append(torch.load(path))
     (x, w, fast), (_, _, avx2) = outs
@@ -342,7 +371,47 @@ def test_the_avx2_row_loops_pass_the_kernel_tests_too(switch, feature, make, tmp
     assert ((fast.double() - avx2.double()).abs() / scale).max() < 2 ** -17
     r = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider", __file__,
                         "-k", "float64 or several or norm or kept or thread or qlinear"], capture_output=True,
-                       text=True, timeout=900, env={**os.environ, switch: "0"})
+                       text=True, timeout=900, env={**os.environ, **exact, switch: "0"})
+    assert r.returncode == 0, r.stdout[-3000:]
+
+
+@needs_kernels
+def test_light_x_rounds_one_row_as_said_and_exact_x_passes_the_kernel_tests_too(tmp_path):
+    """By default the AVX-512 one-row loops take x rounded to bf16 (bf16 weights) or to 8 bits a
+    group of 128 (int8, vpdpbusd on sign-flipped weights); TIERLM_NATIVE_EXACT_X=1 keeps the exact
+    forms (x to 2^-17). Both give what their rounding of x times the weights gives, and with exact
+    x the product tests pass as written for it."""
+    if not LIGHT:
+        pytest.skip("no AVX-512 one-row loops here: x is rounded one way only")
+    r = run_py("from tierlm.infer import native\nprint(native.isa())", TIERLM_NATIVE_EXACT_X="1")
+    assert r.returncode == 0 and "light-x" not in r.stdout, r.stderr
+    code = ("import sys, torch\nfrom tierlm.infer import native\nfrom tierlm.infer.quant import _int8\n"
+            "torch.manual_seed(0)\nx = torch.randn(1, 2048) * torch.linspace(0.1, 4, 2048)\n"
+            "w = torch.randn(300, 2048).bfloat16()\nd = _int8(torch.randn(300, 2048), torch.float32)\n"
+            "torch.save((x, w, d['qweight'], d['scales'], native.gemv_bf16(x, w),"
+            " native.gemv_int8(x, d['qweight'], d['scales'])), sys.argv[1])")
+    outs = {}
+    for flag in ("0", "1"):
+        path = tmp_path / f"y{flag}.pt"
+        r = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "TIERLM_NATIVE_EXACT_X": flag})
+        assert r.returncode == 0, r.stderr
+        outs[flag] = torch.load(path)
+    x, w, q, s, yb, yi = outs["0"]
+    _, _, _, _, eb, ei = outs["1"]
+    wi = q.double() * s.double()[:, None]
+    for got, xr, wd in ((yb, x.bfloat16().double(), w.double()), (yi, round8_groups(x, 128).double(), wi),
+                        (eb, x.double(), w.double()), (ei, round16(x).double(), wi)):
+        ref = xr @ wd.T
+        assert ((got.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    # and the light forms differ from the exact ones by their rounding of x, no more
+    scale = x.double().abs() @ w.double().abs().T
+    assert 2 ** -14 < ((yb.double() - eb.double()).abs() / scale).max() < 2 ** -8
+    scale = x.double().abs() @ wi.abs().T
+    assert 2 ** -14 < ((yi.double() - ei.double()).abs() / scale).max() < 2 ** -7
+    r = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider", __file__,
+                        "-k", "float64 or several or norm or kept or thread or qlinear"], capture_output=True,
+                       text=True, timeout=900, env={**os.environ, "TIERLM_NATIVE_EXACT_X": "1"})
     assert r.returncode == 0, r.stdout[-3000:]
 
 

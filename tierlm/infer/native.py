@@ -124,7 +124,9 @@ def isa() -> str:
     isa = lib.tierlm_gemv_isa()
     if not isa:
         return "portable"
-    return "+".join(["avx2"] + [name for bit, name in ((4, "avx512bf16"), (8, "avx512vnni")) if isa & bit])
+    # "light-x": one row's x rounded to bf16 / 8 bits a group for those loops (TIERLM_NATIVE_EXACT_X=1: not)
+    return "+".join(["avx2"] + [name for bit, name in ((4, "avx512bf16"), (8, "avx512vnni"), (16, "light-x"))
+                                if isa & bit])
 
 
 def _rows(x: torch.Tensor, k: int) -> torch.Tensor:

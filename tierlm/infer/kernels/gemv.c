@@ -38,6 +38,7 @@
 #include "gemv.h"
 
 #define I16_BLOCK 4096
+#define X8_GROUP 128  /* inputs of one row's x per 8-bit scale, int8 weights (rows_i8x8_vnni) */
 
 /* ---- portable loops ---------------------------------------------------------------------- */
 static void rows_i8x16_scalar(const int16_t *xq, float xs, int64_t K, const int8_t *w, const float *s,
@@ -378,6 +379,52 @@ TARGET_BF16DP static void rows_bf16_dp(const uint16_t *xh, const uint16_t *xl, c
         y[n] = acc;
     }
 }
+
+/* The same with x rounded to bf16 (hi only), as a bf16 model computes in transformers: one
+   vdpbf16ps and one x load per 32 weights where the split takes two of each. From DRAM the loop's
+   share of a plain read follows how few instructions it issues per byte, not its arithmetic
+   (benchmarks/row_loop_layouts.c: 2 threads, 99% of the plain read against the split's 89%). */
+TARGET_BF16DP static void rows_bf16_dp1(const uint16_t *xh, const float *x, int64_t K, const uint16_t *w,
+                                        float *y, int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++) {
+        const uint16_t *wr = w + n * K;
+        __m512 c0 = _mm512_setzero_ps(), c1 = c0;
+        int64_t k = 0;
+        for (; k + 64 <= K; k += 64) {
+            c0 = _mm512_dpbf16_ps(c0, (__m512bh)_mm512_loadu_si512(wr + k), (__m512bh)_mm512_loadu_si512(xh + k));
+            c1 = _mm512_dpbf16_ps(c1, (__m512bh)_mm512_loadu_si512(wr + k + 32),
+                                  (__m512bh)_mm512_loadu_si512(xh + k + 32));
+        }
+        float acc = _mm512_reduce_add_ps(_mm512_add_ps(c0, c1));
+        for (; k < K; k++) acc += bf16_to_f32(xh[k]) * bf16_to_f32(wr[k]);
+        y[n] = acc;
+    }
+    (void)x;
+}
+
+/* One int8 row against 8-bit x with one scale per X8_GROUP inputs (llama.cpp's q8 activations):
+   the weights' sign bit flipped makes them unsigned (w + 128), so one vpdpbusd takes 64 weight/x
+   pairs with no widening, 4 instructions per 64 weights against 8 for 16-bit x. The 128 * sum(xq)
+   the flip adds does not depend on the row: xs[G] holds it, scaled, subtracted once per row.
+   Per group and lane, 8 products of <= 255 * 127 stay below 2^24, so the move to fp32 is exact. */
+TARGET_VNNI static void rows_i8x8_vnni(const int8_t *xq, const float *xs, int64_t K, const int8_t *w,
+                                       const float *s, float *y, int64_t n0, int64_t n1) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    int64_t G = K / X8_GROUP;
+    for (int64_t n = n0; n < n1; n++) {
+        const int8_t *wr = w + n * K;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t g = 0, k = 0; g < G; g++, k += X8_GROUP) {
+            __m512i c0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_xor_si512(_mm512_loadu_si512(wr + k), flip),
+                                             _mm512_loadu_si512(xq + k));
+            __m512i c1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(),
+                                             _mm512_xor_si512(_mm512_loadu_si512(wr + k + 64), flip),
+                                             _mm512_loadu_si512(xq + k + 64));
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(c0, c1)), _mm512_set1_ps(xs[g]), acc);
+        }
+        y[n] = (_mm512_reduce_add_ps(acc) - xs[G]) * s[n];
+    }
+}
 #endif
 
 /* The AVX-512 rows this CPU takes, checked once: bit 1 one bf16 row (rows_bf16_dp), bit 2 one int8
@@ -401,6 +448,20 @@ static int avx512_rows(void) {
 int tl_use_bf16dp(void) { return avx512_rows() & 1; }
 int tl_use_vnni(void) { return (avx512_rows() & 2) != 0; }
 
+/* Whether one row's x is rounded as the AVX-512 loops' lighter forms take it: to bf16 for bf16
+   weights (rows_bf16_dp1), to 8 bits a group for int8 (rows_i8x8_vnni). TIERLM_NATIVE_EXACT_X=1
+   keeps x to 2^-16 of its largest element (the bf16 split, 16-bit x): tests compare the two. */
+static int x_light(void) {
+    static int cached = -1;
+    if (cached < 0) {
+        const char *e = getenv("TIERLM_NATIVE_EXACT_X");
+        cached = !(e && *e && strcmp(e, "0"));
+    }
+    return cached;
+}
+int tl_light_x(void) { return avx512_rows() && x_light(); }
+static int i8_x8(int64_t K) { return tl_use_vnni() && x_light() && K % X8_GROUP == 0; }
+
 int tl_use_avx2(void) {
 #if HAVE_X86
     static int cached = -1;
@@ -418,9 +479,10 @@ int tl_use_avx2(void) {
 }
 
 /* 0: the portable loops; else 2 (AVX2), plus 4 where one bf16 row takes AVX512-BF16
-   (rows_bf16_dp) and 8 where one int8 row takes AVX512-VNNI (row_i8x16_vnni). */
+   (rows_bf16_dp) and 8 where one int8 row takes AVX512-VNNI (row_i8x16_vnni), and 16 where those
+   round x lighter (x_light). */
 int tierlm_gemv_isa(void) {
-    return tl_use_avx2() ? 2 | (tl_use_bf16dp() ? 4 : 0) | (tl_use_vnni() ? 8 : 0) : 0;
+    return tl_use_avx2() ? 2 | (tl_use_bf16dp() ? 4 : 0) | (tl_use_vnni() ? 8 : 0) | (tl_light_x() ? 16 : 0) : 0;
 }
 
 /* int4 weights back to fp32 [N, K] for products of many rows (a prefill), which then run as one
@@ -493,6 +555,15 @@ TARGET_AVX2 static void round_i8_group_avx2(const float *x, int64_t group, float
             __m128i p = _mm_packs_epi16(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
             _mm_storeu_si128((__m128i *)(xq + b + at[c]), p);
         }
+}
+
+/* n (a multiple of 16) inputs to 8 bits in order (rows_i8x8_vnni) */
+TARGET_AVX2 static void round_i8_avx2(const float *x, int64_t n, float inv, int8_t *xq) {
+    __m256 iv = _mm256_set1_ps(inv);
+    for (int64_t k = 0; k < n; k += 16) {
+        __m256i v = round16_avx2(x + k, iv);
+        _mm_storeu_si128((__m128i *)(xq + k), _mm_packs_epi16(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
+    }
 }
 
 TARGET_AVX2 static void rms_row_avx2(const float *x, int64_t K, const void *nw, int nw_bf16, float eps, float *o) {
@@ -614,6 +685,7 @@ void tl_rows_range(int kind, const float *x, const int16_t *xq, const float *xs,
             rows_i4_scalar(xq, 0, xs, xsum, M, K, w[j], s[j], group, y[j], ld, lo, hi);
         } else if (kind == 0 && xq) {
 #if HAVE_X86
+            if (i8_x8(K)) { rows_i8x8_vnni((const int8_t *)xq, xs, K, w[j], s[j], y[j], lo, hi); continue; }
             if (avx2) { rows_i8x16_avx2(xq, xs[0], K, w[j], s[j], y[j], lo, hi); continue; }
 #endif
             rows_i8x16_scalar(xq, xs[0], K, w[j], s[j], y[j], lo, hi);
@@ -629,7 +701,8 @@ void tl_rows_range(int kind, const float *x, const int16_t *xq, const float *xs,
             rows_f32_scalar(x, M, K, w[j], y[j], ld, lo, hi);
         } else if (kind == 1 && xq) {
 #if HAVE_X86
-            rows_bf16_dp((const uint16_t *)xq, (const uint16_t *)xq + K, x, K, w[j], y[j], lo, hi);
+            if (x_light()) rows_bf16_dp1((const uint16_t *)xq, x, K, w[j], y[j], lo, hi);
+            else rows_bf16_dp((const uint16_t *)xq, (const uint16_t *)xq + K, x, K, w[j], y[j], lo, hi);
 #endif
         } else {
 #if HAVE_X86
@@ -650,7 +723,9 @@ int tl_rounds_x(int kind, int64_t M) {
 /* int16 elements of xq: x's bf16 halves take two per input (rows_bf16_dp), the rest one. */
 int64_t tl_xq_halves(int kind, int64_t M, int64_t K) { return (kind == 1 ? 2 : 1) * M * K; }
 int64_t tl_xs_floats(int kind, int64_t group, int64_t M, int64_t K) {
-    int64_t G = kind == 2 ? K / group : 0;
+    /* int8's 8-bit x: a scale per group and the flip's sum; by K's floor, so that a fused layer's
+       buffer sized for its longest x holds that of a shorter one that divides into groups */
+    int64_t G = kind == 2 ? K / group : kind == 0 && M == 1 && tl_use_vnni() && x_light() ? K / X8_GROUP : 0;
     return M * (G + 1) + M * G;
 }
 
@@ -658,12 +733,32 @@ int64_t tl_xs_floats(int kind, int64_t group, int64_t M, int64_t K) {
    (tl_xs_floats); nothing for kinds that take fp32 x. */
 void tl_prepare_x(int kind, int64_t group, const float *x, int64_t M, int64_t K, int16_t *xq, float *xs) {
     if (!tl_rounds_x(kind, M)) return;
-    if (kind == 1) {  /* bf16 halves of the one row (rows_bf16_dp) */
+    if (kind == 1) {  /* bf16 halves of the one row (rows_bf16_dp), or hi only (rows_bf16_dp1) */
         uint16_t *hi = (uint16_t *)xq, *lo = hi + K;
+        int split = !x_light();
         for (int64_t k = 0; k < K; k++) {
             hi[k] = f32_to_bf16(x[k]);
-            lo[k] = f32_to_bf16(x[k] - bf16_to_f32(hi[k]));
+            if (split) lo[k] = f32_to_bf16(x[k] - bf16_to_f32(hi[k]));
         }
+        return;
+    }
+    if (kind == 0 && i8_x8(K)) {  /* 8 bits a group, in order, and the flip's sum (rows_i8x8_vnni) */
+        int64_t G = K / X8_GROUP;
+        int8_t *q = (int8_t *)xq;
+        double c = 0.;
+        for (int64_t g = 0; g < G; g++) {
+            const float *xg = x + g * X8_GROUP;
+            float m = absmax(xg, X8_GROUP), inv = m > 0.f ? 127.f / m : 0.f;
+            int8_t *qg = q + g * X8_GROUP;
+            int32_t t = 0;
+            xs[g] = m / 127.f;
+#if HAVE_X86
+            round_i8_avx2(xg, X8_GROUP, inv, qg);
+#endif
+            for (int64_t k = 0; k < X8_GROUP; k++) t += qg[k];
+            c += (double)xs[g] * 128. * t;
+        }
+        xs[G] = (float)c;
         return;
     }
     int64_t G = kind == 2 ? K / group : 0;
