@@ -65,6 +65,25 @@ def read_gbps(threads: int) -> float:
     return best
 
 
+def weights_read_gbps(eng, threads: int) -> float:
+    """The rate at which this process reads the weights a decode step reads, where they lie: a
+    torch sum over each resident matrix (best of 2). On this VM a buffer's read rate depends on
+    where its pages landed (two 700 MB buffers of one process, read alike, differed by 1.5x;
+    docs/inference.md), so beside the fresh-buffer probe this is the rate of the model's own bytes."""
+    mats = [t for _, t in list(eng.model.named_parameters()) + list(eng.model.named_buffers())
+            if t.dim() == 2 and t.dtype in (torch.bfloat16, torch.float32, torch.int8, torch.uint8)
+            and t.numel() >= 1 << 16]
+    nbytes = sum(t.numel() * t.element_size() for t in mats)
+    torch.set_num_threads(threads)
+    best = 0.0
+    for _ in range(2):
+        t = time.perf_counter()
+        for m in mats:
+            (m.view(torch.uint8) if m.dtype == torch.int8 else m).sum()
+        best = max(best, nbytes / (time.perf_counter() - t) / 1e9)
+    return best
+
+
 def ssd_read_gbps(directory: Path) -> float:
     """The drive's read rate now, as `tierlm bench io` measures it (512 MiB, 16 MiB blocks, 4 in
     flight, direct I/O): taken beside each streamed measurement, since this virtual disk's rate
@@ -73,10 +92,13 @@ def ssd_read_gbps(directory: Path) -> float:
     return bench_io(directory, 512 << 20)["read_gbps"]
 
 
-def run(model, weights, batch, tokens, prompt_len, cpu_mem, nvme, rates, threads, path="fused", rounds=1):
+def run(model, weights, batch, tokens, prompt_len, cpu_mem, nvme, rates, threads, path="fused", rounds=1,
+        xs=(None,)):
     """One engine; per thread count, `rounds` measured generations, each between two read probes
-    (memory in RAM, the drive when streamed). Returns a result per thread count: the round with
-    the median share of its probes' roofline, with every round's share."""
+    (memory in RAM, the drive when streamed), and in RAM a read of the weights themselves. With
+    several `xs` ("light", "exact": how the one-row loops round x), each round measures each in
+    turn on the same engine. Returns a result per thread count and x: the round with the median
+    share of its probes' roofline, with every round's share."""
     cfg = InferConfig(cpu_mem=cpu_mem, weights=weights, max_batch=batch, max_seq_len=prompt_len + tokens,
                       nvme_dir=str(nvme), step_tokens=max(256, prompt_len), lean=path != "hf", fused=path == "fused")
     eng = InferenceEngine(model, cfg)
@@ -87,8 +109,10 @@ def run(model, weights, batch, tokens, prompt_len, cpu_mem, nvme, rates, threads
         # warm-up: the kernels' first calls at this thread count and, streamed, the window's buffers
         b.submit(Request(_prompt(8), SamplingParams(max_tokens=2, ignore_eos=True)))
         b.run_until_idle()
-        per_round = []
-        for _ in range(rounds):
+        per_round = {x: [] for x in xs}
+        for _, x in [(r, x) for r in range(rounds) for x in xs]:
+            if x is not None:
+                native.set_light_x(x == "light")
             probe = read_gbps(th) if not eng.stream else None
             ssd_probe = ssd_read_gbps(Path(nvme).parent / "ssd-probe") if eng.stream else None
             torch.set_num_threads(th)
@@ -98,17 +122,25 @@ def run(model, weights, batch, tokens, prompt_len, cpu_mem, nvme, rates, threads
             for _ in range(batch):
                 b.submit(Request(_prompt(prompt_len), SamplingParams(max_tokens=tokens, ignore_eos=True)))
             b.run_until_idle()
+            own = None
             if probe is not None:
                 probe = max(probe, read_gbps(th))
+                own = weights_read_gbps(eng, th)
                 torch.set_num_threads(th)
             if ssd_probe is not None:
                 ssd_probe = max(ssd_probe, ssd_read_gbps(Path(nvme).parent / "ssd-probe"))
-            per_round.append(_result(eng, b.stats, weights, batch, th, rates, probe, ssd_probe))
-        shares = [_share(r) for r in per_round]
-        out = sorted(per_round, key=_share)[len(per_round) // 2]
-        out["probe_shares"] = shares
-        outs.append(out)
-        print(json.dumps(out), flush=True)
+            per_round[x].append(_result(eng, b.stats, weights, batch, th, rates, probe, ssd_probe, own))
+        for x, rs in per_round.items():
+            out = sorted(rs, key=_share)[len(rs) // 2]
+            out["probe_shares"] = [_share(r) for r in rs]
+            if own is not None:
+                out["own_shares"] = [r["own_share"] for r in rs]
+            if x is not None:
+                out["x"] = x
+            outs.append(out)
+            print(json.dumps(out), flush=True)
+    if xs != (None,):
+        native.set_light_x(True)
     eng.close()
     return outs
 
@@ -125,7 +157,7 @@ def _share(r: dict) -> float:
     return r.get("probe_share", r.get("ssd_probe_share") or 0.0)
 
 
-def _result(eng, s, weights, batch, th, rates, probe, ssd_probe=None):
+def _result(eng, s, weights, batch, th, rates, probe, ssd_probe=None, own=None):
     dec_s, steps = s.s["decode"], max(s.steps["decode"], 1)
     per_fwd = eng.ram_weight_bytes()
     kv_step = s.kv["decode"] / steps
@@ -142,6 +174,9 @@ def _result(eng, s, weights, batch, th, rates, probe, ssd_probe=None):
     if probe is not None:
         out["probe_gbps"] = probe
         out["probe_share"] = out["decode_tok_s"] * (per_fwd + kv_step) / batch / (probe * 1e9)
+    if own:
+        out["own_gbps"] = own
+        out["own_share"] = out["decode_tok_s"] * (per_fwd + kv_step) / batch / (own * 1e9)
     if eng.stream:
         streamed = s.ssd["decode"] / steps
         out["ssd_bytes_per_forward"] = streamed
@@ -185,16 +220,17 @@ def table_ram(results, rates):
     mm_dtype = "fp32" if bf16_matmul_is_slow() else "bf16"
     mm = rates[f"matmul_{mm_dtype}_gflops"]
     rows = ["| weights | threads | GB read / token | decode tok/s | roofline tok/s | share | share of the read rate "
-            "probed beside it (median; each round) | vs transformers.generate "
-            f"| prefill tok/s | prefill GFLOP/s (share of {mm_dtype} matmul) |", "|" + "---|" * 10]
+            "probed beside it (median; each round) | share of a read of the weights themselves, beside it | "
+            "vs transformers.generate "
+            f"| prefill tok/s | prefill GFLOP/s (share of {mm_dtype} matmul) |", "|" + "---|" * 11]
     for r in results:
         if r["weights"].startswith("transformers"):
-            rows.append(f"| {r['weights']} | {r['threads']} | | {r['decode_tok_s']:.2f} | | | | 1.00x | "
+            rows.append(f"| {r['weights']} | {r['threads']} | | {r['decode_tok_s']:.2f} | | | | | 1.00x | "
                         f"{r['prefill_tok_s']:.1f} | |")
             continue
         sp = f"{r['decode_tok_s'] / hf[r['threads']]:.2f}x" if r["threads"] in hf else ""
         rows.append(f"| {r['weights']} | {r['threads']} | {r['bytes_per_forward'] / 1e9:.2f} | {r['decode_tok_s']:.2f} "
-                    f"| {r['mem_roofline_tok_s']:.2f} | {100 * r['mem_share']:.0f}% | {_shares(r)} | {sp} "
+                    f"| {r['mem_roofline_tok_s']:.2f} | {100 * r['mem_share']:.0f}% | {_shares(r)} | {_own(r)} | {sp} "
                     f"| {r['prefill_tok_s']:.1f} "
                     f"| {r['prefill_gflops']:.0f} ({100 * r['prefill_gflops'] / mm:.0f}%) |")
     return rows
@@ -205,6 +241,13 @@ def _shares(r):
         return ""
     each = ", ".join(f"{100 * x:.0f}%" for x in r["probe_shares"])
     return f"**{100 * r['probe_share']:.0f}%** of {r['probe_gbps']:.1f} GB/s ({each})"
+
+
+def _own(r):
+    if "own_share" not in r:
+        return ""
+    each = ", ".join(f"{100 * x:.0f}%" for x in r["own_shares"])
+    return f"{100 * r['own_share']:.0f}% of {r['own_gbps']:.1f} GB/s ({each})"
 
 
 def table_stream(results):
@@ -244,6 +287,9 @@ def main():
     p.add_argument("--paths", nargs="*", default=["fused"], choices=["fused", "lean", "hf"],
                    help="decode steps with each layer one C call (tierlm.infer.fused), on tierlm.infer.lean's "
                         "per-product calls, on transformers' forward; several: side by side")
+    p.add_argument("--x", nargs="*", default=None, choices=["light", "exact"],
+                   help="how the AVX-512 one-row loops round x (light: bf16 / 8 bits a group, the default; "
+                        "exact: to 2^-17), side by side on one engine, round after round")
     p.add_argument("--prefetch", nargs="*", type=int, default=[1024],
                    help="bytes our kernels prefetch ahead of the row they multiply (0: off), side by side")
     a = p.parse_args()
@@ -267,9 +313,10 @@ def main():
                 for path, pf in [(path, pf) for path in a.paths for pf in (a.prefetch if kern == "ours" else [0])]:
                     native.set_prefetch(pf)
                     for r in run(model, w, 1, a.tokens, a.prompt_len, "20GiB", root / f"nvme-{w}", rates, a.threads,
-                                 path=path, rounds=a.rounds):
+                                 path=path, rounds=a.rounds, xs=tuple(a.x) if a.x and kern == "ours" else (None,)):
                         k = kern if kern == "torch" or native.available() else "torch"
                         k += f", prefetch {pf}" if len(a.prefetch) > 1 and k == "ours" else ""
+                        k += f", {r['x']} x" if "x" in r else ""
                         results.append(r | {"weights": f"{w} ({k}, {r['layers']} layers)"})
                 native.set_prefetch(1024)
             native.use(True)

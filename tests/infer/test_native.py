@@ -409,6 +409,15 @@ def test_light_x_rounds_one_row_as_said_and_exact_x_passes_the_kernel_tests_too(
     assert 2 ** -14 < ((yb.double() - eb.double()).abs() / scale).max() < 2 ** -8
     scale = x.double().abs() @ wi.abs().T
     assert 2 ** -14 < ((yi.double() - ei.double()).abs() / scale).max() < 2 ** -7
+    # switched between calls in one process (benchmarks compare the two on one engine): the same results
+    try:
+        native.set_light_x(False)
+        assert "light-x" not in native.isa()
+        assert torch.equal(native.gemv_bf16(x, w), eb) and torch.equal(native.gemv_int8(x, q, s), ei)
+        native.set_light_x(True)
+        assert torch.equal(native.gemv_bf16(x, w), yb) and torch.equal(native.gemv_int8(x, q, s), yi)
+    finally:
+        native.set_light_x(True)
     r = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider", __file__,
                         "-k", "float64 or several or norm or kept or thread or qlinear"], capture_output=True,
                        text=True, timeout=900, env={**os.environ, "TIERLM_NATIVE_EXACT_X": "1"})

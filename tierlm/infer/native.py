@@ -66,6 +66,7 @@ def _build() -> ctypes.CDLL:
     dll.tierlm_gemv_multi.restype = c_int
     dll.tierlm_gemv_isa.restype = c_int
     dll.tierlm_gemv_set_prefetch.argtypes = [i64]
+    dll.tierlm_gemv_set_light_x.argtypes = [c_int]
     dll.tierlm_dequant_int4.argtypes = [p, p, i64, i64, i64, p, c_int]
     dll.tierlm_dequant_int4.restype = None
     dll.tierlm_layer_decode.argtypes = [p, p, p, p, p, p]
@@ -102,6 +103,15 @@ def use(on: bool) -> None:
     """Route the callers to our kernels (where they build) or to PyTorch's from now on."""
     global _switched_off
     _switched_off = not on
+
+
+def set_light_x(on: bool) -> None:
+    """Whether the AVX-512 one-row loops take x rounded lighter (to bf16 against bf16 weights, to
+    8 bits a group of 128 against int8: the default) or exactly (TIERLM_NATIVE_EXACT_X=1); for
+    side-by-side benchmarks, between calls."""
+    lib = library()
+    if lib is not None:
+        lib.tierlm_gemv_set_light_x(int(bool(on)))
 
 
 def set_prefetch(nbytes: int) -> None:

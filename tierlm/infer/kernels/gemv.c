@@ -450,15 +450,17 @@ int tl_use_vnni(void) { return (avx512_rows() & 2) != 0; }
 
 /* Whether one row's x is rounded as the AVX-512 loops' lighter forms take it: to bf16 for bf16
    weights (rows_bf16_dp1), to 8 bits a group for int8 (rows_i8x8_vnni). TIERLM_NATIVE_EXACT_X=1
-   keeps x to 2^-16 of its largest element (the bf16 split, 16-bit x): tests compare the two. */
+   (or tierlm_gemv_set_light_x(0) between calls) keeps x to 2^-16 of its largest element (the
+   bf16 split, 16-bit x): tests and benchmarks compare the two. */
+static int light_x = -1;
 static int x_light(void) {
-    static int cached = -1;
-    if (cached < 0) {
+    if (light_x < 0) {
         const char *e = getenv("TIERLM_NATIVE_EXACT_X");
-        cached = !(e && *e && strcmp(e, "0"));
+        light_x = !(e && *e && strcmp(e, "0"));
     }
-    return cached;
+    return light_x;
 }
+void tierlm_gemv_set_light_x(int on) { light_x = on != 0; }
 int tl_light_x(void) { return avx512_rows() && x_light(); }
 static int i8_x8(int64_t K) { return tl_use_vnni() && x_light() && K % X8_GROUP == 0; }
 
@@ -724,8 +726,9 @@ int tl_rounds_x(int kind, int64_t M) {
 int64_t tl_xq_halves(int kind, int64_t M, int64_t K) { return (kind == 1 ? 2 : 1) * M * K; }
 int64_t tl_xs_floats(int kind, int64_t group, int64_t M, int64_t K) {
     /* int8's 8-bit x: a scale per group and the flip's sum; by K's floor, so that a fused layer's
-       buffer sized for its longest x holds that of a shorter one that divides into groups */
-    int64_t G = kind == 2 ? K / group : kind == 0 && M == 1 && tl_use_vnni() && x_light() ? K / X8_GROUP : 0;
+       buffer sized for its longest x holds that of a shorter one that divides into groups, and
+       whether x is light or not (it can change between calls) */
+    int64_t G = kind == 2 ? K / group : kind == 0 && M == 1 && tl_use_vnni() ? K / X8_GROUP : 0;
     return M * (G + 1) + M * G;
 }
 
