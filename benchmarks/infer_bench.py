@@ -70,9 +70,13 @@ def weights_read_gbps(eng, threads: int) -> float:
     torch sum over each resident matrix (best of 2). On this VM a buffer's read rate depends on
     where its pages landed (two 700 MB buffers of one process, read alike, differed by 1.5x;
     docs/inference.md), so beside the fresh-buffer probe this is the rate of the model's own bytes."""
+    # a step reads one row of the input embedding: left out unless it is the head too (tied)
+    embed = eng.model.get_input_embeddings().weight
+    head = getattr(eng.model.get_output_embeddings(), "weight", None)
+    skip = set() if head is not None and embed.data_ptr() == head.data_ptr() else {embed.data_ptr()}
     mats = [t for _, t in list(eng.model.named_parameters()) + list(eng.model.named_buffers())
             if t.dim() == 2 and t.dtype in (torch.bfloat16, torch.float32, torch.int8, torch.uint8)
-            and t.numel() >= 1 << 16]
+            and t.numel() >= 1 << 16 and t.data_ptr() not in skip]
     nbytes = sum(t.numel() * t.element_size() for t in mats)
     torch.set_num_threads(threads)
     best = 0.0

@@ -384,8 +384,8 @@ TARGET_BF16DP static void rows_bf16_dp(const uint16_t *xh, const uint16_t *xl, c
    vdpbf16ps and one x load per 32 weights where the split takes two of each. From DRAM the loop's
    share of a plain read follows how few instructions it issues per byte, not its arithmetic
    (benchmarks/row_loop_layouts.c: 2 threads, 99% of the plain read against the split's 89%). */
-TARGET_BF16DP static void rows_bf16_dp1(const uint16_t *xh, const float *x, int64_t K, const uint16_t *w,
-                                        float *y, int64_t n0, int64_t n1) {
+TARGET_BF16DP static void rows_bf16_dp1(const uint16_t *xh, int64_t K, const uint16_t *w, float *y, int64_t n0,
+                                        int64_t n1) {
     for (int64_t n = n0; n < n1; n++) {
         const uint16_t *wr = w + n * K;
         __m512 c0 = _mm512_setzero_ps(), c1 = c0;
@@ -399,7 +399,6 @@ TARGET_BF16DP static void rows_bf16_dp1(const uint16_t *xh, const float *x, int6
         for (; k < K; k++) acc += bf16_to_f32(xh[k]) * bf16_to_f32(wr[k]);
         y[n] = acc;
     }
-    (void)x;
 }
 
 /* One int8 row against 8-bit x with one scale per X8_GROUP inputs (llama.cpp's q8 activations):
@@ -461,7 +460,7 @@ static int x_light(void) {
     return light_x;
 }
 void tierlm_gemv_set_light_x(int on) { light_x = on != 0; }
-int tl_light_x(void) { return avx512_rows() && x_light(); }
+static int tl_light_x(void) { return avx512_rows() && x_light(); }
 static int i8_x8(int64_t K) { return tl_use_vnni() && x_light() && K % X8_GROUP == 0; }
 
 int tl_use_avx2(void) {
@@ -703,7 +702,7 @@ void tl_rows_range(int kind, const float *x, const int16_t *xq, const float *xs,
             rows_f32_scalar(x, M, K, w[j], y[j], ld, lo, hi);
         } else if (kind == 1 && xq) {
 #if HAVE_X86
-            if (x_light()) rows_bf16_dp1((const uint16_t *)xq, x, K, w[j], y[j], lo, hi);
+            if (x_light()) rows_bf16_dp1((const uint16_t *)xq, K, w[j], y[j], lo, hi);
             else rows_bf16_dp((const uint16_t *)xq, (const uint16_t *)xq + K, x, K, w[j], y[j], lo, hi);
 #endif
         } else {

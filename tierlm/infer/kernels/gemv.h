@@ -51,7 +51,6 @@ int tl_use_avx2(void);
 void tl_prep_rows(const float *x, int64_t M, int64_t K, const void *nw, int nw_bf16, float eps, float *out);
 int tl_use_bf16dp(void);
 int tl_use_vnni(void);
-int tl_light_x(void);
 int tl_rounds_x(int kind, int64_t M);
 int64_t tl_xq_halves(int kind, int64_t M, int64_t K);
 int64_t tl_xs_floats(int kind, int64_t group, int64_t M, int64_t K);
