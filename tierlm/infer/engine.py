@@ -30,7 +30,7 @@ from .gemv import use_gemv
 from .kvcache import SlotKVCache, kv_bytes, kv_geometry
 from .lean import LeanDecoder
 from .quant import int4_layout
-from .weights import LayerStream, PieceStore, fingerprint, plan_pieces
+from .weights import LayerStream, PieceStore, fingerprint, install_resident, plan_pieces
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 WEIGHTS = ("auto", "bf16", "fp32", "int8", "int4")
@@ -204,9 +204,8 @@ class InferenceEngine:
         self.resident_bytes = 0
         for b in self.blocks:
             if b.kind != "layer" or b.index in resident:
-                for p in self.pieces[b.index]:
-                    p.install(p.make(src))
-                    self.resident_bytes += p.nbytes
+                install_resident(self.pieces[b.index], src)
+                self.resident_bytes += sum(p.nbytes for p in self.pieces[b.index])
         self.store = self.stream = None
         self.store_written = 0
         if streamed:
@@ -290,6 +289,28 @@ class InferenceEngine:
         if self.tp:
             self.tp.lead_move(src, dst, length)
         self.cache.move(src, dst, length)
+
+    def reinstall(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Install `tensors` (piece key -> a tensor of the installed one's dtype and shape) in place
+        of resident pieces; returns the ones they replace. For benchmarks that compare where the
+        same weights lie (benchmarks/infer_bench.py --layout)."""
+        old = {}
+        for b in self.blocks:
+            if self.stream and b.index in self.stream.layer_bytes:
+                continue
+            for p in self.pieces[b.index]:
+                if p.key in tensors:
+                    mod, attr = p.slots[0]
+                    cur = mod._parameters[attr] if p.is_param else getattr(mod, attr)
+                    new = tensors[p.key]
+                    if new.dtype != cur.dtype or new.shape != cur.shape:
+                        raise ValueError(f"{p.key}: {new.dtype} {tuple(new.shape)} cannot replace "
+                                         f"{cur.dtype} {tuple(cur.shape)}")
+                    old[p.key] = cur
+                    p.install(new)
+        for f in (self.lean.fused or []) if self.lean else []:
+            f.weights_moved()
+        return old
 
     # ---- what a step moves, for the report ----------------------------------------------
     def ram_weight_bytes(self) -> int:

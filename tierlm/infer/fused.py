@@ -115,6 +115,11 @@ class FusedLayer:
         # checked (a decode step's Python is ~1 ms of a ~40 ms token; this was a third of it)
         self._resident = resident
 
+    def weights_moved(self) -> None:
+        """The layer's weights were installed elsewhere (InferenceEngine.reinstall): the kept
+        arguments are rebuilt at the next call."""
+        self._key = None
+
     @staticmethod
     def supports(config) -> bool:
         return getattr(config, "hidden_act", None) == "silu" and native.available()
