@@ -97,12 +97,13 @@ def ssd_read_gbps(directory: Path) -> float:
 
 
 def run(model, weights, batch, tokens, prompt_len, cpu_mem, nvme, rates, threads, path="fused", rounds=1,
-        xs=(None,), layouts=(None,)):
+        xs=(None,), layouts=(None,), shares=(None,)):
     """One engine; per thread count, `rounds` measured generations, each between two read probes
     (memory in RAM, the drive when streamed), and in RAM a read of the weights themselves. With
     several `xs` ("light", "exact": how the one-row loops round x) or `layouts` ("block": each
     block's weights in one buffer, as loaded; "separate": each a tensor of its own, as tierlm loaded
-    them before), each round measures each in turn on the same engine. Returns a result per thread
+    them before) or `shares` ("steal": a fused layer's thread that is done takes rows from another's
+    share; "even": it waits), each round measures each in turn on the same engine. Returns a result per thread
     count and variant: the round with the median share of its probes' roofline, with every round's
     share."""
     cfg = InferConfig(cpu_mem=cpu_mem, weights=weights, max_batch=batch, max_seq_len=prompt_len + tokens,
@@ -121,18 +122,20 @@ def run(model, weights, batch, tokens, prompt_len, cpu_mem, nvme, rates, threads
                 mod, attr = p.slots[0]
                 each[p.key] = (mod._parameters[attr] if p.is_param else getattr(mod, attr)).clone()
         placed = {"separate": each, "block": eng.reinstall(each)}
-    variants = [(x, lay) for x in xs for lay in layouts]
+    variants = [(x, lay, sh) for x in xs for lay in layouts for sh in shares]
     for th in threads:
         torch.set_num_threads(th)
         # warm-up: the kernels' first calls at this thread count and, streamed, the window's buffers
         b.submit(Request(_prompt(8), SamplingParams(max_tokens=2, ignore_eos=True)))
         b.run_until_idle()
         per_round = {v: [] for v in variants}
-        for _, (x, lay) in [(r, v) for r in range(rounds) for v in variants]:
+        for _, (x, lay, sh) in [(r, v) for r in range(rounds) for v in variants]:
             if x is not None:
                 native.set_light_x(x == "light")
             if lay is not None:
                 eng.reinstall(placed[lay])
+            if sh is not None:
+                native.set_steal(sh == "steal")
             probe = read_gbps(th) if not eng.stream else None
             ssd_probe = ssd_read_gbps(Path(nvme).parent / "ssd-probe") if eng.stream else None
             torch.set_num_threads(th)
@@ -149,8 +152,8 @@ def run(model, weights, batch, tokens, prompt_len, cpu_mem, nvme, rates, threads
                 torch.set_num_threads(th)
             if ssd_probe is not None:
                 ssd_probe = max(ssd_probe, ssd_read_gbps(Path(nvme).parent / "ssd-probe"))
-            per_round[(x, lay)].append(_result(eng, b.stats, weights, batch, th, rates, probe, ssd_probe, own))
-        for (x, lay), rs in per_round.items():
+            per_round[(x, lay, sh)].append(_result(eng, b.stats, weights, batch, th, rates, probe, ssd_probe, own))
+        for (x, lay, sh), rs in per_round.items():
             out = sorted(rs, key=_share)[len(rs) // 2]
             out["probe_shares"] = [_share(r) for r in rs]
             out["decode_tok_s_rounds"] = [r["decode_tok_s"] for r in rs]
@@ -160,10 +163,14 @@ def run(model, weights, batch, tokens, prompt_len, cpu_mem, nvme, rates, threads
                 out["x"] = x
             if lay is not None:
                 out["layout"] = lay
+            if sh is not None:
+                out["share"] = sh
             outs.append(out)
             print(json.dumps(out), flush=True)
     if xs != (None,):
         native.set_light_x(True)
+    if shares != (None,):
+        native.set_steal(True)
     eng.close()
     return outs
 
@@ -316,6 +323,9 @@ def main():
     p.add_argument("--layout", nargs="*", default=None, choices=["block", "separate"],
                    help="where resident weights lie: each block's in one huge-page buffer (block, as loaded) "
                         "or each tensor in an allocation of its own (separate), side by side on one engine")
+    p.add_argument("--share", nargs="*", default=None, choices=["steal", "even"],
+                   help="how a fused layer's threads share a product's rows: a thread that is done takes the "
+                        "back half of another's share (steal, the default) or waits (even), side by side")
     p.add_argument("--prefetch", nargs="*", type=int, default=[1024],
                    help="bytes our kernels prefetch ahead of the row they multiply (0: off), side by side")
     a = p.parse_args()
@@ -340,11 +350,13 @@ def main():
                     native.set_prefetch(pf)
                     for r in run(model, w, 1, a.tokens, a.prompt_len, "20GiB", root / f"nvme-{w}", rates, a.threads,
                                  path=path, rounds=a.rounds, xs=tuple(a.x) if a.x and kern == "ours" else (None,),
-                                 layouts=tuple(a.layout) if a.layout else (None,)):
+                                 layouts=tuple(a.layout) if a.layout else (None,),
+                                 shares=tuple(a.share) if a.share and kern == "ours" else (None,)):
                         k = kern if kern == "torch" or native.available() else "torch"
                         k += f", prefetch {pf}" if len(a.prefetch) > 1 and k == "ours" else ""
                         k += f", {r['x']} x" if "x" in r else ""
                         k += f", {r['layout']} layout" if "layout" in r else ""
+                        k += f", {r['share']} share" if "share" in r else ""
                         results.append(r | {"weights": f"{w} ({k}, {r['layers']} layers)"})
                 native.set_prefetch(1024)
             native.use(True)

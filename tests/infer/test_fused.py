@@ -161,3 +161,29 @@ def test_fused_decode_on_quantised_weights_runs_every_layer(arch, tmp_path, fuse
             else:
                 hf = _run(_engine(d, tmp_path, lean=False, weights=weights, dtype=dtype, rows=rows), rows)
                 assert apart < 0.05 and e_fused < max(0.1, 1.15 * _err(hf, ref)), (rows, apart, e_fused, _err(hf, ref))
+
+
+@pytest.mark.parametrize("weights,dtype", FORMATS + (("fp32", "fp32"),))
+def test_rows_taken_from_another_thread_give_the_same_results(weights, dtype, tmp_path):
+    """A fused layer's thread that finishes its share of a product takes the back half of another's
+    (layer.c, share): whoever computes a row, the results are the same bit for bit. Thread 0 held
+    back 1 ms before each product (set_steal(2)) makes the other take its rows."""
+    from tests.conftest import tiny_model
+    model = tiny_model("llama", hidden_size=256, intermediate_size=2048, num_attention_heads=4,
+                       num_key_value_heads=2, num_hidden_layers=2)
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "m")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = {}
+        for mode in (0, 1, 2):
+            native.set_steal(mode)
+            native.steals()
+            out[mode] = _run(_engine(tmp_path / "m", tmp_path, weights=weights, dtype=dtype, rows=1), rows=1)
+            out[f"steals{mode}"] = native.steals()
+    finally:
+        native.set_steal(1)
+        torch.set_num_threads(threads)
+    assert out["steals0"] == 0 and out["steals2"] > 0, out
+    assert torch.equal(out[0], out[1]) and torch.equal(out[0], out[2])
+    assert len(set(out[0].argmax(-1).flatten().tolist())) > 2
