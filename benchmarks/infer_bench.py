@@ -96,46 +96,74 @@ def ssd_read_gbps(directory: Path) -> float:
     return bench_io(directory, 512 << 20)["read_gbps"]
 
 
+# What --x, --layout, --share and --calls switch between, side by side on one engine: each axis's
+# values, and how a value is put in place (the first value of each is the engine's default).
+AXES = {
+    # how the AVX-512 one-row loops round x: bf16 / 8 bits a group (light), or to 2^-17 (exact)
+    "x": ("light", "exact"),
+    # resident weights: each block's in one huge-page buffer as loaded, or each tensor an allocation
+    "layout": ("block", "separate"),
+    # a fused layer's thread done with its share takes rows from another's, or waits
+    "share": ("steal", "even"),
+    # every layer in one C call a step (fused.FusedStack), or a call a layer
+    "calls": ("stack", "layers"),
+}
+
+
+def _separate(eng) -> dict:
+    """Each resident piece copied to a tensor of its own: an allocation each, as each was read."""
+    each = {}
+    for blk in eng.blocks:
+        if eng.stream and blk.index in eng.stream.layer_bytes:
+            continue
+        for p in eng.pieces[blk.index]:
+            mod, attr = p.slots[0]
+            each[p.key] = (mod._parameters[attr] if p.is_param else getattr(mod, attr)).clone()
+    return each
+
+
+def _apply(eng, axis: str, value: str, state: dict) -> None:
+    if axis == "x":
+        native.set_light_x(value == "light")
+    elif axis == "share":
+        native.set_steal(value == "steal")
+    elif axis == "layout":
+        if "block" not in state:
+            sep = _separate(eng)
+            state["block"], state["separate"] = eng.reinstall(sep), sep
+        eng.reinstall(state[value])
+    elif axis == "calls" and eng.lean is not None:
+        if "stack" not in state:
+            state["stack"] = eng.lean.stack
+        eng.lean.stack = state["stack"] if value == "stack" else None
+
+
 def run(model, weights, batch, tokens, prompt_len, cpu_mem, nvme, rates, threads, path="fused", rounds=1,
-        xs=(None,), layouts=(None,), shares=(None,)):
+        compare=None):
     """One engine; per thread count, `rounds` measured generations, each between two read probes
     (memory in RAM, the drive when streamed), and in RAM a read of the weights themselves. With
-    several `xs` ("light", "exact": how the one-row loops round x) or `layouts` ("block": each
-    block's weights in one buffer, as loaded; "separate": each a tensor of its own, as tierlm loaded
-    them before) or `shares` ("steal": a fused layer's thread that is done takes rows from another's
-    share; "even": it waits), each round measures each in turn on the same engine. Returns a result per thread
-    count and variant: the round with the median share of its probes' roofline, with every round's
-    share."""
+    `compare` ({axis: values}, AXES), each round measures every combination in turn on the same
+    engine. Returns a result per thread count and combination: the round with the median share of
+    its probes' roofline, with every round's share and tokens/s."""
     cfg = InferConfig(cpu_mem=cpu_mem, weights=weights, max_batch=batch, max_seq_len=prompt_len + tokens,
                       nvme_dir=str(nvme), step_tokens=max(256, prompt_len), lean=path != "hf", fused=path == "fused")
     eng = InferenceEngine(model, cfg)
     b = Batcher(eng, _Tok(), [])
     outs = []
-    placed = {}
-    if "separate" in layouts:
-        # each resident piece copied to a tensor of its own: an allocation each, as each was read
-        each = {}
-        for blk in eng.blocks:
-            if eng.stream and blk.index in eng.stream.layer_bytes:
-                continue
-            for p in eng.pieces[blk.index]:
-                mod, attr = p.slots[0]
-                each[p.key] = (mod._parameters[attr] if p.is_param else getattr(mod, attr)).clone()
-        placed = {"separate": each, "block": eng.reinstall(each)}
-    variants = [(x, lay, sh) for x in xs for lay in layouts for sh in shares]
+    compare = compare or {}
+    variants = [()]
+    for axis, values in compare.items():
+        variants = [v + ((axis, val),) for v in variants for val in values]
+    state = {}
     for th in threads:
         torch.set_num_threads(th)
         # warm-up: the kernels' first calls at this thread count and, streamed, the window's buffers
         b.submit(Request(_prompt(8), SamplingParams(max_tokens=2, ignore_eos=True)))
         b.run_until_idle()
         per_round = {v: [] for v in variants}
-        for _, (x, lay, sh) in [(r, v) for r in range(rounds) for v in variants]:
-            if x is not None:
-                native.set_light_x(x == "light")
-            if lay is not None:
-                eng.reinstall(placed[lay])
-            if sh is not None:
-                native.set_steal(sh == "steal")
+        for _, v in [(r, v) for r in range(rounds) for v in variants]:
+            for axis, value in v:
+                _apply(eng, axis, value, state.setdefault(axis, {}))
             probe = read_gbps(th) if not eng.stream else None
             ssd_probe = ssd_read_gbps(Path(nvme).parent / "ssd-probe") if eng.stream else None
             torch.set_num_threads(th)
@@ -152,25 +180,18 @@ def run(model, weights, batch, tokens, prompt_len, cpu_mem, nvme, rates, threads
                 torch.set_num_threads(th)
             if ssd_probe is not None:
                 ssd_probe = max(ssd_probe, ssd_read_gbps(Path(nvme).parent / "ssd-probe"))
-            per_round[(x, lay, sh)].append(_result(eng, b.stats, weights, batch, th, rates, probe, ssd_probe, own))
-        for (x, lay, sh), rs in per_round.items():
+            per_round[v].append(_result(eng, b.stats, weights, batch, th, rates, probe, ssd_probe, own))
+        for v, rs in per_round.items():
             out = sorted(rs, key=_share)[len(rs) // 2]
             out["probe_shares"] = [_share(r) for r in rs]
             out["decode_tok_s_rounds"] = [r["decode_tok_s"] for r in rs]
             if own is not None:
                 out["own_shares"] = [r["own_share"] for r in rs]
-            if x is not None:
-                out["x"] = x
-            if lay is not None:
-                out["layout"] = lay
-            if sh is not None:
-                out["share"] = sh
+            out.update(dict(v))
             outs.append(out)
             print(json.dumps(out), flush=True)
-    if xs != (None,):
-        native.set_light_x(True)
-    if shares != (None,):
-        native.set_steal(True)
+    for axis in compare:  # back to the defaults
+        _apply(eng, axis, AXES[axis][0], state.setdefault(axis, {}))
     eng.close()
     return outs
 
@@ -317,15 +338,9 @@ def main():
     p.add_argument("--paths", nargs="*", default=["fused"], choices=["fused", "lean", "hf"],
                    help="decode steps with each layer one C call (tierlm.infer.fused), on tierlm.infer.lean's "
                         "per-product calls, on transformers' forward; several: side by side")
-    p.add_argument("--x", nargs="*", default=None, choices=["light", "exact"],
-                   help="how the AVX-512 one-row loops round x (light: bf16 / 8 bits a group, the default; "
-                        "exact: to 2^-17), side by side on one engine, round after round")
-    p.add_argument("--layout", nargs="*", default=None, choices=["block", "separate"],
-                   help="where resident weights lie: each block's in one huge-page buffer (block, as loaded) "
-                        "or each tensor in an allocation of its own (separate), side by side on one engine")
-    p.add_argument("--share", nargs="*", default=None, choices=["steal", "even"],
-                   help="how a fused layer's threads share a product's rows: a thread that is done takes the "
-                        "back half of another's share (steal, the default) or waits (even), side by side")
+    for axis, values in AXES.items():
+        p.add_argument(f"--{axis}", nargs="*", default=None, choices=values,
+                       help=f"side by side on one engine, round after round: {' / '.join(values)} (see AXES)")
     p.add_argument("--prefetch", nargs="*", type=int, default=[1024],
                    help="bytes our kernels prefetch ahead of the row they multiply (0: off), side by side")
     a = p.parse_args()
@@ -342,6 +357,7 @@ def main():
     rates = machine_rates(str(root / "nvme"), fresh=True)
     print(json.dumps({"rates": rates}), flush=True)
     results = []
+    compare = {axis: tuple(getattr(a, axis)) for axis in AXES if getattr(a, axis)}
     if not a.stream_budget:
         for w in a.formats:
             for kern in a.kernels:
@@ -349,14 +365,10 @@ def main():
                 for path, pf in [(path, pf) for path in a.paths for pf in (a.prefetch if kern == "ours" else [0])]:
                     native.set_prefetch(pf)
                     for r in run(model, w, 1, a.tokens, a.prompt_len, "20GiB", root / f"nvme-{w}", rates, a.threads,
-                                 path=path, rounds=a.rounds, xs=tuple(a.x) if a.x and kern == "ours" else (None,),
-                                 layouts=tuple(a.layout) if a.layout else (None,),
-                                 shares=tuple(a.share) if a.share and kern == "ours" else (None,)):
+                                 path=path, rounds=a.rounds, compare=compare if kern == "ours" else None):
                         k = kern if kern == "torch" or native.available() else "torch"
                         k += f", prefetch {pf}" if len(a.prefetch) > 1 and k == "ours" else ""
-                        k += f", {r['x']} x" if "x" in r else ""
-                        k += f", {r['layout']} layout" if "layout" in r else ""
-                        k += f", {r['share']} share" if "share" in r else ""
+                        k += "".join(f", {r[axis]} {axis}" for axis in compare if axis in r)
                         results.append(r | {"weights": f"{w} ({k}, {r['layers']} layers)"})
                 native.set_prefetch(1024)
             native.use(True)

@@ -5,7 +5,7 @@ import torch
 
 from tierlm.infer import native
 from tierlm.infer.engine import InferConfig, InferenceEngine
-from tierlm.infer.fused import FusedLayer
+from tierlm.infer.fused import FusedLayer, FusedStack
 
 from .test_lean import OVER, SPREAD
 
@@ -14,13 +14,20 @@ pytestmark = pytest.mark.skipif(not native.available(), reason=f"no kernels: {na
 
 @pytest.fixture
 def fused_calls(monkeypatch):
+    """Each layer run on the fused kernel: a FusedLayer call, or each layer of a FusedStack call
+    (every layer in one call where none is streamed)."""
     calls = []
-    real = FusedLayer.__call__
+    real, real_stack = FusedLayer.__call__, FusedStack.__call__
 
     def counting(self, *a, **kw):
         calls.append(self)
         return real(self, *a, **kw)
+
+    def counting_stack(self, *a, **kw):
+        calls.extend(self.layers)
+        return real_stack(self, *a, **kw)
     monkeypatch.setattr(FusedLayer, "__call__", counting)
+    monkeypatch.setattr(FusedStack, "__call__", counting_stack)
     return calls
 
 

@@ -92,10 +92,14 @@ class StepArgs:
         nbytes = self._need.get(key)
         if nbytes is None:
             nbytes = self._need[key] = native.library().tierlm_layer_scratch_bytes(ctypes.byref(w), ctypes.byref(st))
+        return self.buffer(nbytes).data_ptr()
+
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        """The scratch the layers share (kept between steps), grown to at least `nbytes`."""
         buf = self._holder.get("buf")
         if buf is None or buf.numel() * 4 < nbytes:
             buf = self._holder["buf"] = torch.empty(nbytes // 4 + 16, dtype=torch.float32)
-        return buf.data_ptr()
+        return buf
 
 
 class FusedLayer:
@@ -191,3 +195,35 @@ class FusedLayer:
         if rc != 0:
             raise ValueError(f"the fused decoder layer refused its arguments (code {rc}): int4 groups "
                              f"{list(self.w.group)} against hidden {self.w.hidden}, head dim {self.w.head_dim}")
+
+
+class FusedStack:
+    """Every decoder layer in one C call a decode step (tierlm_layers_decode), where all of them
+    are fused and resident: kernels/layer.c says why."""
+
+    def __init__(self, layers: list[FusedLayer], sliding: list[bool]):
+        self.layers, self.sliding = layers, sliding
+        n = len(layers)
+        self._w = (ctypes.c_void_p * n)(*[ctypes.addressof(f.w) for f in layers])
+        self._kv = None
+        self._info = ctypes.c_int64(0)
+
+    def __call__(self, x: torch.Tensor, args: StepArgs, cache) -> None:
+        """x fp32 [rows, hidden], contiguous, through every layer in place; `cache` the engine's."""
+        lib, n = native.library(), len(self.layers)
+        if self._kv is None or self._kv[0] is not cache:
+            self._kv = (cache, (ctypes.c_void_p * n)(*[t.data_ptr() for t in cache.k]),
+                        (ctypes.c_void_p * n)(*[t.data_ptr() for t in cache.v]))
+        steps = (ctypes.c_void_p * n)(*[ctypes.addressof(args.step(s)) for s in self.sliding])
+        need = 0
+        for _ in range(2):  # the C says how much scratch the step's longest attention needs
+            buf = args.buffer(need)
+            rc = lib.tierlm_layers_decode(self._w, steps, n, x.data_ptr(), self._kv[1], self._kv[2],
+                                          buf.data_ptr(), buf.numel() * 4, ctypes.byref(self._info))
+            if rc != -4:
+                break
+            need = self._info.value
+        if rc != 0:
+            w = self.layers[self._info.value].w
+            raise ValueError(f"the fused decoder layer {self._info.value} refused its arguments (code {rc}): int4 "
+                             f"groups {list(w.group)} against hidden {w.hidden}, head dim {w.head_dim}")

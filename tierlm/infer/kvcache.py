@@ -118,11 +118,12 @@ class SlotKVCache:
         self.note_read(b, layer_idx)
         return kc[:b, :, :L], vc[:b, :, :L]
 
-    def note_read(self, rows: int, layer_idx: int) -> None:
-        """Count the KV bytes a layer's attention reads this step (for the bandwidth report)."""
+    def note_read(self, rows: int, layer_idx: int, layers: int = 1) -> None:
+        """Count the KV bytes a layer's attention reads this step (for the bandwidth report); with
+        `layers`, as much for that many layers (every layer's cache has the same shape)."""
         kc = self.k[layer_idx]
         keys = sum(e for _, _, e in self.segments) if self.segments else rows * self._kv_len  # packed rows read to their end
-        self.bytes_read += 2 * keys * kc.shape[1] * kc.shape[3] * kc.element_size()
+        self.bytes_read += 2 * keys * kc.shape[1] * kc.shape[3] * kc.element_size() * layers
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._kv_len

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from . import native
-from .fused import FusedLayer, StepArgs
+from .fused import FusedLayer, FusedStack, StepArgs
 from .gemv import UPCAST_MIN_ROWS, bf16_matmul_is_slow
 from .quant import NATIVE_MAX_ROWS, QLinear
 
@@ -106,6 +106,9 @@ class LeanDecoder:
         # each layer in one C call where the kernels take its weights (fused.py)
         self.fused = [FusedLayer(layer, model.config, resident=i not in streamed) for i, layer in enumerate(base.layers)] \
             if fused and FusedLayer.supports(model.config) else None
+        # no layer streamed: every layer in one call where all of them are ready (fused.FusedStack)
+        self.stack = FusedStack(self.fused, [lay[-1] for lay in self.layers]) \
+            if self.fused is not None and not streamed else None
         self._scratch: dict = {}
 
     @classmethod
@@ -136,6 +139,11 @@ class LeanDecoder:
         half = sin.shape[-1] // 2
         folded = None  # the per-product layers' sin (the fused ones rotate with sin itself)
         x = x[:, 0].contiguous()
+        rows = x.shape[0]
+        if self.stack is not None and all(f.ready(rows) for f in self.fused):
+            self.stack(x, StepArgs(cos, sin, mask, cache, self._scratch), cache)
+            cache.note_read(rows, 0, layers=len(self.layers))
+            return self.head(x, norm=self.norm)
         step = None
         for i, (layer, qkv, o, gate_up, down, sliding) in enumerate(self.layers):
             blk = self.streamed.get(i)

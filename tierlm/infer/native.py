@@ -73,6 +73,8 @@ def _build() -> ctypes.CDLL:
     dll.tierlm_dequant_int4.restype = None
     dll.tierlm_layer_decode.argtypes = [p, p, p, p, p, p]
     dll.tierlm_layer_decode.restype = c_int
+    dll.tierlm_layers_decode.argtypes = [p, p, i64, p, p, p, p, i64, p]
+    dll.tierlm_layers_decode.restype = c_int
     dll.tierlm_layer_scratch_bytes.argtypes = [p, p]
     dll.tierlm_layer_scratch_bytes.restype = i64
     dll.tierlm_gemv_isa()  # the CPU checks cache their answers here, before any parallel region asks
