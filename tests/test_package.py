@@ -77,3 +77,19 @@ def test_bench_trains_in_memory_reference_runs_on_glibcs_own_malloc(monkeypatch,
         bt.bench_train("model", "data.txt", "1GiB", 2, str(tmp_path), ["--precision", "fp32", "--device", "cpu"])
     cmd, env = seen[0]
     assert "tierlm.train.inmemory" in cmd and env["TIERLM_MALLOC"] == "glibc"
+
+
+def test_every_file_the_kernels_compile_from_is_package_data():
+    """A wheel (a non-editable install) ships the C sources and the header they share: without
+    gemv.h the kernels fail to build there and decode falls back to PyTorch's products."""
+    import tomllib
+    from fnmatch import fnmatch
+
+    from tierlm.infer import native
+
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    globs = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["package-data"]["tierlm.infer"]
+    base = Path(native.__file__).parent
+    for f in native.SRC + native.HEADERS:
+        rel = f.relative_to(base).as_posix()
+        assert any(fnmatch(rel, g) for g in globs), f"{rel} is not in tierlm.infer's package-data {globs}"
