@@ -144,7 +144,8 @@ def run(model, weights, batch, tokens, prompt_len, cpu_mem, nvme, rates, threads
     (memory in RAM, the drive when streamed), and in RAM a read of the weights themselves. With
     `compare` ({axis: values}, AXES), each round measures every combination in turn on the same
     engine. Returns a result per thread count and combination: the round with the median share of
-    its probes' roofline, with every round's share and tokens/s."""
+    its probes' roofline among the steady rounds (_steady: the memory probes before and after
+    agree), with every round's share, steadiness and tokens/s."""
     cfg = InferConfig(cpu_mem=cpu_mem, weights=weights, max_batch=batch, max_seq_len=prompt_len + tokens,
                       nvme_dir=str(nvme), step_tokens=max(256, prompt_len), lean=path != "hf", fused=path == "fused")
     eng = InferenceEngine(model, cfg)
@@ -174,16 +175,25 @@ def run(model, weights, batch, tokens, prompt_len, cpu_mem, nvme, rates, threads
                 b.submit(Request(_prompt(prompt_len), SamplingParams(max_tokens=tokens, ignore_eos=True)))
             b.run_until_idle()
             own = None
+            pair = None
             if probe is not None:
-                probe = max(probe, read_gbps(th))
+                pair = (probe, read_gbps(th))
+                probe = max(pair)
                 own = weights_read_gbps(eng, th)
                 torch.set_num_threads(th)
             if ssd_probe is not None:
                 ssd_probe = max(ssd_probe, ssd_read_gbps(Path(nvme).parent / "ssd-probe"))
-            per_round[v].append(_result(eng, b.stats, weights, batch, th, rates, probe, ssd_probe, own))
+            r = _result(eng, b.stats, weights, batch, th, rates, probe, ssd_probe, own)
+            if pair is not None:
+                r["probe_pair"] = pair
+            per_round[v].append(r)
         for v, rs in per_round.items():
-            out = sorted(rs, key=_share)[len(rs) // 2]
+            # A round whose probes before and after differ by more than STEADY straddled a switch of
+            # this machine's memory state: its share compares a mix of both states with one of them.
+            steady = [r for r in rs if _steady(r)] or rs
+            out = sorted(steady, key=_share)[len(steady) // 2]
             out["probe_shares"] = [_share(r) for r in rs]
+            out["steady_rounds"] = [_steady(r) for r in rs]
             out["decode_tok_s_rounds"] = [r["decode_tok_s"] for r in rs]
             if own is not None:
                 out["own_shares"] = [r["own_share"] for r in rs]
@@ -201,6 +211,14 @@ def _layers(eng) -> str:
     if eng.lean is None:
         return "transformers"
     return "fused" if eng.lean.fused is not None else "lean"
+
+
+STEADY = 1.2  # the most the two read probes around a round may differ by (ratio) for it to count
+
+
+def _steady(r: dict) -> bool:
+    pair = r.get("probe_pair")
+    return pair is None or max(pair) <= STEADY * min(pair)
 
 
 def _share(r: dict) -> float:
@@ -271,7 +289,7 @@ def table_ram(results, rates):
     mm_dtype = "fp32" if bf16_matmul_is_slow() else "bf16"
     mm = rates[f"matmul_{mm_dtype}_gflops"]
     rows = ["| weights | threads | GB read / token | decode tok/s | roofline tok/s | share | share of the read rate "
-            "probed beside it (median; each round) | share of a read of the weights themselves, beside it | "
+            "probed beside it (median of the steady rounds; each round) | share of a read of the weights themselves, beside it | "
             "vs transformers.generate "
             f"| prefill tok/s | prefill GFLOP/s (share of {mm_dtype} matmul) |", "|" + "---|" * 11]
     for r in results:
@@ -290,7 +308,8 @@ def table_ram(results, rates):
 def _shares(r):
     if "probe_share" not in r:
         return ""
-    each = ", ".join(f"{100 * x:.0f}%" for x in r["probe_shares"])
+    each = ", ".join(f"{100 * x:.0f}%" + ("" if ok else " (unsteady)")
+                     for x, ok in zip(r["probe_shares"], r.get("steady_rounds", [True] * len(r["probe_shares"]))))
     return f"**{100 * r['probe_share']:.0f}%** of {r['probe_gbps']:.1f} GB/s ({each})"
 
 
