@@ -174,7 +174,7 @@ def test_fused_decode_on_quantised_weights_runs_every_layer(arch, tmp_path, fuse
 def test_rows_taken_from_another_thread_give_the_same_results(weights, dtype, tmp_path):
     """A fused layer's thread that finishes its share of a product takes the back half of another's
     (layer.c, share): whoever computes a row, the results are the same bit for bit. Thread 0 held
-    back 1 ms before each product (set_steal(2)) makes the other take its rows."""
+    back before each product (set_steal(2)) makes the other take its rows."""
     from tests.conftest import tiny_model
     model = tiny_model("llama", hidden_size=256, intermediate_size=2048, num_attention_heads=4,
                        num_key_value_heads=2, num_hidden_layers=2)

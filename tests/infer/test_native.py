@@ -274,6 +274,32 @@ def test_result_does_not_depend_on_the_thread_count():
 
 
 @needs_kernels
+@pytest.mark.parametrize("rows", [1, 3])
+def test_rows_taken_from_another_thread_give_the_same_products(rows):
+    """A thread done with its share of a product's rows takes the back half of another's
+    (tl_rows_shared): whoever computes a row, the products are the same bit for bit. Thread 0 held
+    back (set_steal(2)) makes the other take its rows; with set_steal(0) none are taken."""
+    x = torch.randn(rows, 256)
+    q, s = int8_weight(4096, 256)
+    w = torch.randn(4096, 256).bfloat16()
+    qw, sl, _ = int4_weight(4096, 256, 64)
+    before = torch.get_num_threads()
+    out, steals = {}, {}
+    try:
+        torch.set_num_threads(2)
+        for mode in (0, 2):
+            native.set_steal(mode)
+            native.steals()
+            out[mode] = (native.gemv_int8(x, q, s), native.gemv_bf16(x, w), native.gemv_int4(x, qw, sl, 64))
+            steals[mode] = native.steals()
+    finally:
+        native.set_steal(1)
+        torch.set_num_threads(before)
+    assert steals[0] == 0 and steals[2] >= 3, steals  # a take in each of the three products
+    assert all(torch.equal(a, b) for a, b in zip(out[0], out[2]))
+
+
+@needs_kernels
 def test_int8_qlinear_uses_ours_for_few_rows_and_agrees_with_pytorchs_kernel():
     lin = QLinear(256, 96, "int8")
     for name, t in lin.quantize(torch.randn(96, 256), None, torch.float32).items():

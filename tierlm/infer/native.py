@@ -67,8 +67,8 @@ def _build() -> ctypes.CDLL:
     dll.tierlm_gemv_isa.restype = c_int
     dll.tierlm_gemv_set_prefetch.argtypes = [i64]
     dll.tierlm_gemv_set_light_x.argtypes = [c_int]
-    dll.tierlm_layer_set_steal.argtypes = [c_int]
-    dll.tierlm_layer_steals.restype = i64
+    dll.tierlm_set_steal.argtypes = [c_int]
+    dll.tierlm_steals.restype = i64
     dll.tierlm_dequant_int4.argtypes = [p, p, i64, i64, i64, p, c_int]
     dll.tierlm_dequant_int4.restype = None
     dll.tierlm_layer_decode.argtypes = [p, p, p, p, p, p]
@@ -119,18 +119,19 @@ def set_light_x(on: bool) -> None:
 
 
 def set_steal(mode: int) -> None:
-    """Whether a fused layer's threads that finish their even share of a product take the back
-    half of the largest share left (1, the default) or wait at the barrier (0); for side-by-side
-    benchmarks, between calls. 2 (tests): as 1, with thread 0 held back 1 ms before each product."""
+    """Whether threads that finish their even share of a product's rows (a fused layer's stage, or
+    a call of our products) take the back half of the largest share left (1, the default) or wait
+    (0); for side-by-side benchmarks, between calls. 2 (tests): as 1, with thread 0 held back before
+    each product until another thread takes rows of its share (100 ms at most)."""
     lib = library()
     if lib is not None:
-        lib.tierlm_layer_set_steal(int(mode))
+        lib.tierlm_set_steal(int(mode))
 
 
 def steals() -> int:
-    """How many times a fused layer's thread took rows from another's share since the last call."""
+    """How many times a thread took rows from another's share since the last call."""
     lib = library()
-    return lib.tierlm_layer_steals() if lib is not None else 0
+    return lib.tierlm_steals() if lib is not None else 0
 
 
 def set_prefetch(nbytes: int) -> None:

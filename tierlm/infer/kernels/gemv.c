@@ -37,6 +37,8 @@
    no fork of its own. */
 #include "gemv.h"
 
+#include <omp.h>
+
 #define I16_BLOCK 4096
 #define X8_GROUP 128  /* inputs of one row's x per 8-bit scale, int8 weights (rows_i8x8_vnni) */
 
@@ -779,6 +781,77 @@ void tl_prepare_x(int kind, int64_t group, const float *x, int64_t M, int64_t K,
     }
 }
 
+/* How the rows of a product (a fused layer's stage; every call of tierlm_gemv_multi, the head's
+   included) are shared among threads: evenly at first, each thread's share a [front, back) pair in
+   one word on a cache line of its own. A thread takes chunks of ~64 KiB of weights from its own front;
+   one whose share is done takes the back half of the largest share left, and goes on with it as
+   its own. Each row is still computed whole by one thread, so results do not depend on who took it.
+   Why: in genoa-2c's ~60 GB/s memory state one core read up to ~20% slower than the other for
+   seconds at a time, and with fixed halves the faster one waited 1-7 ms of a ~40 ms token at the
+   barriers (TinyLlama bf16, each thread's products and waits timed in a scratch build). */
+static int steal = 1;
+static int64_t steals;
+/* 0: each thread computes its even share and no more (benchmarks compare the two in one process);
+   2: as 1, with thread 0 held back before each product until another takes rows of its share
+   (100 ms at most; tests). tierlm_steals: how many times a thread took rows since the last call. */
+void tierlm_set_steal(int mode) { steal = mode; }
+int64_t tierlm_steals(void) { return __atomic_exchange_n(&steals, 0, __ATOMIC_RELAXED); }
+
+void tl_spans_reset(tl_span *sp, const int64_t *N, int64_t nmat, int64_t T) {
+    int64_t total = 0;
+    for (int64_t j = 0; j < nmat; j++) total += N[j];
+    for (int64_t t = 0; t < T; t++)
+        __atomic_store_n(&sp[t].v, (uint64_t)(total * t / T) << 32 | (uint64_t)(total * (t + 1) / T), __ATOMIC_RELAXED);
+}
+
+static inline int64_t span_front(uint64_t v) { return (int64_t)(v >> 32); }
+static inline int64_t span_back(uint64_t v) { return (int64_t)(v & 0xffffffffu); }
+static inline uint64_t span_of(int64_t f, int64_t b) { return (uint64_t)f << 32 | (uint64_t)b; }
+
+/* Thread tt's rows of the products y[j] = x @ w[j]^T, j < nmat (tl_rows_range's arguments; rows
+   counted across the matrices), out of T threads sharing `sp` (tl_spans_reset before). */
+void tl_rows_shared(int kind, const float *x, const int16_t *xq, const float *xs, const float *xsum, int64_t group,
+                    int64_t M, int64_t K, int64_t nmat, const void *const *w, const float *const *s,
+                    float *const *y, const int64_t *N, int64_t ldy, int64_t tt, int64_t T, tl_span *sp, int avx2) {
+    /* bytes of a row: int8 1 a weight, bf16 2, int4 1/2, fp32 4 */
+    int64_t rb = kind == 2 ? K / 2 : K * (kind == 0 ? 1 : kind == 1 ? 2 : 4);
+    int64_t ch = (1 << 16) / (rb > 0 ? rb : 1);
+    ch = ch < 4 ? 4 : ch / 4 * 4;
+    if (steal == 2 && tt == 0 && T > 1) {  /* until another thread takes rows of this share (100 ms at most) */
+        uint64_t v0 = __atomic_load_n(&sp[0].v, __ATOMIC_ACQUIRE);
+        for (double t0 = omp_get_wtime(); omp_get_wtime() - t0 < 0.1 && __atomic_load_n(&sp[0].v, __ATOMIC_ACQUIRE) == v0;) {}
+    }
+    for (;;) {
+        uint64_t v = __atomic_load_n(&sp[tt].v, __ATOMIC_ACQUIRE);
+        int64_t f = span_front(v), b = span_back(v);
+        if (f < b) {
+            int64_t n = b - f < ch ? b - f : ch;
+            if (!__atomic_compare_exchange_n(&sp[tt].v, &v, span_of(f + n, b), 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+                continue;  /* a thief took the back half meanwhile */
+            tl_rows_range(kind, x, xq, xs, xsum, group, M, K, nmat, w, s, y, N, ldy, f, f + n, avx2);
+            continue;
+        }
+        int64_t victim = -1, most = 0;
+        for (int64_t t = 0; steal && t < T; t++) {
+            uint64_t u = __atomic_load_n(&sp[t].v, __ATOMIC_ACQUIRE);
+            if (t != tt && span_back(u) - span_front(u) > most) {
+                most = span_back(u) - span_front(u);
+                victim = t;
+            }
+        }
+        if (!steal || most < 2 * ch) return;  /* what is left its owners finish within a chunk or two */
+        uint64_t u = __atomic_load_n(&sp[victim].v, __ATOMIC_ACQUIRE);
+        int64_t vf = span_front(u), vb = span_back(u);
+        if (vb - vf < 2 * ch) continue;
+        int64_t cut = vb - (vb - vf) / 2;
+        if (!__atomic_compare_exchange_n(&sp[victim].v, &u, span_of(vf, cut), 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            continue;
+        /* [cut, vb) is this thread's now; its own span was empty, so no thief can have changed it */
+        __atomic_store_n(&sp[tt].v, span_of(cut, vb), __ATOMIC_RELEASE);
+        __atomic_add_fetch(&steals, 1, __ATOMIC_RELAXED);
+    }
+}
+
 /* y[j] = x @ w[j]^T for j < nmat (kind 0: int8 with scales s[j]; 1: bf16; 2: int4 with (scale, lo)
    pairs s[j] [N][K/group][2]; 3: fp32); row m of y[j] starts
    at y[j] + m * ldy (ldy 0: N[j]), so the outputs may be column blocks of one [M, sum N] matrix.
@@ -811,12 +884,17 @@ int tierlm_gemv_multi(int kind, const float *x, int64_t M, int64_t K, int64_t nm
         tl_prepare_x(kind, group, x, M, K, xq, xs);
         xsum = xs + M * ((kind == 2 ? K / group : 0) + 1);
     }
-    int64_t total = 0;
-    for (int64_t j = 0; j < nmat; j++) total += N[j];
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int t = 0; t < threads; t++)
-        tl_rows_range(kind, x, xq, xs, xsum, group, M, K, nmat, w, s, y, N, ldy, total * t / threads,
-                      total * (t + 1) / threads, avx2);
+    tl_span spans_mem[TL_MAX_SPANS + 1];
+    tl_span *sp = (tl_span *)(((uintptr_t)spans_mem + 63) & ~(uintptr_t)63);
+    if (threads > TL_MAX_SPANS) threads = TL_MAX_SPANS;
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t nt = omp_get_num_threads();
+#pragma omp single
+        tl_spans_reset(sp, N, nmat, nt);
+        tl_rows_shared(kind, x, xq, xs, xsum, group, M, K, nmat, w, s, y, N, ldy, omp_get_thread_num(), nt, sp,
+                       avx2);
+    }
     free(xq);
     free(xs);
     free(xp);

@@ -55,6 +55,17 @@ int tl_rounds_x(int kind, int64_t M);
 int64_t tl_xq_halves(int kind, int64_t M, int64_t K);
 int64_t tl_xs_floats(int kind, int64_t group, int64_t M, int64_t K);
 void tl_prepare_x(int kind, int64_t group, const float *x, int64_t M, int64_t K, int16_t *xq, float *xs);
+/* A product's rows shared among threads (gemv.c, tl_rows_shared): each thread's even share, taken
+   in chunks from its front; a thread that is done takes the back half of the largest share left. */
+#define TL_MAX_SPANS 256  /* threads a product's rows are shared among (more are not started) */
+typedef struct {
+    uint64_t v;  /* front << 32 | back */
+    char pad[56];
+} tl_span;
+void tl_spans_reset(tl_span *sp, const int64_t *N, int64_t nmat, int64_t T);
+void tl_rows_shared(int kind, const float *x, const int16_t *xq, const float *xs, const float *xsum, int64_t group,
+                    int64_t M, int64_t K, int64_t nmat, const void *const *w, const float *const *s,
+                    float *const *y, const int64_t *N, int64_t ldy, int64_t tt, int64_t T, tl_span *sp, int avx2);
 void tl_rows_range(int kind, const float *x, const int16_t *xq, const float *xs, const float *xsum,
                    int64_t group, int64_t M, int64_t K, int64_t nmat, const void *const *w,
                    const float *const *s, float *const *y, const int64_t *N, int64_t ldy, int64_t r0,

@@ -15,7 +15,6 @@
 
 #include <omp.h>
 
-#define MAX_SPANS 256  /* threads a layer call shares its rows among (more are not started) */
 
 typedef struct {
     int64_t kind, hidden, heads, kv_heads, head_dim, inter, ln_bf16;
@@ -84,78 +83,13 @@ static void prep(const tierlm_layer_w *lw, int stage, const float *x, int64_t M,
     p->xsum = xs + M * ((kind == 2 ? K / group : 0) + 1);
 }
 
-/* How a stage's rows are shared: evenly at first, each thread's share a [front, back) pair in one
-   word on a cache line of its own. A thread takes chunks of ~64 KiB of weights from its own front;
-   one whose share is done takes the back half of the largest share left, and goes on with it as
-   its own. Each row is still computed whole by one thread, so results do not depend on who took it.
-   Why: in genoa-2c's ~60 GB/s memory state one core read up to ~20% slower than the other for
-   seconds at a time, and with fixed halves the faster one waited 1-7 ms of a ~40 ms token at the
-   barriers (TinyLlama bf16, each thread's products and waits timed in a scratch build). */
-typedef struct {
-    uint64_t v;  /* front << 32 | back */
-    char pad[56];
-} span;
-
-static int steal = 1;
-static int64_t steals;
-/* 0: each thread computes its even share and no more (benchmarks compare the two in one process);
-   2: as 1, with thread 0 held back 1 ms before each product, so that the others take its rows
-   (tests). tierlm_layer_steals: how many times a thread took rows since the last call. */
-void tierlm_layer_set_steal(int mode) { steal = mode; }
-int64_t tierlm_layer_steals(void) { return __atomic_exchange_n(&steals, 0, __ATOMIC_RELAXED); }
-
-static void spans_reset(span *sp, const int64_t *N, int nmat, int64_t T) {
-    int64_t total = 0;
-    for (int j = 0; j < nmat; j++) total += N[j];
-    for (int64_t t = 0; t < T; t++)
-        __atomic_store_n(&sp[t].v, (uint64_t)(total * t / T) << 32 | (uint64_t)(total * (t + 1) / T), __ATOMIC_RELAXED);
-}
-
-static inline int64_t span_front(uint64_t v) { return (int64_t)(v >> 32); }
-static inline int64_t span_back(uint64_t v) { return (int64_t)(v & 0xffffffffu); }
-static inline uint64_t span_of(int64_t f, int64_t b) { return (uint64_t)f << 32 | (uint64_t)b; }
-
-/* Thread tt's rows of w[first .. first + nmat), products of stage `stage` (spans_reset before). */
+/* Thread tt's rows of w[first .. first + nmat), products of stage `stage`: gemv.c's shared rows
+   (tl_rows_shared; tl_spans_reset before). */
 static void share(const tierlm_layer_w *lw, int stage, const prepped *p, int64_t M, int64_t K, int first,
-                  int nmat, float *const *y, const int64_t *N, int64_t ldy, int64_t tt, int64_t T, span *sp,
+                  int nmat, float *const *y, const int64_t *N, int64_t ldy, int64_t tt, int64_t T, tl_span *sp,
                   int avx2) {
-    int kind = (int)lw->kind;
-    /* bytes of a row: int8 1 a weight, bf16 2, int4 1/2, fp32 4 */
-    int64_t rb = kind == 2 ? K / 2 : K * (kind == 0 ? 1 : kind == 1 ? 2 : 4);
-    int64_t ch = (1 << 16) / (rb > 0 ? rb : 1);
-    ch = ch < 4 ? 4 : ch / 4 * 4;
-    if (steal == 2 && tt == 0)
-        for (double t0 = omp_get_wtime(); omp_get_wtime() - t0 < 1e-3;) {}
-    for (;;) {
-        uint64_t v = __atomic_load_n(&sp[tt].v, __ATOMIC_ACQUIRE);
-        int64_t f = span_front(v), b = span_back(v);
-        if (f < b) {
-            int64_t n = b - f < ch ? b - f : ch;
-            if (!__atomic_compare_exchange_n(&sp[tt].v, &v, span_of(f + n, b), 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
-                continue;  /* a thief took the back half meanwhile */
-            tl_rows_range(kind, p->x, p->xq, p->xs, p->xsum, lw->group[stage], M, K, nmat, lw->w + first,
-                          lw->s + first, y, N, ldy, f, f + n, avx2);
-            continue;
-        }
-        int64_t victim = -1, most = 0;
-        for (int64_t t = 0; steal && t < T; t++) {
-            uint64_t u = __atomic_load_n(&sp[t].v, __ATOMIC_ACQUIRE);
-            if (t != tt && span_back(u) - span_front(u) > most) {
-                most = span_back(u) - span_front(u);
-                victim = t;
-            }
-        }
-        if (!steal || most < 2 * ch) return;  /* what is left its owners finish within a chunk or two */
-        uint64_t u = __atomic_load_n(&sp[victim].v, __ATOMIC_ACQUIRE);
-        int64_t vf = span_front(u), vb = span_back(u);
-        if (vb - vf < 2 * ch) continue;
-        int64_t cut = vb - (vb - vf) / 2;
-        if (!__atomic_compare_exchange_n(&sp[victim].v, &u, span_of(vf, cut), 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
-            continue;
-        /* [cut, vb) is this thread's now; its own span was empty, so no thief can have changed it */
-        __atomic_store_n(&sp[tt].v, span_of(cut, vb), __ATOMIC_RELEASE);
-        __atomic_add_fetch(&steals, 1, __ATOMIC_RELAXED);
-    }
+    tl_rows_shared((int)lw->kind, p->x, p->xq, p->xs, p->xsum, lw->group[stage], M, K, nmat, lw->w + first,
+                   lw->s + first, y, N, ldy, tt, T, sp, avx2);
 }
 
 /* ---- attention ------------------------------------------------------------------------ */
@@ -403,9 +337,9 @@ int tierlm_layer_decode(const tierlm_layer_w *lw, const tierlm_step *st, float *
     prepped p;
     int64_t n_qkv[3] = {nq, nkv, nkv}, n_h[1] = {H}, n_gu[2] = {I, I};
     float *y_qkv[3] = {qkv, qkv + nq, qkv + nq + nkv}, *y_h[1] = {y}, *y_gu[2] = {gu, gu + I};
-    span spans_mem[MAX_SPANS + 1];
-    span *sp = (span *)(((uintptr_t)spans_mem + 63) & ~(uintptr_t)63);
-    if (T > MAX_SPANS) T = MAX_SPANS;
+    tl_span spans_mem[TL_MAX_SPANS + 1];
+    tl_span *sp = (tl_span *)(((uintptr_t)spans_mem + 63) & ~(uintptr_t)63);
+    if (T > TL_MAX_SPANS) T = TL_MAX_SPANS;
 #pragma omp parallel num_threads(T)
     {
         int64_t me = omp_get_thread_num(), nt = omp_get_num_threads();
@@ -413,7 +347,7 @@ int tierlm_layer_decode(const tierlm_layer_w *lw, const tierlm_step *st, float *
         {
             tl_prep_rows(x, M, H, lw->ln1, (int)lw->ln_bf16, eps, xn);
             prep(lw, 0, xn, M, H, xq, xs, &p);
-            spans_reset(sp, n_qkv, 3, nt);
+            tl_spans_reset(sp, n_qkv, 3, nt);
         }
         share(lw, 0, &p, M, H, 0, 3, y_qkv, n_qkv, nq + 2 * nkv, me, nt, sp, avx2);
 #pragma omp barrier
@@ -424,7 +358,7 @@ int tierlm_layer_decode(const tierlm_layer_w *lw, const tierlm_step *st, float *
 #pragma omp single
         {
             prep(lw, 1, att, M, nq, xq, xs, &p);
-            spans_reset(sp, n_h, 1, nt);
+            tl_spans_reset(sp, n_h, 1, nt);
         }
         share(lw, 1, &p, M, nq, 3, 1, y_h, n_h, H, me, nt, sp, avx2);
 #pragma omp barrier
@@ -433,7 +367,7 @@ int tierlm_layer_decode(const tierlm_layer_w *lw, const tierlm_step *st, float *
             for (int64_t i = 0; i < M * H; i++) x[i] += y[i];
             tl_prep_rows(x, M, H, lw->ln2, (int)lw->ln_bf16, eps, xn);
             prep(lw, 2, xn, M, H, xq, xs, &p);
-            spans_reset(sp, n_gu, 2, nt);
+            tl_spans_reset(sp, n_gu, 2, nt);
         }
         share(lw, 2, &p, M, H, 4, 2, y_gu, n_gu, 2 * I, me, nt, sp, avx2);
 #pragma omp barrier
@@ -446,7 +380,7 @@ int tierlm_layer_decode(const tierlm_layer_w *lw, const tierlm_step *st, float *
 #pragma omp single
         {
             prep(lw, 3, act, M, I, xq, xs, &p);
-            spans_reset(sp, n_h, 1, nt);
+            tl_spans_reset(sp, n_h, 1, nt);
         }
         share(lw, 3, &p, M, I, 6, 1, y_h, n_h, H, me, nt, sp, avx2);
     }
