@@ -326,6 +326,7 @@ def table_stream(results):
             "|---|---|---|---|---|---|---|---|"]
     for r in results:
         layers = r.get("layers", "lean" if r.get("lean") else "transformers")
+        layers += "".join(f", {r[axis]} {axis}" for axis in AXES if axis in r)
         if "ssd_bytes_per_forward" not in r:
             rows.append(f"| {layers} | {r['batch']} | nothing streamed: {r['placement']} (lower --stream-budget) | | | | | |")
             continue
@@ -399,7 +400,7 @@ def main():
             for bsz in a.batches:
                 results += [r | {"path": path} for r in run(model, "bf16", bsz, a.tokens, a.prompt_len, a.stream_budget,
                                                             root / "nvme-stream", rates, a.threads[:1],
-                                                            path=path, rounds=a.rounds)]
+                                                            path=path, rounds=a.rounds, compare=compare)]
         rows = table_stream(results)
     print(json.dumps({"load_after": os.getloadavg()}), flush=True)
     print(f"\nrates: memory {rates['mem_gbps']:.1f} GB/s (by threads {rates.get('mem_gbps_by_threads')}), "
