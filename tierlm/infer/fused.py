@@ -223,6 +223,8 @@ class FusedStack:
             if rc != -4:
                 break
             need = self._info.value
+        if rc == -4:  # the buffer was grown to what the C asked: a tierlm bug
+            raise RuntimeError(f"the fused layers asked for {self._info.value} bytes of scratch twice")
         if rc != 0:
             w = self.layers[self._info.value].w
             raise ValueError(f"the fused decoder layer {self._info.value} refused its arguments (code {rc}): int4 "
