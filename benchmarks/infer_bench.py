@@ -117,8 +117,7 @@ def _separate(eng) -> dict:
         if eng.stream and blk.index in eng.stream.layer_bytes:
             continue
         for p in eng.pieces[blk.index]:
-            mod, attr = p.slots[0]
-            each[p.key] = (mod._parameters[attr] if p.is_param else getattr(mod, attr)).clone()
+            each[p.key] = p.installed().clone()
     return each
 
 

@@ -14,11 +14,6 @@ def _pieces_of(eng):
         yield b, eng.pieces[b.index]
 
 
-def _installed(p: Piece) -> torch.Tensor:
-    mod, attr = p.slots[0]
-    return mod._parameters[attr] if p.is_param else getattr(mod, attr)
-
-
 @pytest.mark.parametrize("weights", ["bf16", "int8", "int4"])
 def test_each_resident_block_is_one_buffer_in_read_order(make_model_dir, tmp_path, weights):
     # a layer of 2 MiB and more, so that its buffer is the huge-page aligned kind
@@ -30,7 +25,7 @@ def test_each_resident_block_is_one_buffer_in_read_order(make_model_dir, tmp_pat
         sd = model.state_dict()
         layers = 0
         for b, pieces in _pieces_of(eng):
-            ts = [_installed(p) for p in pieces]
+            ts = [p.installed() for p in pieces]
             base = ts[0].untyped_storage().data_ptr()
             assert all(t.untyped_storage().data_ptr() == base for t in ts), b.name
             off = ts[0].data_ptr()

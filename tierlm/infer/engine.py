@@ -300,9 +300,7 @@ class InferenceEngine:
                 continue
             for p in self.pieces[b.index]:
                 if p.key in tensors:
-                    mod, attr = p.slots[0]
-                    cur = mod._parameters[attr] if p.is_param else getattr(mod, attr)
-                    new = tensors[p.key]
+                    cur, new = p.installed(), tensors[p.key]
                     if new.dtype != cur.dtype or new.shape != cur.shape:
                         raise ValueError(f"{p.key}: {new.dtype} {tuple(new.shape)} cannot replace "
                                          f"{cur.dtype} {tuple(cur.shape)}")

@@ -48,6 +48,11 @@ class Piece:
             else:
                 setattr(mod, attr, t)
 
+    def installed(self) -> torch.Tensor | None:
+        """The tensor installed now (None where a streamed layer's is not)."""
+        mod, attr = self.slots[0]
+        return mod._parameters.get(attr) if self.is_param else getattr(mod, attr, None)
+
 
 def plan_pieces(model: nn.Module, blocks, dtype: torch.dtype, mode: str | None) -> dict[int, list[Piece]]:
     """block index -> its pieces. Decoder layers' linear maps become QLinear when `mode` is set.
