@@ -68,3 +68,36 @@ def test_vocab_limits_and_ids(tmp_path):
                                       "im_end_token_id": 2}
     with pytest.raises(FileNotFoundError, match="missing.txt"):
         make_tokenizer(tmp_path, [str(tmp_path / "missing.txt")], vocab_size=400)
+
+
+def test_a_sentencepiece_only_directory_loads(tmp_path):
+    """A Llama-style checkpoint with tokenizer.model and tokenizer_config.json but no tokenizer.json
+    (as older checkpoints ship) loads through transformers' SentencePiece conversion, which needs the
+    sentencepiece and protobuf packages tierlm depends on, and encodes as SentencePiece itself does."""
+    import inspect
+    import json as json_mod
+    import os
+
+    import sentencepiece as spm
+
+    from tierlm.hf.checks import load_tokenizer
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(inspect.getsource(os) + inspect.getsource(json_mod), encoding="utf-8")
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "sp"), vocab_size=600,
+                                   model_type="bpe", byte_fallback=True, character_coverage=0.99,
+                                   minloglevel=2)
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "tokenizer.model").write_bytes((tmp_path / "sp.model").read_bytes())
+    (d / "tokenizer_config.json").write_text(json_mod.dumps({
+        "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "add_bos_token": True, "legacy": False}))
+    assert not (d / "tokenizer.json").exists()
+
+    tok = load_tokenizer(d)
+    sp = spm.SentencePieceProcessor(model_file=str(d / "tokenizer.model"))
+    for text in ("Return the value of os.path", "def loads(s, *, cls=None):", "héllo wörld 🤖"):
+        ids = tok(text)["input_ids"]
+        assert ids[0] == sp.bos_id() and ids[1:] == sp.encode(text)
+        assert tok.decode(ids, skip_special_tokens=True) == text
