@@ -91,6 +91,30 @@ def bench_io(directory: str | os.PathLike, size_bytes: int = 2 << 30, block_byte
             "note": None if direct else "no direct I/O here: reads may come from the page cache and overstate the drive"}
 
 
+# A probe takes at most this share of a drive's free space: the run's own files (optimizer state,
+# swapped activations, checkpoints) go to the same folder, and a probe that fills the drive would
+# make the run it measures for fail. Below PROBE_FLOOR a measurement says too little to be worth it.
+PROBE_SHARE = 8
+PROBE_FLOOR = 32 << 20
+
+
+def probe_size(directory: str | os.PathLike, want: int, block_bytes: int = 16 << 20) -> tuple[int, str]:
+    """How many bytes a drive probe may write in `directory`: `want`, cut to 1/PROBE_SHARE of the
+    free space there and rounded down to whole blocks; 0 where that leaves less than PROBE_FLOOR.
+    Also the reason, in words, for the message that announces or skips the probe."""
+    p = Path(directory)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    free = shutil.disk_usage(p).free
+    size = min(want, free // PROBE_SHARE) // block_bytes * block_bytes
+    if size < PROBE_FLOOR:
+        return 0, (f"{free / GB:.2f} GB free under {directory}; a drive probe takes at most 1/{PROBE_SHARE} "
+                   f"of it and needs {PROBE_FLOOR >> 20} MiB")
+    why = f"{size >> 20} MiB" + ("" if size == want // block_bytes * block_bytes else
+                                 f" (1/{PROBE_SHARE} of the {free / GB:.2f} GB free)")
+    return size, why
+
+
 def _quantile(xs: list[float], q: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, int(q * len(s)))] if s else 0.0

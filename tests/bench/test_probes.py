@@ -1,0 +1,89 @@
+"""Measurements never stop a run and never surprise: the activation planner's drive probe fits the
+free space or is skipped with a printed default, a failed probe leaves the run on defaults, and
+the first `--hardware this` plan says what it measures before it does."""
+import json
+import shutil
+import subprocess
+from collections import namedtuple
+
+import pytest
+
+from tierlm.bench import measure
+from tierlm.engine import act_engine
+
+Usage = namedtuple("Usage", "total used free")
+
+
+def _free(monkeypatch, free):
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: Usage(free * 4, free * 3, free))
+
+
+def test_probe_takes_an_eighth_of_the_free_space_at_most(monkeypatch, tmp_path):
+    _free(monkeypatch, 1 << 30)
+    size, why = measure.probe_size(tmp_path, 256 << 20)
+    assert size == 128 << 20 and "1/8" in why
+    _free(monkeypatch, 100 << 30)
+    assert measure.probe_size(tmp_path, 256 << 20)[0] == 256 << 20
+    _free(monkeypatch, 100 << 20)
+    size, why = measure.probe_size(tmp_path / "not" / "yet", 256 << 20)  # a folder the run will create
+    assert size == 0 and "needs 32 MiB" in why
+
+
+def test_drive_probe_on_a_nearly_full_drive_is_skipped_with_a_message(monkeypatch, tmp_path):
+    monkeypatch.setenv("TIERLM_CACHE_DIR", str(tmp_path / "cache"))
+    _free(monkeypatch, 50 << 20)
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("the probe ran on a nearly full drive"))
+    said = []
+    r = act_engine._rates(tmp_path, say=said.append)
+    assert (r.ssd_read, r.ssd_write) == act_engine.DEFAULT_RATES[:2]
+    assert len(said) == 1 and "skipped" in said[0] and "default rates" in said[0]
+
+
+@pytest.mark.parametrize("failure", ["exit", "raise", "garbage"])
+def test_drive_probe_failure_gives_defaults(monkeypatch, tmp_path, failure):
+    monkeypatch.setenv("TIERLM_CACHE_DIR", str(tmp_path / "cache"))
+
+    def run(cmd, **kw):
+        if failure == "raise":
+            raise subprocess.CalledProcessError(1, cmd)
+        return subprocess.CompletedProcess(cmd, 1 if failure == "exit" else 0, "not json\n",
+                                           "OSError: [Errno 28] No space left on device\n")
+    monkeypatch.setattr(subprocess, "run", run)
+    said = []
+    r = act_engine._rates(tmp_path, say=said.append)
+    assert (r.ssd_read, r.ssd_write) == act_engine.DEFAULT_RATES[:2]
+    assert "measuring the drive" in said[0] and "probe failed" in said[-1]
+    if failure == "exit":
+        assert "No space left" in said[-1]
+
+
+def test_drive_probe_measures_within_its_size(monkeypatch, tmp_path):
+    monkeypatch.setenv("TIERLM_CACHE_DIR", str(tmp_path / "cache"))
+    _free(monkeypatch, 400 << 20)  # 1/8: 50 MiB, whole 16 MiB blocks: 48 MiB
+    seen = []
+    real = subprocess.run
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: seen.append(cmd) or real(cmd, **kw))
+    said = []
+    r = act_engine._rates(tmp_path / "nv", say=said.append)
+    assert seen and seen[0][-1] == str(48 << 20)
+    assert r.ssd_read > 0 and "measured" in r.source and "48 MiB" in said[0]
+
+
+def test_a_failing_drive_probe_does_not_stop_a_training_run(make_model_dir, tmp_path, monkeypatch, capsys):
+    from tests.engine.test_exactness import batches, run_engine
+
+    monkeypatch.setenv("TIERLM_CACHE_DIR", str(tmp_path / "cache"))  # nothing cached: the probe runs
+    real = subprocess.run
+
+    def run(cmd, **kw):  # only the probe's child fails (a compiler call, say, runs)
+        if "bench_io" in " ".join(map(str, cmd)):
+            raise subprocess.CalledProcessError(1, cmd)
+        return real(cmd, **kw)
+    monkeypatch.setattr(subprocess, "run", run)
+    model_dir, _ = make_model_dir("llama")
+    _, _, losses, results = run_engine(model_dir, tmp_path, batches(4, seq=16), lr=1e-3, wd=0.0, clip=1.0,
+                                       accum=1, warmup=1, precision="fp32", activations="auto")
+    assert len(results) == 4 and all(l == l for l in losses)
+    assert "drive probe failed" in capsys.readouterr().err
+    plan = json.loads((tmp_path / "nvme-fp32-auto" / "plan.json").read_text())
+    assert plan["rates"]["source"].startswith("defaults")
