@@ -5,9 +5,9 @@ M=1 goes through the matrix-matrix path and reads the weights at 2.7-6.8 GB/s he
 `torch.mv` on the same tensors streams them at 9.8 GB/s on one thread and 13.6-18 GB/s on two
 (benchmarks/infer_gemv.py measures it): decode is bound by bytes read, so that kernel is the
 decode speed. Several rows (prefill, batched decode) keep `F.linear`, which is the faster one there,
-except on a CPU without bf16 matrix units (AVX2 only): there a bf16 product of many rows runs on a
-fallback kernel far slower than fp32 (`tierlm.precision.probe`), so from UPCAST_MIN_ROWS rows the
-weight is converted to fp32 for that product (`benchmarks/infer_gemv.py`, a 5632 x 2048 weight at 64
+except on a CPU without bf16 matrix instructions (AVX2 only): there a bf16 product of many rows runs
+on a fallback kernel far slower than fp32, so from UPCAST_MIN_ROWS rows the weight is converted to
+fp32 for that product (`benchmarks/infer_gemv.py`, a 5632 x 2048 weight at 64
 rows on a 2-vCPU AMD EPYC: 142.6 ms in bf16 against 65.8 ms converted on one thread, 70.0 against
 39.2 on two; at 8 rows the conversion loses, 19 against 142 ms in a loaded moment, hence the threshold).
 
@@ -32,9 +32,12 @@ UPCAST_MIN_ROWS = 16  # converting the weight costs about as much as 13 bf16 row
 
 @functools.lru_cache(maxsize=1)
 def bf16_matmul_is_slow() -> bool:
-    """Whether `--precision auto` would train in fp32 here: bf16 products below half the fp32 rate."""
-    from ..precision import resolve
-    return resolve("auto")[0] == "fp32"
+    """Whether this CPU lacks bf16 matrix instructions (`tierlm.precision.cpu_bf16_isa`, the
+    predicate `--precision auto` trains by). Which arithmetic a product uses (fp32 conversion, our
+    kernel or F.linear) follows it, so it is read from the ISA flags, never timed: the same command
+    gives the same tokens on the same machine."""
+    from ..precision import cpu_has_bf16_matmul
+    return not cpu_has_bf16_matmul()
 
 
 class GemvLinear(nn.Linear):

@@ -95,7 +95,12 @@ def _resolve(cfg: FinetuneConfig) -> FinetuneConfig:
     from ..engine.device import resolve_device
     cfg.device = str(resolve_device(cfg.device))
     if cfg.precision == "auto":
-        cfg.precision = _saved_precision(cfg) or _measured_precision(cfg.device)
+        saved = _saved_precision(cfg)
+        if saved:
+            cfg.precision_reason = f"--precision auto: a resumed run keeps the precision its state was made in ({saved})"
+        cfg.precision = saved or _auto_precision(cfg)
+    elif not hasattr(cfg, "precision_reason"):  # resolved once already keeps its reason (not an option: an attribute)
+        cfg.precision_reason = f"--precision {cfg.precision}"
     return cfg
 
 
@@ -113,10 +118,12 @@ def _saved_precision(cfg: FinetuneConfig) -> str | None:
     return None
 
 
-def _measured_precision(device: str = "cpu") -> str:
+def _auto_precision(cfg: FinetuneConfig) -> str:
+    """From the CPU's ISA flags or the GPU's capability, never timed; summary.json records why."""
     from ..precision import resolve
-    chosen, why = resolve("auto", device)
+    chosen, why = resolve("auto", cfg.device)
     print(why, file=sys.stderr)
+    cfg.precision_reason = why
     return chosen
 
 
@@ -302,6 +309,9 @@ def _run(cfg: FinetuneConfig, out: Path, dist=None) -> dict:
         save_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(cfg.save_dtype or "", None)
         final = engine.save_pretrained(out / "final", dtype=save_dtype)
         summary = progress.summary(final)
+        # config.json holds the options (it loads as --config); why this precision is beside the result
+        summary["precision"] = cfg.precision
+        summary["precision_reason"] = getattr(cfg, "precision_reason", f"--precision {cfg.precision}")
         if cfg.sample_prompt:
             from ..infer.generate import generate
             summary["sample"] = generate(engine, tokenizer, cfg.sample_prompt, cfg.sample_tokens,
