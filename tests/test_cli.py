@@ -110,3 +110,23 @@ def test_timeline_is_valid_and_covers_every_layer(tiny, tmp_path):
     cats = {e["cat"] for e in spans}
     assert {"compute", "optimizer", "ssd_read", "ssd_write", "wait"} <= cats
     assert (tmp_path / "run" / "timeline.png").stat().st_size > 10_000
+
+
+HELP_WITHOUT_TORCH = r"""
+import contextlib, io, sys
+from tierlm.cli import build_parser
+parser = build_parser()
+for argv in (["--help"], *([verb, "--help"] for verb in sys.argv[1:])):
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
+        parser.parse_args(argv)
+print(" ".join(m for m in ("torch", "transformers", "tokenizers", "tqdm") if m in sys.modules) or "none")
+"""
+
+
+def test_help_imports_no_heavy_library():
+    """`tierlm --help` and every verb's --help answer without torch or transformers: their import
+    is seconds, and a verb pays it only when it runs. (A subprocess: this one has torch loaded.)"""
+    verbs = ("init", "finetune", "demo", "generate", "chat", "serve", "plan", "bench")
+    r = subprocess.run([sys.executable, "-c", HELP_WITHOUT_TORCH, *verbs], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["none"], f"building the parser and --help imported {r.stdout.strip()}"

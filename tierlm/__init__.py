@@ -14,10 +14,20 @@ import resource as _resource
 # huge pages 6.8, and the step 52.0 -> 46.1-46.5 s at the same peak RSS (docs/benchmarks.md, H).
 _os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
-import torch as _torch  # noqa: F401  (imported first: its footprint is the baseline budgets exclude)
+# torch is not imported here: `tierlm --help` and the argument errors of every verb answer without
+# it (its import takes seconds). The verbs and the API import it when they run, after the settings
+# above and below are in place. Budgets start from budget.library_baseline, measured by the run.
+_torch_rss: int | None = None
 
-# Peak RSS right after importing torch (reported; budgets start after the model code's import too).
-TORCH_RSS = _resource.getrusage(_resource.RUSAGE_SELF).ru_maxrss * 1024
+
+def torch_rss() -> int:
+    """Peak RSS right after torch's import (bytes), importing it now if nothing has yet: the
+    footprint of the library alone where this is the first to import it."""
+    global _torch_rss
+    if _torch_rss is None:
+        import torch  # noqa: F401
+        _torch_rss = _resource.getrusage(_resource.RUSAGE_SELF).ru_maxrss * 1024
+    return _torch_rss
 
 
 # glibc's thresholds under _tame_malloc (tierlm.engine.heap relaxes them while an Engine trains)
@@ -58,6 +68,8 @@ def finetune(*args, **kwargs):
 
 
 def __getattr__(name):
+    if name == "TORCH_RSS":  # the former import-time constant
+        return torch_rss()
     if name in ("Engine", "EngineConfig", "AdamWConfig"):
         from .engine import engine as _engine
         return getattr(_engine, name)

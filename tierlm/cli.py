@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-import tierlm  # noqa: F401  (records the torch-import baseline before anything else loads)
-
+# Building the parser imports no torch or transformers (their import takes seconds): `--help` and
+# usage errors answer at once; a verb imports what it needs when it runs. tests/test_cli.py checks.
 from . import config as C
 
 EXIT_USAGE = 2
@@ -96,7 +96,7 @@ def _cmd_serve(args) -> int:
 
 
 def _add_infer_verbs(sub) -> None:
-    from .infer.run import add_engine_args, add_sampling_args
+    from .infer.flags import add_engine_args, add_sampling_args
 
     q = sub.add_parser("generate", help="generate from a prompt (weights resident or streamed from NVMe)",
                        description="Generate a completion; prints TTFT, decode tokens/s, GB/s and the bound.")
@@ -209,7 +209,7 @@ def _add_plan_verbs(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .hf.presets import ARCHS, PRESETS
+    from .hf.presets import ARCH_CONFIGS, PRESETS
     from .train.finetune import FinetuneConfig
 
     p = argparse.ArgumentParser(prog="tierlm", description=(
@@ -219,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     q = sub.add_parser("init", help="create a random-initialised Hugging Face model directory")
     q.add_argument("out", help="directory to create")
-    q.add_argument("--arch", choices=sorted(ARCHS), help="architecture (a small model unless --preset)")
+    q.add_argument("--arch", choices=sorted(ARCH_CONFIGS), help="architecture (a small model unless --preset)")
     q.add_argument("--preset", choices=sorted(PRESETS), help="the shapes of a published model")
     for name in ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab", "max_positions"):
         q.add_argument("--" + name.replace("_", "-"), type=int, default=None, help=f"override {name}")

@@ -8,15 +8,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import torch
-import transformers
-
-ARCHS: dict[str, type] = {
-    "llama": transformers.LlamaConfig,
-    "qwen2": transformers.Qwen2Config,
-    "mistral": transformers.MistralConfig,
-    "gpt2": transformers.GPT2Config,
-}
+# Names, not classes: the command line builds its choices from them without importing transformers
+# (seconds); ARCHS, the config classes, is made on first use (module __getattr__ below).
+ARCH_CONFIGS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig", "gpt2": "GPT2Config"}
 ARCH_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                 "mistral": "MistralForCausalLM", "gpt2": "GPT2LMHeadModel"}
 
@@ -92,8 +86,19 @@ _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp3
                   "float": "float32", "bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
 
 
+def _config_class(arch: str) -> type:
+    import transformers
+    return getattr(transformers, ARCH_CONFIGS[arch])
+
+
+def __getattr__(name):
+    if name == "ARCHS":
+        return {a: _config_class(a) for a in ARCH_CONFIGS}
+    raise AttributeError(name)
+
+
 def dtype_name(dtype: str | torch.dtype) -> str:
-    if isinstance(dtype, torch.dtype):
+    if not isinstance(dtype, str):  # a torch.dtype
         dtype = str(dtype).removeprefix("torch.")
     name = _DTYPE_ALIASES.get(str(dtype).lower())
     if name is None:
@@ -158,11 +163,11 @@ def make_config(arch: str | None = None, preset: str | None = None,
             raise ValueError(f"preset {preset!r} is a {base.arch} model, not {arch!r}; drop one of them")
     elif arch is not None:
         if arch not in TINY:
-            raise ValueError(f"unknown arch {arch!r}; valid architectures: {', '.join(ARCHS)}")
+            raise ValueError(f"unknown arch {arch!r}; valid architectures: {', '.join(ARCH_CONFIGS)}")
         base = TINY[arch]
     else:
-        raise ValueError(f"give an arch ({', '.join(ARCHS)}) or a preset ({', '.join(PRESETS)})")
-    cls = ARCHS[base.arch]
+        raise ValueError(f"give an arch ({', '.join(ARCH_CONFIGS)}) or a preset ({', '.join(PRESETS)})")
+    cls = _config_class(base.arch)
     o = {str(k).replace("-", "_"): v for k, v in (overrides or {}).items()}
     native_fields = set(getattr(cls, "__dataclass_fields__", {})) | set(cls().to_dict())
     bad = [k for k in o if k not in SHORT_KEYS and k not in native_fields]
@@ -212,7 +217,7 @@ def param_count(config) -> int:
         total = v * h + config.n_positions * h + n * layer + 2 * h
         return total + (0 if config.tie_word_embeddings else v * h)
     if mt not in ("llama", "qwen2", "mistral"):
-        raise ValueError(f"param_count: unsupported model_type {mt!r}; supported: {', '.join(ARCHS)}")
+        raise ValueError(f"param_count: unsupported model_type {mt!r}; supported: {', '.join(ARCH_CONFIGS)}")
     h, v, n, i = config.hidden_size, config.vocab_size, config.num_hidden_layers, config.intermediate_size
     hd = getattr(config, "head_dim", None) or h // config.num_attention_heads
     q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd

@@ -9,13 +9,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
+# No torch at import (nor modules that import it): the command line builds its flags from
+# FinetuneConfig, and `tierlm finetune --help` answers without torch's seconds; the run imports it.
 from ..config import option, to_dict
 from ..faults import fault
 from ..units import parse_bytes
-from .progress import Progress
-from .rundir import RESULT_OPTIONS, RunLock, check_nvme, config_diff, rng_state, set_rng_state, truncate_metrics
 from .schedule import SCHEDULES, lr_at
 
 
@@ -159,6 +157,7 @@ def finetune(cfg: FinetuneConfig | None = None, **options) -> dict:
     if dist is not None:
         # Ranks started by torchrun directly measured on their own: they must have chosen alike.
         dist.same_on_all(int(cfg.precision == "bf16"), "--precision (pass it explicitly)")
+    from .rundir import RunLock
     lock = RunLock(out) if dist is None or dist.rank == 0 else None
     try:
         return _run(cfg, out, dist)
@@ -170,6 +169,7 @@ def finetune(cfg: FinetuneConfig | None = None, **options) -> dict:
 
 
 def _run(cfg: FinetuneConfig, out: Path, dist=None) -> dict:
+    import torch
     from transformers import AutoConfig
 
     from ..engine.budget import library_baseline
@@ -178,6 +178,8 @@ def _run(cfg: FinetuneConfig, out: Path, dist=None) -> dict:
     from ..hf.checks import check_model_dir, load_tokenizer
     from ..hf.presets import param_count
     from .data import Batches, load_dataset
+    from .progress import Progress
+    from .rundir import RESULT_OPTIONS, check_nvme, config_diff, rng_state, set_rng_state, truncate_metrics
 
     check_model_dir(cfg.model)
     if dist is None and any((Path(cfg.nvme) / "rank0").glob("manifest-*.json")):
