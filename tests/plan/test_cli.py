@@ -106,3 +106,36 @@ def test_overhead_splits_per_step_and_per_layer(tmp_path, monkeypatch):
     assert o["decode_streamed_per_layer_s"] == pytest.approx(0.004)
     assert o["decode_resident_per_step_s"] == pytest.approx(0.001)
     assert not list(tmp_path.iterdir())  # its scratch directory is removed
+
+
+def test_first_plan_on_this_machine_says_what_it_measures_and_for_how_long(tmp_path, monkeypatch, capsys):
+    """Nothing cached: `--hardware this` measures, and first says so (what, about how long), one
+    line per stage off a terminal. The measurements themselves are stand-ins: this is about words."""
+    from tierlm.bench import measure, overhead, overlap
+
+    monkeypatch.setenv("TIERLM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    io = {"dir": str(tmp_path), "direct_io": True, "read_gbps": 1.0, "write_gbps": 1.0, "free_bytes": 100 << 30,
+          "block_bytes": 16 << 20, "inflight": 4, "bytes": 1 << 30, "note": None}
+    sizes = []
+    monkeypatch.setattr(measure, "bench_io", lambda d, size, *a, **k: sizes.append(size) or dict(io))
+    monkeypatch.setattr(measure, "bench_queue_depth", lambda d, **k: sizes.append(k["size_bytes"]) or {"queue_depth": 2})
+    monkeypatch.setattr(measure, "bench_block_size", lambda d, q, **k: sizes.append(k["size_bytes"]) or {"shard_bytes": 8 << 20})
+    monkeypatch.setattr(measure, "bench_memory", lambda *a: {"mem_gbps": 6.0})
+    monkeypatch.setattr(measure, "bench_compute", lambda: {"matmul_tflops": {"float32": 0.04, "bfloat16": 0.12},
+                                                           "adamw_elems_per_s": 5e8, "threads": 2})
+    for name in ("bench_layer", "bench_decode", "bench_checksum"):
+        monkeypatch.setattr(measure, name, lambda: {})
+    monkeypatch.setattr(overhead, "bench_overhead", lambda where: None)
+    monkeypatch.setattr(overlap, "bench_overlap", lambda where: {})
+    Usage = __import__("collections").namedtuple("Usage", "total used free")
+    monkeypatch.setattr("shutil.disk_usage", lambda p: Usage(8 << 30, 6 << 30, 2 << 30))
+    assert main(["plan", "qwen2.5-0.5b", "--hardware", "this", "--batch", "1", "--seq-len", "64"]) == 0
+    err = capsys.readouterr().err
+    assert "nothing measured on this machine yet" in err
+    assert "bench io: measures sequential write and read" in err and "about" in err
+    assert "bench compute: measures matmul per dtype" in err and "[2/6] decoder layers" in err
+    assert max(sizes) <= (2 << 30) // 8  # at most an eighth of the free space on the drive measured
+    # measured once: the next plan prints no such line
+    assert main(["plan", "qwen2.5-0.5b", "--hardware", "this", "--batch", "1", "--seq-len", "64"]) == 0
+    assert "measures" not in capsys.readouterr().err

@@ -42,12 +42,24 @@ def hardware_from_measurements(m: dict, spec: str = "this") -> Hardware:
 
 
 def measured_this(nvme: str | None, quiet: bool = False) -> dict:
+    """The cached measurements, measuring what is missing first (announced: it takes minutes). The
+    drive is measured where the runs write (--nvme), else in the working directory, with at most an
+    eighth of the free space there (bench.measure.probe_size)."""
     from ..bench import cache
     data = cache.load()
     if "io" not in data or (nvme and Path(data["io"]["dir"]) != Path(nvme).resolve()):
-        run_bench("io", nvme or ".", quiet=quiet)
+        where = nvme or "."
+        from ..bench.measure import probe_size
+        size, why = probe_size(where, 2 << 30)
+        if not size:
+            raise ValueError(f"--hardware this: cannot measure the drive under {Path(where).resolve()}: {why}; "
+                             f"pass --nvme DIR on the drive the runs will use")
+        if not quiet:
+            print(f"--hardware this: nothing measured on this machine yet (cache {cache.cache_path()}); "
+                  f"measuring it once, as `tierlm bench io` and `tierlm bench compute` would", file=sys.stderr)
+        run_bench("io", where, size=size, quiet=quiet)
     if "compute" not in data:
-        run_bench("compute", None, quiet=quiet)
+        run_bench("compute", nvme, quiet=quiet)
     return cache.load()
 
 
@@ -60,28 +72,55 @@ def _existing(directory: str) -> str:
     return str(p)
 
 
+# Rates the announcement's time estimates assume before anything is measured (bytes/s of the drive
+# moving a probe's files, create + overwrite + read); the I/O stages are rescaled once the first
+# has run. The compute stages' seconds are about what they took on a 2-core EPYC Zen 4 (AVX-512)
+# with other work on it; a slower CPU takes a few times more.
+ASSUMED_DRIVE_BPS = 1.0e9
+COMPUTE_STAGES = [("matmul per dtype and the AdamW kernel", 8),
+                  ("decoder layers fwd+bwd (3 widths x 2 token counts)", 50),
+                  ("batch-1 decode (bf16, int8, int4)", 35), ("CRC32C", 1),
+                  ("the engine's fixed costs (tiny runs)", 45), ("compute beside drive I/O", 20)]
+
+
 def run_bench(what: str, nvme: str | None, size: int = 2 << 30, quiet: bool = False) -> dict:
+    """`tierlm bench io|compute`: measure, cache and return the results. `size` bounds every file
+    the I/O probes write (the depth and request-size sweeps write at most 512 MiB, or `size`)."""
     from ..bench import cache, measure
+    from ..bench.progress import Stages
 
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
     if what == "io":
-        say(f"bench io: writing and reading {fmt_bytes(size)} in {nvme} (direct I/O where allowed) ...")
-        res = measure.bench_io(nvme, size)
-        res.update(measure.bench_queue_depth(nvme))
-        res.update(measure.bench_block_size(nvme, res["queue_depth"]))
-        res.update(measure.bench_memory())
+        sweep, small = min(size, 512 << 20), min(size, 128 << 20)
+        moved = {"one pass": 3 * size, "depths": 2 * len(measure.DEPTHS) * 3 * (sweep + small),
+                 "blocks": 2 * len(measure.BLOCKS) * 3 * sweep}
+        st = Stages("bench io", [(f"sequential write and read of {fmt_bytes(size)} in {nvme}", moved["one pass"] / ASSUMED_DRIVE_BPS),
+                                 (f"requests in flight ({', '.join(map(str, measure.DEPTHS))}), 2 rounds",
+                                  moved["depths"] / ASSUMED_DRIVE_BPS),
+                                 (f"request sizes ({', '.join(fmt_bytes(b) for b in measure.BLOCKS)}), 2 rounds",
+                                  moved["blocks"] / ASSUMED_DRIVE_BPS),
+                                 ("host memory copy", 1)],
+                    note=f"direct I/O where allowed, {fmt_bytes(sum(moved.values()))} moved in all, "
+                         f"at most {fmt_bytes(size)} on the drive at once", quiet=quiet)
+        res = st(measure.bench_io, nvme, size)
+        seen = 3 * res["bytes"] / st.took if st.took > 0 else ASSUMED_DRIVE_BPS
+        st.rescale(ASSUMED_DRIVE_BPS / seen, {st.names[1], st.names[2]})
+        res.update(st(measure.bench_queue_depth, nvme, size_bytes=sweep, small_size=small))
+        res.update(st(measure.bench_block_size, nvme, res["queue_depth"], size_bytes=sweep))
+        res.update(st(measure.bench_memory))
     else:
         from ..bench.overhead import bench_overhead
-        say("bench compute: matmul per dtype, a decoder layer, the AdamW kernel, the engine's fixed costs ...")
-        res = measure.bench_compute()
-        res.update(measure.bench_layer())
-        res.update(measure.bench_decode())
-        res.update(measure.bench_checksum())
+        from ..bench.overlap import bench_overlap
+        st = Stages("bench compute", COMPUTE_STAGES, note=f"{__import__('torch').get_num_threads()} threads",
+                    quiet=quiet)
+        res = st(measure.bench_compute)
+        res.update(st(measure.bench_layer))
+        res.update(st(measure.bench_decode))
+        res.update(st(measure.bench_checksum))
         # The commit's syncfs is part of the overhead: measure on the drive the runs use.
         where = nvme if nvme and nvme != "." else _existing(cache.load().get("io", {}).get("dir", "."))
-        res["overhead"] = bench_overhead(where)
-        from ..bench.overlap import bench_overlap
-        res.update(bench_overlap(where))
+        res["overhead"] = st(bench_overhead, where)
+        res.update(st(bench_overlap, where))
     res_machine = measure.machine()
     path = cache.update(what, res, also_next_to=nvme if what == "io" else None)
     cache.update("machine", res_machine)
