@@ -87,3 +87,52 @@ def test_a_failing_drive_probe_does_not_stop_a_training_run(make_model_dir, tmp_
     assert "drive probe failed" in capsys.readouterr().err
     plan = json.loads((tmp_path / "nvme-fp32-auto" / "plan.json").read_text())
     assert plan["rates"]["source"].startswith("defaults")
+
+
+def test_read_probe_reads_as_decode_does(monkeypatch):
+    """Through our one-row kernels where they build (as decode), on torch's threads, on huge pages;
+    the rate is the best way's."""
+    import torch
+
+    from tierlm.infer import native
+
+    calls = []
+    real = native.products
+    monkeypatch.setattr(native, "products", lambda x, ws, *a, **k: calls.append((ws[0].dtype, torch.get_num_threads()))
+                        or real(x, ws, *a, **k))
+    r = measure.bench_read(size_bytes=8 << 20, repeats=2)
+    assert r["read_gbps"] == max(r["read_gbps_by_way"].values()) > 0 and r["read_bytes"] == 8 << 20
+    assert r["read_huge_pages"]
+    if native.available():
+        assert {d for d, _ in calls} == {torch.int8, torch.bfloat16}
+        assert {t for _, t in calls} == {torch.get_num_threads()}
+        assert any(k.startswith("native") for k in r["read_gbps_by_way"])
+    else:
+        assert not calls
+
+
+def test_report_rates_honour_the_cache_dir_and_the_threads(monkeypatch, tmp_path, capsys):
+    import torch
+
+    from tierlm.infer import report
+
+    monkeypatch.setenv("TIERLM_CACHE_DIR", str(tmp_path / "cache"))
+    seen = []
+
+    def run(cmd, **kw):
+        seen.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, json.dumps({"mem_gbps": 30.0}) + "\n", "")
+    monkeypatch.setattr(subprocess, "run", run)
+    assert report.machine_rates()["mem_gbps"] == 30.0
+    assert seen[0][-1] == str(torch.get_num_threads())
+    assert (tmp_path / "cache" / "rates.json").is_file()
+    assert "measuring this machine's rates" in capsys.readouterr().err
+    assert report.machine_rates()["mem_gbps"] == 30.0 and len(seen) == 1  # cached: measured once
+
+
+def test_report_without_rates_when_the_probe_fails(monkeypatch, tmp_path):
+    from tierlm.infer import report
+
+    monkeypatch.setenv("TIERLM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: (_ for _ in ()).throw(subprocess.TimeoutExpired(cmd, 300)))
+    assert report.machine_rates(str(tmp_path)) == {}

@@ -14,20 +14,13 @@ from pathlib import Path
 
 _PROBE = r"""
 import json, os, sys, time, torch
+torch.set_num_threads(int(sys.argv[2]))  # the threads decode ran on
 out = {}
-x = torch.ones(128 << 20, dtype=torch.float32)         # 512 MiB: far past the 105 MiB L3
-# the best of several reads, on one thread and on all: a shared machine slows some runs, and the
-# roofline is what the memory can deliver, not the average disturbance
-best, all_threads = {}, torch.get_num_threads()
-for th in sorted({1, all_threads}):
-    torch.set_num_threads(th); x.sum()
-    for _ in range(5):
-        t = time.perf_counter(); x.sum(); dt = time.perf_counter() - t
-        best[th] = max(best.get(th, 0), x.numel() * 4 / dt / 1e9)
-torch.set_num_threads(all_threads)
-out["mem_gbps"] = max(best.values())
-out["mem_gbps_by_threads"] = best
-del x
+# memory: read the way decode reads its weights (our one-row kernels over a huge-page buffer on
+# decode's threads, best of several rounds and of the ways tried): bench.measure.bench_read
+from tierlm.bench.measure import bench_read
+r = bench_read()
+out["mem_gbps"], out["mem_how"], out["mem_gbps_by_way"] = r["read_gbps"], r["read_how"], r["read_gbps_by_way"]
 for name, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
     a = torch.randn(512, 2048, dtype=dt); b = torch.randn(2048, 2048, dtype=dt)
     a @ b; dt = 1e9
@@ -38,7 +31,9 @@ d = sys.argv[1]
 if d:
     from tierlm.storage.aligned import aligned_empty, supports_direct_io
     os.makedirs(d, exist_ok=True)
-    path = os.path.join(d, "probe.bin"); n = 128 << 20
+    from tierlm.bench.measure import probe_size
+    path = os.path.join(d, "probe.bin"); n = probe_size(d, 128 << 20)[0]  # at most 1/8 of the free space
+if d and n:
     buf = aligned_empty(n)
     buf.fill_(7)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644); os.write(fd, buf.numpy()); os.fsync(fd); os.close(fd)
@@ -54,26 +49,40 @@ print(json.dumps(out))
 """
 
 
+# 2: the memory rate read as decode reads (bench.measure.bench_read); 1 (no prefix): a torch sum
+RATES_VERSION = 2
+
+
 def machine_rates(nvme_dir: str | None = None, cache: str | None = None, fresh: bool = False) -> dict:
     """{'mem_gbps', 'matmul_bf16_gflops', 'matmul_fp32_gflops', 'ssd_gbps'?}; cached per directory
     (`fresh` measures again and replaces the cached entry: benchmarks compare within one run)."""
-    cache_path = Path(cache or Path.home() / ".cache" / "tierlm" / "rates.json")
-    # per machine and per file system (the SSD rate is the directory's device's)
+    cache_path = Path(cache or Path(os.environ.get("TIERLM_CACHE_DIR") or Path.home() / ".cache" / "tierlm")
+                      / "rates.json")
+    # per machine and per file system (the SSD rate is the directory's device's); RATES_VERSION
+    # changes when a probe changes, so a rate an older probe cached is measured again
     where = Path(nvme_dir or ".").resolve()
     while not where.exists():
         where = where.parent
-    key = f"{os.cpu_count()}:{where.stat().st_dev if nvme_dir else ''}"
+    import torch
+    threads = torch.get_num_threads()
+    key = f"{RATES_VERSION}:{os.cpu_count()}:{threads}:{where.stat().st_dev if nvme_dir else ''}"
     try:
         known = json.loads(cache_path.read_text())
     except (OSError, json.JSONDecodeError):
         known = {}
     if key in known and not fresh:
         return known[key]
-    r = subprocess.run([sys.executable, "-c", _PROBE, nvme_dir or ""], capture_output=True, text=True,
-                       timeout=300)
-    if r.returncode != 0:
+    print(f"tierlm: measuring this machine's rates for the report's rooflines (memory read as decode reads, on "
+          f"{threads} threads; matmul" + (f"; the drive under {nvme_dir}, at most 128 MiB" if nvme_dir else "")
+          + f"): about 10 s, once (cached in {cache_path})", file=sys.stderr, flush=True)
+    try:
+        r = subprocess.run([sys.executable, "-c", _PROBE, nvme_dir or "", str(threads)], capture_output=True,
+                           text=True, timeout=300)
+        rates = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        rates = None
+    if rates is None:  # the report goes without rooflines; the generation it reports on is done
         return {}
-    rates = json.loads(r.stdout.strip().splitlines()[-1])
     known[key] = rates
     try:
         cache_path.parent.mkdir(parents=True, exist_ok=True)
