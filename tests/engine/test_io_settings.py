@@ -119,6 +119,14 @@ def test_shard_size_from_bench_io_within_the_budget_and_kept_on_resume(make_mode
     # a shard's buffers stay within a twentieth of the budget: 256 MiB / 20 / 18 bytes
     assert shard_size(None, nvme, 256 << 20, resume=False) == (745472, "bench io's pick, cut to fit --cpu-mem")
     assert shard_size(6144, nvme, 4 * gib, resume=False) == (6144, "set")
+    # with gradient accumulation the shard size can move the clip norm's rounding: never a timing's
+    for picked in (4 << 20, 8 << 20, 32 << 20):
+        cache.update("io", {"dir": str(nvme), "shard_bytes": picked})
+        n, why = shard_size(None, nvme, 4 * gib, resume=False, grad_accum=2)
+        assert n == 1 << 22 and "grad-accum" in why
+        assert shard_size(None, nvme, 256 << 20, resume=False, grad_accum=4)[0] == 745472  # the budget's cut
+    assert shard_size(6144, nvme, 4 * gib, resume=False, grad_accum=2) == (6144, "set")
+    cache.update("io", {"dir": str(nvme), "shard_bytes": 8 << 20})
 
     # a run's state keeps its shards when bench io picks another size before the resume
     model_dir, _ = make_model_dir()

@@ -52,7 +52,8 @@ class EngineConfig:
     grad_accum: int = 1
     activations: str = "auto"        # auto | keep | swap | swap-host | recompute, or one per layer, comma-separated
     prefetch: int | None = None      # blocks read ahead of the one computing; None: picked (io_settings)
-    shard_elems: int | None = None   # optimizer shard size; None: bench io's pick within the budget (io_settings)
+    shard_elems: int | None = None   # optimizer shard size; None: bench io's pick within the budget where it
+                                     # cannot change bits (one micro-batch a step), else the budget's (io_settings)
     io_threads: int | None = None    # reads (and writes) in flight; None: `tierlm bench io`'s pick for this file system, else 4
     direct_io: bool | None = None    # None: where the file system allows it
     state_cache: bool = True         # keep optimizer state in RAM between steps where the budget has room
@@ -111,7 +112,8 @@ class Engine(DurableState, Exports):
         move_buffers(model, self.device)
         self.blocks, params = discover_blocks(model)
         self.names = list(params)  # canonical order: model.parameters()
-        self.shard_elems, self.shard_why = shard_size(cfg.shard_elems, Path(cfg.nvme_dir), cfg.cpu_mem, resume)
+        self.shard_elems, self.shard_why = shard_size(cfg.shard_elems, Path(cfg.nvme_dir), cfg.cpu_mem, resume,
+                                                      cfg.grad_accum)
         self.infos = {n: make_param_info(n, tuple(p.shape), self.shard_elems) for n, p in params.items()}
         self._install_params(model)
         self.hooks = ParamRefHooks()

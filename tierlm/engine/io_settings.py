@@ -33,9 +33,16 @@ def io_depth(asked: int | None, root: Path) -> tuple[int, str]:
     return DEFAULT_IO_THREADS, "default; `tierlm bench io` measures it"
 
 
-def shard_size(asked: int | None, root: Path, budget: int, resume: bool) -> tuple[int, str]:
+def shard_size(asked: int | None, root: Path, budget: int, resume: bool, grad_accum: int = 1) -> tuple[int, str]:
     """Elements in an optimizer shard, and where the number comes from. A resumed run keeps the
-    size its committed state was cut in (whatever bench io measured since, or --cpu-mem now)."""
+    size its committed state was cut in (whatever bench io measured since, or --cpu-mem now).
+
+    bench io's pick is a timing, so it may only tune what does not change bits. With one micro-batch
+    a step it does not: each gradient's norm is taken whole as backward hands it over, and Adam is
+    elementwise (tests/engine/test_exactness.py runs shards of 2048, 4096 and the default against
+    one reference). With gradient accumulation a tensor split across shards has its norm combined
+    from shard norms (optim_norms: equal to within rounding), so there the size comes from the
+    budget alone."""
     from . import budget as B
     if asked is not None:
         return asked, "set"
@@ -48,6 +55,9 @@ def shard_size(asked: int | None, root: Path, budget: int, resume: bool) -> tupl
                 continue
             if committed:
                 return int(committed), "the committed state's"
+    if grad_accum > 1:
+        return B.shard_elems_for(budget), ("default: with --grad-accum > 1 the shard size can change the "
+                                            "clip norm's rounding, so it is not taken from a timing")
     from ..bench.cache import io_for
     io = io_for(root)
     if io and io.get("shard_bytes"):
