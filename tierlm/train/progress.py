@@ -1,14 +1,46 @@
-"""A progress bar and one line per step: loss, lr, s/step, tokens/s, RSS against the budget, SSD GB/s."""
+"""One line per step (loss, lr, s/step, tokens/s, RSS against the budget, SSD GB/s), and a progress
+bar below the lines where a terminal shows it."""
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
-from tqdm.auto import tqdm
-
 from ..engine import budget as B
 from ..units import fmt_bytes, parse_bytes
+
+
+def use_bar(stream) -> bool:
+    """A bar redraws itself with carriage returns: on a terminal that is one line moving; in a file
+    or a pipe (`> log 2>&1`, a CI log) every frame stays, mixed into the log lines."""
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty (a wrapper), or closed
+        return False
+
+
+class _Lines:
+    """The bar's place where no terminal shows one: the lines alone, each flushed when written (a
+    `tail -f` or a pipe sees a step when it ends)."""
+
+    def write(self, s: str, file=None) -> None:
+        print(s, file=file or sys.stdout, flush=True)
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def make_bar(total: int, start: int, stream=None):
+    """A tqdm bar on `stream` (stderr) where it is a terminal; else plain lines."""
+    stream = stream or sys.stderr
+    if not use_bar(stream):
+        return _Lines()
+    from tqdm.auto import tqdm
+    return tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, leave=False, file=stream)
 
 
 class Progress:
@@ -19,7 +51,7 @@ class Progress:
         self.metrics = open(metrics_path, "w" if fresh else "a")
         self.rows: list[dict] = []
         self.t_start = time.perf_counter()
-        self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, leave=False)
+        self.bar = make_bar(total, start)
         self.bar.write(f"data: {data_summary}")
         st = engine.split
         self.bar.write(f"--cpu-mem {fmt_bytes(st.budget)} beyond the libraries' {fmt_bytes(engine.library_rss)}: "
