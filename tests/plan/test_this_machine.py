@@ -185,3 +185,65 @@ def test_resident_weights_count_once_at_the_measured_decode_rate(shape):
     assert p.binding == "cpu"
     weights = p.placement["weights"]["ram"]
     assert 0 < p.resources_s["memory"] < weights / 0.1e9 / 100
+
+
+def test_the_models_own_step_sets_the_compute_where_measured_at_the_micro_batch(shape):
+    """bench_model_step's seconds (this model's layer code at this micro-batch) replace the reference
+    layers' interpolation; at another micro-batch, or another dtype, they are not used."""
+    s, _ = shape
+    hw = hardware_from_measurements(measurements())
+    hw.measured["model_step"] = {"layer_s": 0.5, "rest_s": 0.7, "tokens": 256, "probed_tokens": 256, "seq": 128,
+                                 "dtype": "bfloat16", "threads": 2, "model_type": "llama"}  # as run_plan adds it
+    task = dict(batch=2, seq_len=128, cpu_mem=4 << 30, clip="off", precision="bf16")
+    keep = plan(s, hw, Task(activations="keep", **task))
+    o = OVERHEAD
+    assert keep.resources_s["compute"] == pytest.approx(
+        s.layers * 0.5 + 0.7 + o["train_per_step_s"] + s.layers * o["train_per_layer_s"])
+    assert any("this model's own step measured here" in a for a in keep.assumptions)
+    rec = plan(s, hw, Task(activations="recompute", **task))
+    assert rec.resources_s["compute"] == pytest.approx(
+        s.layers * 0.5 * (1 + 1 / 3) + 0.7 + o["train_per_step_s"] + s.layers * o["train_per_layer_recompute_s"])
+    other = plan(s, hw, Task(activations="keep", **dict(task, batch=1)))  # 128 tokens: not what was measured
+    assert any("reference llama layers" in a for a in other.assumptions)
+    fp32 = plan(s, hw, Task(activations="keep", **dict(task, precision="fp32")))
+    assert not any("own step" in a for a in fp32.assumptions)
+
+
+def test_model_step_probe_splits_a_layer_from_the_rest_and_scales_capped_rows(monkeypatch):
+    from transformers import AutoConfig
+
+    from tierlm.bench import measure
+
+    cfg = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+    # the timings are stand-ins (never timed here): depth 1 takes 1.0 s, depth 3 takes 1.6 s; the
+    # steps themselves run (forward and backward of the family's code)
+    import transformers
+    depth_of = {}
+    real_best, real_from_config = measure._best, transformers.AutoModelForCausalLM.from_config
+
+    def from_config(c, *a, **k):
+        model = real_from_config(c, *a, **k)
+        depth_of[id(model)] = c.num_hidden_layers
+        return model
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config", from_config)
+    real_zero = torch.nn.Module.zero_grad
+
+    def zero_grad(self, *a, **k):  # each step starts with zero_grad: which model it is tells the time
+        if id(self) in depth_of:
+            zero_grad.last = depth_of[id(self)]
+        return real_zero(self, *a, **k)
+    monkeypatch.setattr(torch.nn.Module, "zero_grad", zero_grad)
+
+    def best(fn, repeats):
+        real_best(fn, 1)
+        return {1: 1.0, 3: 1.6}[zero_grad.last]
+    monkeypatch.setattr(measure, "_best", best)
+    monkeypatch.setattr(measure, "MODEL_STEP_S", 10.0)  # the one-row step (1.6 s): all 2 rows fit
+    r = measure.bench_model_step(cfg, 64, 32, torch.float32, repeats=2)
+    assert r["layer_s"] == pytest.approx(0.3) and r["rest_s"] == pytest.approx(0.7)
+    assert r["probed_tokens"] == 64 and r["tokens"] == 64 and r["model_type"] == "llama"
+    # a step too slow for the rows the run has: one row timed, scaled to the micro-batch per token
+    monkeypatch.setattr(measure, "MODEL_STEP_S", 2.0)  # one row of the four fits
+    r = measure.bench_model_step(cfg, 128, 32, torch.float32, repeats=2)
+    assert r["probed_tokens"] == 32 and r["layer_s"] == pytest.approx(0.3 * 4) and r["rest_s"] == pytest.approx(0.7 * 4)

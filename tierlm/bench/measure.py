@@ -6,6 +6,7 @@ several requests in flight), so the numbers are what the engine gets, not what `
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -345,6 +346,101 @@ def bench_layer(dtype: torch.dtype | None = None, repeats: int = 3, widths: tupl
     top = str(max(tokens))
     return {"layer_tflops": table[top], "layer_tokens": max(tokens), "layer_tflops_by_tokens": table,
             "layer_dtype": "bf16" if dtype == torch.bfloat16 else "fp32"}
+
+
+MODEL_DEPTHS = (1, 3)     # decoder layers of the two probe models: the slope is one layer's time
+MODEL_STEP_S = 4.0        # the deeper model's step at most about this (fewer rows of the run's length)
+MODEL_MAX_PARAMS = 2e9    # beyond: building the probe models takes longer than the plan is worth
+
+
+def model_step_key(config, tokens: int, seq: int, dtype: torch.dtype) -> str:
+    """What a model-step probe depends on: the family, the shapes, the micro-batch, dtype and threads."""
+    d = config.to_dict()
+    shape = {k: d.get(k) for k in ("model_type", "hidden_size", "n_embd", "intermediate_size", "n_inner",
+                                    "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
+                                    "hidden_act", "tie_word_embeddings", "sliding_window")}
+    return (json.dumps(shape, sort_keys=True) + f"|tokens={tokens}|seq={seq}|{str(dtype).removeprefix('torch.')}"
+            f"|threads={torch.get_num_threads()}")
+
+
+def bench_model_step(config, tokens: int, seq: int, dtype: torch.dtype, repeats: int = 3) -> dict | None:
+    """Seconds of a training micro-batch through the model's own code, split into one decoder
+    layer's forward + backward and the rest (embedding, final norm, head and loss), on torch's
+    threads (the run's), in the run's compute dtype and sequence length: what `finetune` computes,
+    not a generic layer at a reference width. The model family's code is built from `config` by
+    transformers (as the engine builds it) at two depths; the step runs the engine's path (the
+    head and loss in chunks where the engine chunks them: head_loss). The difference of the two
+    depths is one layer; what the shallow one takes beyond it is the rest.
+
+    At the run's rows per micro-batch where the deeper step takes at most MODEL_STEP_S and fits a
+    quarter of the free memory; else fewer rows of the run's length, scaled per token (the
+    attention's cost per token depends on the length, kept). None where even one row does not
+    fit, or the probe models are too large to build quickly: the planner then interpolates
+    between bench compute's reference layers and says so.
+
+    Each depth's best of `repeats` rounds, interleaved (a slow spell must not cover one depth's
+    rounds only)."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from ..engine import budget as B
+    from ..engine.head_loss import chunk_tokens, causal_lm_loss
+
+    rows_want = max(1, tokens // seq)
+    per_row = (MODEL_DEPTHS[-1] * B.layer_activation_bytes(config, seq, dtype) + B.logits_bytes(config, seq, dtype))
+    models = {}
+    for depth in MODEL_DEPTHS:
+        cfg = copy.deepcopy(config)
+        cfg.num_hidden_layers = depth
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            n = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+        elem = torch.empty((), dtype=dtype).element_size()
+        room = psutil.virtual_memory().available // 4 - n * (4 + 2 * elem)  # the fp32 init, weights, gradients
+        if n > MODEL_MAX_PARAMS or room < per_row:
+            return None
+        m = AutoModelForCausalLM.from_config(cfg).to(dtype)
+        m.train()
+        models[depth] = m
+    rows_fit = int(room // per_row)
+
+    def make_step(model, rows):
+        ids = torch.randint(0, config.vocab_size, (rows, seq))
+        head = model.get_output_embeddings()
+        chunk = chunk_tokens(rows * seq, config.vocab_size, dtype) \
+            if type(head) is torch.nn.Linear and not getattr(config, "final_logit_softcapping", None) else None
+
+        def step():
+            model.zero_grad(set_to_none=True)
+            if chunk:
+                hidden = model.base_model(input_ids=ids, use_cache=False).last_hidden_state
+                loss = causal_lm_loss(hidden, head, ids, chunk)
+            else:
+                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+        return step
+
+    deep = models[MODEL_DEPTHS[-1]]
+    one = make_step(deep, 1)
+    one()  # first-call allocations and kernel selection
+    t_row = _best(one, 1)
+    rows = max(1, min(rows_want, rows_fit, int(MODEL_STEP_S / max(t_row, 1e-6))))
+    steps = {d: make_step(m, rows) for d, m in models.items()}
+    for st in steps.values():
+        st()  # warm-up at the timed shape
+    best = dict.fromkeys(steps, float("inf"))
+    for _ in range(repeats):
+        for d, st in steps.items():
+            best[d] = min(best[d], _best(st, 1))
+    lo, hi = MODEL_DEPTHS[0], MODEL_DEPTHS[-1]
+    per_token = (rows * seq)
+    layer_s = max(best[hi] - best[lo], 0.0) / (hi - lo)
+    rest_s = max(best[lo] - lo * layer_s, 0.0)
+    scale = tokens / per_token  # the run's tokens per micro-batch
+    return {"layer_s": layer_s * scale, "rest_s": rest_s * scale, "tokens": tokens, "probed_tokens": per_token,
+            "seq": seq, "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+            "by_depth_s": {str(d): t for d, t in best.items()}, "model_type": config.model_type}
 
 
 DECODE_FORMATS = ("bf16", "int8", "int4")

@@ -162,6 +162,49 @@ def bench_text(what: str, res: dict) -> str:
             f"{res['overlap']:.0%} of the shorter (rounds {res['overlap_rounds']})")
 
 
+def model_step_for(model: str, shape, task: Task, hw: Hardware, quiet: bool = False) -> dict | None:
+    """This model's own training step measured on this machine at the task's micro-batch, dtype and
+    threads (bench.measure.bench_model_step), cached in bench.json by what it depends on; None for
+    serving, catalog hardware, or where the probe cannot run (the planner then interpolates bench
+    compute's reference layers and says so)."""
+    import torch
+
+    from ..bench import cache, measure
+    from ..bench.progress import Stages
+    from . import cost as C
+    from .shapes import _config_for
+
+    if task.kind != "finetune" or hw.measured is None or hw.gpu is not None:
+        return None
+    precision = task.precision if task.precision != "auto" else hw.measured.get("precision", "bf16")
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    config, _ = _config_for(model)
+    T, seq = task.batch * task.seq_len, task.seq_len
+    key = measure.model_step_key(config, T, seq, dtype)
+    known = dict(cache.load().get("model_steps") or {})
+    if key in known:
+        return known[key] or None
+    # The estimate: the FLOPs of both probe models' steps, a warm-up and the timed rounds, at the
+    # reference layers' rate (the large-GEMM rate where there is none); the probe caps its rows.
+    r = C.rates(hw, C.Efficiency(), precision)
+    rate = r.layer_rate(shape.hidden, T) or r.cpu_flops or 1e11
+    per = sum(6.0 * T * (d * shape.layer_params + shape.vocab * shape.hidden) for d in measure.MODEL_DEPTHS)
+    est = min(per * 5 / rate, len(measure.MODEL_DEPTHS) * measure.MODEL_STEP_S * 5) + 2
+    st = Stages("plan", [(f"this model's own training step ({config.model_type} code, {T} tokens in rows of {seq}, "
+                          f"{precision}, {torch.get_num_threads()} threads: forward + backward at "
+                          f"{' and '.join(map(str, measure.MODEL_DEPTHS))} layers)", est)],
+                note="once per model shape and micro-batch; cached", quiet=quiet)
+    try:
+        res = st(measure.bench_model_step, config, T, seq, dtype)
+    except (RuntimeError, ValueError, TypeError, AttributeError) as e:  # a family whose forward the probe cannot drive
+        print(f"plan: this model's own step could not be measured ({type(e).__name__}: {e}); "
+              f"interpolating bench compute's reference layers", file=sys.stderr)
+        return None  # not cached: the next plan tries again
+    known[key] = res or {}  # None (too large to build, or no row fits) is cached as such
+    cache.update("model_steps", known)
+    return res
+
+
 def resolve(spec: str, catalog: Catalog, nvme: str | None = None) -> Hardware:
     if spec.strip().lower() == "this":
         return hardware_from_measurements(measured_this(nvme))
@@ -177,7 +220,12 @@ def run_plan(model: str, task: Task, hardware: str, compare: str | None = None, 
     shape = model_shape(model)
     if compare:
         specs = catalog.everything() if compare.strip().lower() == "all" else [s for s in compare.split(",") if s.strip()]
-        plans = [plan(shape, resolve(s, catalog, nvme), Task(**vars(task))) for s in specs]
+        plans = []
+        for spec in specs:
+            hw = resolve(spec, catalog, nvme)
+            if hw.measured is not None:
+                hw.measured["model_step"] = model_step_for(model, shape, task, hw)
+            plans.append(plan(shape, hw, Task(**vars(task))))
         print(report.compare_text(plans))
         chart = Path(chart_path or f"plan-{shape.name}-{task.kind}.png")
         report.chart(plans, chart, f"{shape.name}, {task.kind}, batch {task.batch} x {task.seq_len}")
@@ -185,7 +233,10 @@ def run_plan(model: str, task: Task, hardware: str, compare: str | None = None, 
         if json_path:
             report.write_json([p.to_json() for p in report.rank(plans)], json_path)
         return plans
-    p = plan(shape, resolve(hardware, catalog, nvme), task)
+    hw = resolve(hardware, catalog, nvme)
+    if hw.measured is not None:
+        hw.measured["model_step"] = model_step_for(model, shape, task, hw)
+    p = plan(shape, hw, task)
     print(report.text(p))
     if json_path:
         report.write_json(p.to_json(), json_path)

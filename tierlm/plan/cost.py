@@ -87,6 +87,17 @@ class Rates:
     # cores (bench/overlap.py); 1 on catalog hardware and beside a GPU, where threads that move
     # bytes do not take the compute's cores
     overlap: float = 1.0
+    # measured only, for one model and micro-batch (bench.measure.bench_model_step): seconds of its
+    # own decoder layer's forward + backward and of the rest (embedding, head, loss) at `tokens`
+    model_step: dict | None = None
+
+    def model_step_s(self, tokens: int) -> tuple[float, float] | None:
+        """(one layer's forward + backward, the rest) in seconds, where the model's own step was
+        measured at this micro-batch of `tokens`; else None."""
+        m = self.model_step
+        if not m or int(m.get("tokens", -1)) != int(tokens):
+            return None
+        return m["layer_s"], m["rest_s"]
 
     def layer_rate(self, hidden: int, tokens: int | None = None) -> float:
         """A layer's forward + backward FLOP/s at this width and micro-batch of `tokens`: log-log
@@ -144,6 +155,9 @@ def rates(hw: Hardware, eff: Efficiency, precision: str = "bf16") -> Rates:
                  crc=(m.get("crc32c_gbps") or 0.0) * GB if m is not None else 0.0,
                  overhead=m.get("overhead") if m is not None else None,
                  overlap=m.get("overlap", 1.0) if m is not None and m.get("overlap") is not None else 1.0,
+                 # in the dtype this precision computes in
+                 model_step=(m.get("model_step") if m is not None and (m.get("model_step") or {}).get("dtype")
+                             == ("bfloat16" if precision == "bf16" else "float32") else None),
                  compute_flops=(g.tflops * 1e12 * eff.gpu_compute) if g else cpu_flops, cpu_flops=cpu_flops,
                  adam_elems=adam, dram=dram, link=g.link_gbps * GB * eff.link if g else 0.0,
                  gpu_mem=g.mem_gbps * GB * eff.memory if g else 0.0, ssd_read=rd, ssd_write=wr,

@@ -255,6 +255,19 @@ def _finetune(p: Plan, s: ModelShape, hw: Hardware, task: Task, r: C.Rates) -> N
         if best is None or res[1] < best[1][1] - 1e-12:
             best = ((n_ssd, n_rec), res)
     (n_ssd, n_rec), (devices, step, resources, traffic, flops) = best
+    if r.measured and not gpu:
+        ms = r.model_step
+        if r.model_step_s(T) is not None:
+            p.assumptions.append(
+                f"compute: this model's own step measured here ({ms['model_type']} code from transformers, "
+                f"{ms['dtype']}, {ms['threads']} threads, rows of {ms['seq']} tokens"
+                + (f", {ms['probed_tokens']} of the micro-batch's {T} tokens timed and scaled per token"
+                   if ms["probed_tokens"] != T else "")
+                + f"): a decoder layer {ms['layer_s']:.3f} s forward + backward, embedding, head and loss "
+                  f"{ms['rest_s']:.3f} s")
+        elif r.layer_rate(s.hidden, T):
+            p.assumptions.append(f"compute: bench compute's reference llama layers, interpolated to hidden {s.hidden} "
+                                 f"and {T} tokens (this model's own step was not measured)")
     need_ssd += n_ssd * act
     if hw.drive and need_ssd > r.nvme_bytes:
         p.problems.append(f"NVMe capacity: state (two slots) and swapped activations need {fmt_bytes(need_ssd)}, "
@@ -352,7 +365,17 @@ def _finetune_times(s, task, r: C.Rates, T, resident, k_ram, n_ssd, n_rec, act, 
     # without a GPU, activations kept in RAM are written and read back once.
     dram = ssd_r + ssd_w + h2d + d2h + P * C.OPT_DRAM_PER_PARAM + (0 if gpu else 2 * k_ram * act)
     compute = flops / r.compute_flops
-    if not gpu and (r.layer_rate(s.hidden, T) or r.overhead):
+    own = r.model_step_s(T) if not gpu else None
+    if own is not None:
+        # Measured CPU, this model's own step measured at this micro-batch (bench_model_step): its
+        # layers' forward + backward, a recomputed layer's forward again (a third of the pair, as
+        # in the FLOP count), the embedding, head and loss, plus the engine's fixed costs.
+        o = r.overhead or {}
+        layer_s, rest_s = own
+        n_keep = L - n_rec
+        compute = (L * layer_s + n_rec * layer_s / 3 + rest_s + o.get("train_per_step_s", 0.0)
+                   + n_keep * o.get("train_per_layer_s", 0.0) + n_rec * o.get("train_per_layer_recompute_s", 0.0))
+    elif not gpu and (r.layer_rate(s.hidden, T) or r.overhead):
         # Measured CPU: a real layer's rate (where it was measured in this precision), not a large
         # GEMM's, plus the engine's fixed costs per layer (recomputed layers pay the recompute
         # profile's) and per step, all on the same cores.
