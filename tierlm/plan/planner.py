@@ -143,8 +143,8 @@ def plan(shape: ModelShape, hw: Hardware, task: Task, eff: C.Efficiency | None =
     eff = eff or C.Efficiency()
     task.validate()
     if task.precision == "auto":
-        # catalog parts all multiply bf16 natively; finetune computes in what its precision probe
-        # picks here; generate/serve hold bf16 weights whatever the CPU (their --weights default)
+        # catalog parts all multiply bf16 natively; finetune computes in what `--precision auto` reads
+        # from this CPU's ISA flags; generate/serve hold bf16 weights whatever the CPU (their --weights default)
         task.precision = (hw.measured or {}).get("precision", "bf16") if task.kind == "finetune" else "bf16"
     r = C.rates(hw, eff, task.precision)
     p = Plan(model=shape.to_json(), hardware={"spec": hw.spec, "describe": hw.describe(), "rates": r.to_json()},

@@ -29,8 +29,8 @@ class FinetuneConfig:
     gpu_mem: str | None = option(None, help="GPU memory the run may use (default: 90%% of what is free at start)",
                                  metavar="SIZE")
     precision: str = option("auto", help="bf16: bf16 compute + fp32 master weights; fp32: all fp32; auto: bf16 where "
-                            "this CPU multiplies bf16 matrices at least half as fast as fp32 (measured at start; "
-                            "a resumed run keeps its own)", choices=("auto", "bf16", "fp32"))
+                            "this CPU has bf16 matrix instructions (AVX512_BF16, AMX-BF16, Arm BF16; read from its "
+                            "ISA flags, never timed; a resumed run keeps its own)", choices=("auto", "bf16", "fp32"))
     seq_len: int = option(512, help="tokens per packed training row")
     batch_size: int = option(1, help="rows per micro-batch")
     grad_accum: int = option(1, help="micro-batches per optimizer step")
