@@ -251,6 +251,8 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        from .validate import check_args
+        check_args(args.verb, args)  # every number in its range before the verb writes anything
         return args.fn(args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

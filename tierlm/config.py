@@ -2,7 +2,9 @@
 
 A dataclass declares the options once (type, default, help). The CLI gets a flag per field, a
 `--config FILE` gets the same keys, flags override the file, and an unknown key in either is an error
-that lists the known ones.
+that lists the known ones. The class's `RANGES` (field -> tierlm.validate.Num or Size) are checked as
+the config is built, so flags, files and the Python API refuse a NaN learning rate alike, before a
+run directory exists; the error names the flag, or the key and its file.
 """
 from __future__ import annotations
 
@@ -64,8 +66,11 @@ def add_arguments(parser: argparse.ArgumentParser, cls, positional: tuple[str, .
     for name, f in fields(cls).items():
         helptext = f.metadata.get("help", "")
         default = f.default if f.default is not dataclasses.MISSING else None
-        if default not in (None, dataclasses.MISSING):
-            helptext += f" (default: {default})"
+        rng = getattr(cls, "RANGES", {}).get(name)
+        if default not in (None, dataclasses.MISSING) or rng:
+            helptext += " (" + "; ".join(filter(None, [
+                f"default: {default}" if default not in (None, dataclasses.MISSING) else "",
+                rng.describe() if rng else ""])) + ")"
         base, _ = _base_type(hints[name])
         choices = f.metadata.get("choices")
         if name in positional:
@@ -102,10 +107,12 @@ def load_file(path: str) -> dict:
     return {str(k).replace("-", "_"): v for k, v in data.items()}
 
 
-def build(cls, *layers: dict, source: str = "config"):
-    """Instantiate `cls` from dicts of options, later ones overriding; unknown keys fail."""
+def build(cls, *layers: dict, source: str = "config", name_of=None):
+    """Instantiate `cls` from dicts of options, later ones overriding; unknown keys fail, and so do
+    values outside `cls.RANGES`. name_of(field) -> how errors name it (a flag, a key in a file)."""
     known = fields(cls)
     hints = typing.get_type_hints(cls)
+    name_of = name_of or (lambda n: n)
     merged: dict = {}
     for layer in layers:
         for k, v in layer.items():
@@ -118,21 +125,41 @@ def build(cls, *layers: dict, source: str = "config"):
     kwargs = {}
     for name, f in known.items():
         if name in merged:
-            val = _coerce(name, hints[name], merged[name])
+            val = _coerce(name_of(name), hints[name], merged[name])
             choices = f.metadata.get("choices")
             if choices and val not in choices:
-                raise ConfigError(f"{name}: {val!r} is not one of {', '.join(map(str, choices))}")
+                raise ConfigError(f"{name_of(name)}: {val!r} is not one of {', '.join(map(str, choices))}")
+            _check_range(cls, name, val, name_of(name))
             kwargs[name] = val
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ConfigError(f"{name} is required (flag --{name.replace('_', '-')} or key {name!r} in --config)")
     return cls(**kwargs)
 
 
+def _check_range(cls, field: str, value, name: str) -> None:
+    rng = getattr(cls, "RANGES", {}).get(field)
+    if rng is not None:
+        try:
+            rng.check(value, name)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
+def check(obj) -> None:
+    """The ranges of an already built config (one made with `cls(...)` in Python, not `build`)."""
+    for name in fields(type(obj)):
+        _check_range(type(obj), name, getattr(obj, name), name)
+
+
 def from_args(cls, args: argparse.Namespace):
-    file_layer = load_file(args._config_file) if getattr(args, "_config_file", None) else {}
+    file = getattr(args, "_config_file", None)
+    file_layer = load_file(file) if file else {}
     cli_layer = {k: v for k, v in vars(args).items() if k in fields(cls) and v is not None}
-    src = f"--config {args._config_file}" if getattr(args, "_config_file", None) else "options"
-    return build(cls, file_layer, cli_layer, source=src)
+    src = f"--config {file}" if file else "options"
+    def name_of(n: str) -> str:  # a bad value is named as the user wrote it: the flag, or the key in the file
+        return f"{n} in --config {file}" if n in file_layer and n not in cli_layer else "--" + n.replace("_", "-")
+
+    return build(cls, file_layer, cli_layer, source=src, name_of=name_of)
 
 
 def to_dict(obj) -> dict:

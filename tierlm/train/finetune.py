@@ -11,9 +11,9 @@ from pathlib import Path
 
 # No torch at import (nor modules that import it): the command line builds its flags from
 # FinetuneConfig, and `tierlm finetune --help` answers without torch's seconds; the run imports it.
-from ..config import option, to_dict
+from ..config import check, option, to_dict
 from ..faults import fault
-from ..units import parse_bytes
+from ..validate import FINETUNE
 from .schedule import SCHEDULES, lr_at
 
 
@@ -34,7 +34,8 @@ class FinetuneConfig:
     seq_len: int = option(512, help="tokens per packed training row")
     batch_size: int = option(1, help="rows per micro-batch")
     grad_accum: int = option(1, help="micro-batches per optimizer step")
-    steps: int | None = option(None, help="optimizer steps (default: --epochs over the data)")
+    steps: int | None = option(None, help="optimizer steps (default: --epochs over the data); a resumed run "
+                               "that has done them all has nothing to do and saves final/ again")
     epochs: float = option(1.0, help="passes over the data when --steps is not given")
     lr: float = option(1e-5, help="peak learning rate")
     schedule: str = option("constant", help="learning-rate schedule after warm-up", choices=SCHEDULES)
@@ -76,20 +77,19 @@ class FinetuneConfig:
     dist_timeout: float = option(300.0, help="seconds a rank waits for the others before the job fails "
                                  "(a dead or stuck rank)")
 
+    # every numeric option's allowed range (tierlm/validate.py), checked when the config is built
+    RANGES = FINETUNE
+
 
 def _resolve(cfg: FinetuneConfig) -> FinetuneConfig:
     if cfg.output is None:
         cfg.output = str(Path("runs") / time.strftime("finetune-%Y%m%d-%H%M%S"))
     if cfg.nvme is None:
         cfg.nvme = str(Path(cfg.output) / "nvme")
+    # a config made in Python (FinetuneConfig(...)) skipped build()'s range checks; before anything is written
+    check(cfg)
     if cfg.max_grad_norm is not None and cfg.max_grad_norm <= 0:
         cfg.max_grad_norm = None
-    for name in ("seq_len", "batch_size", "grad_accum"):
-        if getattr(cfg, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
-    parse_bytes(cfg.cpu_mem, "--cpu-mem")
-    if cfg.gpu_mem is not None:
-        parse_bytes(cfg.gpu_mem, "--gpu-mem")
     from ..engine.device import resolve_device
     cfg.device = str(resolve_device(cfg.device))
     if cfg.precision == "auto":
@@ -151,6 +151,8 @@ def finetune(cfg: FinetuneConfig | None = None, **options) -> dict:
         cfg = build(FinetuneConfig, options, source="finetune() arguments")
     cfg = _resolve(cfg)
     out = Path(cfg.output)
+    from .rundir import created_by_us, undo_refused
+    created = created_by_us(out, cfg.nvme)  # what a refusal removes again, before mkdir makes it exist
     out.mkdir(parents=True, exist_ok=True)
     from ..dist import from_env
     dist = from_env(cfg.dist_timeout)
@@ -161,6 +163,13 @@ def finetune(cfg: FinetuneConfig | None = None, **options) -> dict:
     lock = RunLock(out) if dist is None or dist.rank == 0 else None
     try:
         return _run(cfg, out, dist)
+    except Exception:
+        # Refused (bad data, a budget too small, the model's positions...) before a step was
+        # recorded: the directories this call made go again, so the refusal leaves nothing behind.
+        # A KeyboardInterrupt, or a failure after a step, keeps them: --resume auto continues.
+        if dist is None:
+            undo_refused(out, created)
+        raise
     finally:
         if lock:
             lock.release()

@@ -23,28 +23,75 @@ RESULT_OPTIONS = ("model", "data", "precision", "seq_len", "batch_size", "grad_a
 
 
 class RunLock:
-    """An exclusive lock on the run directory: a second run pointed at it refuses to start."""
+    """An exclusive lock on the run directory: a second run pointed at it refuses to start.
+
+    The `.lock` file goes when the lock is released, so that no run, finished or refused, leaves it
+    behind. Removing a flock'ed file races with a process that opened it just before: that process
+    would hold a lock on a file no longer there while a third locks a new one. So whoever takes the
+    lock checks that the path still names the file it locked, and opens again where it does not."""
 
     def __init__(self, directory: Path):
         self.path = Path(directory) / ".lock"
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            os.close(self.fd)
-            if e.errno in (errno.EAGAIN, errno.EACCES):
-                holder = self.path.read_text().strip() or "another process"
-                raise ValueError(f"{directory} is in use by a running fine-tune ({holder}); wait for it "
-                                 f"to finish or give this run another --output") from None
-            raise
+        while True:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                os.close(self.fd)
+                if e.errno in (errno.EAGAIN, errno.EACCES):
+                    try:
+                        holder = self.path.read_text().strip()
+                    except OSError:
+                        holder = ""
+                    raise ValueError(f"{directory} is in use by a running fine-tune ({holder or 'another process'});"
+                                     f" wait for it to finish or give this run another --output") from None
+                raise
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(self.fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(self.fd)  # the holder released and removed it as we opened it: lock the new one
         os.ftruncate(self.fd, 0)
         os.write(self.fd, f"pid {os.getpid()}\n".encode())
 
     def release(self) -> None:
         if self.fd >= 0:
+            try:
+                os.unlink(self.path)  # while still holding it (see the class's docstring)
+            except FileNotFoundError:
+                pass
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = -1
+
+
+def _first_missing(path) -> Path | None:
+    """The top-most directory of `path` that does not exist yet: what mkdir(parents=True) creates."""
+    p = Path(path).absolute()
+    if p.exists():
+        return None
+    while not p.parent.exists():
+        p = p.parent
+    return p
+
+
+def created_by_us(out: Path, nvme: str | None) -> list[Path]:
+    """The directories a new run is about to create (the run directory, the NVMe directory and any
+    missing parents), taken before it creates them. A directory that exists already, the user's,
+    with whatever it holds, is never among them."""
+    return [p for p in (_first_missing(out), _first_missing(nvme) if nvme else None) if p is not None]
+
+
+def undo_refused(out: Path, created: list[Path]) -> None:
+    """After a run was refused: remove the directories it created, unless a step got as far as the
+    metrics (a row is written before each step's commit: then the run is resumable and stays; the
+    file itself is opened, empty, before step 1). The lock is released by its holder."""
+    if any(m.stat().st_size > 0 for m in Path(out).glob("metrics*.jsonl")):
+        return
+    for d in created:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def check_nvme(directory: str, needed: int) -> None:
