@@ -52,6 +52,53 @@ def test_bad_specs_say_what_and_how_to_fix(spec, words):
         assert w in str(e.value)
 
 
+@pytest.mark.parametrize("spec, words", [
+    # issue 40: each of these planned a machine in silence (a default one, or -8 GiB usable)
+    ("+++", ["--hardware '+++'", "an empty part", "parts joined by '+'"]),
+    ("", ["--hardware ''", "empty", "'this', a system name"]),
+    ("rtx4090++256GiB", ["an empty part"]),
+    ("rtx4090+", ["an empty part"]),
+    ("+rtx4090", ["an empty part"]),
+    ("rtx4090+0GiB", ["part '0GiB'", "the RAM size must be > 0", "256GiB"]),
+    ("rtx4090+0.0TB", ["part '0.0TB'", "the RAM size must be > 0"]),
+    ("p5510*0", ["part 'p5510*0'", "the count after '*' must be an integer >= 1; got '0'", "p5510*N"]),
+    ("p5510*-2", ["part 'p5510*-2'", "must be an integer >= 1; got '-2'"]),
+    ("p5510*", ["part 'p5510*'", "must be an integer >= 1; got ''"]),
+    ("p5510*x", ["part 'p5510*x'", "got 'x'"]),
+    ("epyc-9124*2", ["part 'epyc-9124*2'", "only a drive takes *N", "xeon-8480x2"]),
+    ("256", ["part '256'", "needs its unit", "256GiB"]),
+    ("Rtx5090+64GiB", ["unknown part 'Rtx5090'", "gpu: ", "rtx4090", "drive: ", "p5510", "system: ", "lohan"]),
+    ("epyc-9124+xeon-8480x2", ["part 'xeon-8480x2'", "a second CPU"]),
+    ("p5510*2+pm9a3", ["part 'pm9a3'", "a second kind of drive"]),
+    ("64GiB+32GiB", ["part '32GiB'", "a second RAM size"]),
+    ("rtx4090+a100-80g", ["part 'a100-80g'", "one GPU per machine"]),
+    ("rtx4090+256GiB+p5510%12", ["part 'p5510%12'", "cannot read it"]),
+])
+def test_hardware_grammar_is_strict_and_names_the_bad_part(spec, words):
+    with pytest.raises(ValueError) as e:
+        Catalog().parse(spec)
+    for w in words:
+        assert w in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("spec, ram, drives", [
+    ("rtx4090+256GiB+p5510*12", 256 << 30, 12),
+    (" RTX4090 + 256GiB + p5510*1 ", 256 << 30, 1),   # case and spaces around '+' are not errors
+    ("990pro*2+1TiB", 1 << 40, 2),                   # a drive name that starts with digits is no size
+    ("nvme*3", 256 << 30, 3),
+])
+def test_hardware_grammar_accepts(spec, ram, drives):
+    hw = Catalog().parse(spec)
+    assert hw.ram_bytes == ram and hw.drives == drives
+
+
+def test_plan_cli_refuses_a_bad_hardware_spec_with_exit_2(capsys):
+    from tierlm.cli import main
+    assert main(["plan", "llama-2-13b", "--hardware", "p5510*0"]) == 2
+    err = capsys.readouterr().err
+    assert "tierlm plan: error: --hardware 'p5510*0': part 'p5510*0'" in err and "usable" not in err
+
+
 def test_user_parts_from_toml(tmp_path):
     f = tmp_path / "mine.toml"
     f.write_text("""

@@ -222,35 +222,70 @@ class Catalog:
                 "system": sorted(self.systems)}
 
     def parse(self, spec: str) -> Hardware:
-        """A spec like 'rtx4090+256GiB+p5510*12', a system name, or a combination of both."""
+        """A spec like 'rtx4090+256GiB+p5510*12', or a system name.
+
+        The grammar, strictly (a typo must not plan a default machine in silence): parts joined by
+        '+', none empty; a part is a GPU, a CPU, a drive with an optional *N (N >= 1 drives in RAID-0)
+        or a RAM size with its unit (> 0); at most one of each. Each error names the bad part."""
+        given = spec
         spec = spec.strip().lower()
         if spec in self.systems:
             hw = self.parse(self.systems[spec])
             hw.spec = spec
             return hw
+        grammar = ("write 'this', a system name, or parts joined by '+': a GPU, a CPU, a RAM size like 256GiB "
+                   "and a drive, NAME*N for N >= 1 drives in RAID-0, e.g. rtx4090+256GiB+p5510*12")
+
+        def bad(part: str, why: str, fix: str = grammar) -> ValueError:
+            return ValueError(f"--hardware {given!r}: {f'part {part!r}: ' if part else ''}{why}; {fix}")
+
+        if not spec:
+            raise bad("", "empty")
         gpu = cpu = drive = None
         drives, ram = 0, None
-        for raw in filter(None, spec.split("+")):
-            m = re.fullmatch(r"([a-z0-9_.\-]+?)(?:\*(\d+))?", raw)
+        for raw in (p.strip() for p in given.strip().split("+")):  # as the user wrote them, for the errors
+            if not raw:
+                raise bad("", "an empty part (a '+' at either end, or two together)")
+            m = re.fullmatch(r"([a-z0-9_.\-]+)(?:\*(.*))?", raw.lower())
             if not m:
-                raise ValueError(f"--hardware {spec!r}: cannot read part {raw!r}; write NAME, NAME*N or a size")
-            name, count = m.group(1), int(m.group(2) or 1)
-            if re.fullmatch(r"[0-9.]+[kmgt]i?b?", name):
-                ram = parse_bytes(name, f"--hardware {spec!r} RAM size")
-            elif name in self.systems:
-                raise ValueError(f"--hardware {spec!r}: {name!r} is a whole system; use it alone")
+                raise bad(raw, "cannot read it")
+            name, count = m.group(1), m.group(2)
+            if count is not None and (not count.isdigit() or int(count) < 1):
+                raise bad(raw, f"the count after '*' must be an integer >= 1; got {count!r}",
+                          f"write {name}*N with N >= 1, or {name} for one")
+            n = int(count) if count is not None else 1
+            if count is not None and name not in self.drives and not name.startswith("nvme"):
+                raise bad(raw, "only a drive takes *N (drives in RAID-0)",
+                          "one GPU per machine is planned so far, and a CPU entry holds all its sockets "
+                          f"(e.g. xeon-8480x2); drop the '*{count}'" if name in self.gpus or name in self.cpus
+                          else f"drives: {', '.join(sorted(self.drives))}")
+            if name in self.systems:
+                raise bad(raw, "a whole system", f"use {name!r} alone, or its parts: {self.systems[name]}")
             elif name in self.gpus:
-                if count != 1 or gpu is not None:
-                    raise ValueError(f"--hardware {spec!r}: one GPU per machine is planned so far; "
-                                     f"drop the extra {name!r}")
+                if gpu is not None:
+                    raise bad(raw, "one GPU per machine is planned so far", f"drop the extra {name!r}")
                 gpu = self.gpus[name]
             elif name in self.cpus:
+                if cpu is not None:
+                    raise bad(raw, f"a second CPU (after {cpu.name})",
+                              "give one CPU entry; a multi-socket CPU is its own entry, e.g. xeon-8480x2")
                 cpu = self.cpus[name]
-            elif name in self.drives or (name.startswith("nvme") and name[4:] in ("", "-default")):
-                drive, drives = self.drives.get(name, self.drives["pm9a3"]), count
+            elif name in self.drives or name in ("nvme", "nvme-default"):
+                if drive is not None:
+                    raise bad(raw, f"a second kind of drive (after {drive.name})",
+                              "the drives form one RAID-0 of identical drives: give one NAME*N")
+                drive, drives = self.drives.get(name, self.drives["pm9a3"]), n
+            elif re.fullmatch(r"[0-9.]+[kmgt]i?b?", name):
+                if ram is not None:
+                    raise bad(raw, "a second RAM size", "give the machine's RAM once")
+                ram = parse_bytes(name, f"--hardware {given!r} part {raw!r}")  # its own error for '1.2.3gib'
+                if ram <= 0:
+                    raise bad(raw, "the RAM size must be > 0", "write it like 256GiB or 768GB")
+            elif re.fullmatch(r"[0-9.]+b?", name):
+                raise bad(raw, "a RAM size needs its unit", f"write it like {name.rstrip('b')}GiB")
             else:
-                raise ValueError(f"--hardware {spec!r}: unknown part {name!r}; known: "
-                                 + "; ".join(f"{k}: {', '.join(v)}" for k, v in self.names().items()))
+                raise bad("", f"unknown part {raw!r}", "known: " + "; ".join(
+                    f"{k}: {', '.join(v)}" for k, v in self.names().items()) + f" (or a RAM size); {grammar}")
         cpu = cpu or self.cpus[DEFAULT_CPU]
         hw = Hardware(spec, cpu, ram if ram is not None else DEFAULT_RAM, gpu, drive, drives)
         if ram is None:
