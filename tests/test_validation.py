@@ -258,3 +258,13 @@ def test_lock_file_goes_with_the_lock_and_the_directory_can_be_locked_again(tmp_
     assert (tmp_path / ".lock").exists()
     b.release()
     b.release()  # twice is harmless
+
+
+def test_supervised_refusal_leaves_no_run_directory(tmp_path, capsys):
+    """--max-restarts: the supervisor made the directory for its child; a refused child (exit 2) is no
+    crash to restart, and the supervisor's own files go with the directory."""
+    out = tmp_path / "run"
+    assert main(["finetune", str(tmp_path / "nope"), "--data", "d.txt", "--output", str(out),
+                 "--max-restarts", "2", "--precision", "fp32", "--device", "cpu"]) == 2
+    assert "restart" not in capsys.readouterr().err
+    _no_trace(out)

@@ -18,7 +18,9 @@ from ..config import to_dict
 def launch(cfg) -> int:
     if cfg.nproc < 1:
         raise ValueError(f"--nproc must be at least 1, got {cfg.nproc}")
+    from ..train.rundir import created_by_us, undo_refused
     out = Path(cfg.output)
+    created = created_by_us(out, cfg.nvme)
     out.mkdir(parents=True, exist_ok=True)
     child = replace(cfg, nproc=None, max_restarts=0)
     path = out / "torchrun-config.json"
@@ -34,6 +36,7 @@ def launch(cfg) -> int:
     except ChildFailedError as e:
         codes = {rank: f.exitcode for rank, f in e.failures.items()}
         if set(codes.values()) == {2}:
+            undo_refused(out, created)  # the ranks leave it to us: they share the directory
             return 2  # bad input, already explained by the ranks
         failures = "; ".join(f"rank {r}: exit code {c}" for r, c in sorted(codes.items()))
         print(f"tierlm finetune: a rank failed ({failures}); the committed state in {cfg.nvme} is intact: "

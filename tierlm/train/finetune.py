@@ -163,11 +163,13 @@ def finetune(cfg: FinetuneConfig | None = None, **options) -> dict:
     lock = RunLock(out) if dist is None or dist.rank == 0 else None
     try:
         return _run(cfg, out, dist)
-    except Exception:
-        # Refused (bad data, a budget too small, the model's positions...) before a step was
-        # recorded: the directories this call made go again, so the refusal leaves nothing behind.
-        # A KeyboardInterrupt, or a failure after a step, keeps them: --resume auto continues.
-        if dist is None:
+    except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as e:
+        # Refused (bad data, a budget too small, the model's positions: what exits 2) before a step
+        # was recorded: the directories this call made go again, so the refusal leaves nothing
+        # behind. A failure (a disk error, an interrupt) or anything after a step keeps them: its
+        # message may point at the state, and --resume auto continues from it.
+        from ..storage import BudgetError
+        if dist is None and (isinstance(e, BudgetError) or not isinstance(e, RuntimeError)):
             undo_refused(out, created)
         raise
     finally:

@@ -27,7 +27,9 @@ def _cause(rc: int) -> str:
 
 
 def supervise(cfg) -> int:
+    from .rundir import created_by_us, undo_refused
     out = Path(cfg.output)
+    created = created_by_us(out, cfg.nvme)
     out.mkdir(parents=True, exist_ok=True)
     child_cfg = out / "supervised-config.json"
     log = out / "restarts.jsonl"
@@ -46,6 +48,8 @@ def supervise(cfg) -> int:
             proc.send_signal(signal.SIGINT)
             proc.wait()
             raise
+        if rc == 2:  # refused (bad input, said by the child): what this run created goes, as without us
+            undo_refused(out, created)
         if rc in (0, 2):
             if restarts:
                 print(f"supervisor: finished after {restarts} restart(s); see {log}", file=sys.stderr)
