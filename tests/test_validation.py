@@ -268,3 +268,11 @@ def test_supervised_refusal_leaves_no_run_directory(tmp_path, capsys):
                  "--max-restarts", "2", "--precision", "fp32", "--device", "cpu"]) == 2
     assert "restart" not in capsys.readouterr().err
     _no_trace(out)
+
+
+def test_bench_train_checks_the_finetune_args_before_its_work_directory(tmp_path, capsys):
+    work = tmp_path / "work"
+    assert main(["bench", "train", str(tmp_path / "nope"), "--data", "d.txt", "--work", str(work),
+                 "--finetune-args", "--lr nan --seq-len 64"]) == 2
+    assert "tierlm bench: error: --lr must be a finite number > 0; got nan" in capsys.readouterr().err
+    _no_trace(work)

@@ -78,12 +78,25 @@ def _mean_io(probes: list[dict]) -> dict:
             "dir": probes[0]["dir"], "probes": probes}
 
 
+def _check_finetune_args(argv: list[str]) -> None:
+    """Both runs' options, checked as `tierlm finetune` checks them (ranges included) before the
+    work directory exists: a `--lr nan` is one clear line, not a child's failure and a directory."""
+    import argparse
+
+    from ..config import add_arguments, from_args
+    from .finetune import FinetuneConfig
+    ap = argparse.ArgumentParser(prog="tierlm bench train --finetune-args", add_help=False)
+    add_arguments(ap, FinetuneConfig, positional=("model",))
+    from_args(FinetuneConfig, ap.parse_args(argv))
+
+
 def bench_train(model: str, data: str, cpu_mem: str, steps: int, work: str, finetune_args: list[str],
                 nvme: str | None = None, inmemory: str = "auto") -> dict:
     """inmemory: auto (run the in-memory reference where its estimate fits the RAM available),
     always (run it anyway: the estimate keeps a fifth of the RAM spare, and TinyLlama-1.1B at
     1x512 tokens, estimated 18.44 GiB against 22 available, peaked 21.3 GiB and ran), never."""
     from ..hf.checks import check_model_dir, load_tokenizer
+    _check_finetune_args([model, "--data", data, "--steps", str(steps), "--cpu-mem", cpu_mem, *finetune_args])
     check_model_dir(model)  # both runs would fail on these: one clear line now, not two tracebacks later
     load_tokenizer(model)
     work_dir = Path(work)
