@@ -9,14 +9,13 @@ products run faster than fp32 (a Zen 4 EPYC with AVX512_BF16: 1.7-2.2x the fp32 
 The choice changes every bit of a run, so it is read from what the CPU is (its ISA flags), never
 timed: a speed probe on a busy machine gave bf16 for some runs of one command and fp32 for others.
 `cpu_bf16_isa()` is the one predicate: training's `auto` and inference's choices (bf16 weights
-converted to fp32 for prefill, our kernel for a few rows) all follow it. `probe()` still measures
-both rates for anyone who wants the numbers (nothing decides from it).
+converted to fp32 for prefill, our kernel for a few rows) all follow it. `tierlm bench compute`
+measures the rates for anyone who wants the numbers; nothing decides from them.
 """
 from __future__ import annotations
 
 import functools
 import platform
-import time
 
 import torch
 
@@ -75,34 +74,6 @@ def cpu_has_bf16_matmul() -> bool:
     return cpu_bf16_isa() is not None
 
 
-def _rate(a: torch.Tensor, b: torch.Tensor) -> float:
-    a @ b  # kernel selection and first touch outside the timing
-    best = float("inf")
-    for _ in range(2):
-        t = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t)
-    return 2.0 * a.shape[0] * a.shape[1] * b.shape[1] / best
-
-
-@functools.lru_cache(maxsize=1)
-def probe(tokens: int = 256, width: int = 512) -> dict:
-    """FLOP/s of each training-step product layout in bf16 and fp32, and their slowest ratio: a
-    measurement to print, never a choice (a busy machine moves it)."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(tokens, width, generator=g)
-    w = torch.randn(width, width, generator=g)
-    shapes = {"forward x@W^T": (x, w.t()), "backward g@W": (x, w), "backward g^T@x": (x.t(), x)}
-    out = {}
-    for name, (a, b) in shapes.items():
-        fp32 = _rate(a, b)
-        bf16 = _rate(a.bfloat16(), b.bfloat16())
-        out[name] = {"fp32_flops": fp32, "bf16_flops": bf16, "ratio": bf16 / fp32}
-    worst = min(out.values(), key=lambda r: r["ratio"])
-    return {"layouts": out, "worst_ratio": worst["ratio"], "bf16_gflops": worst["bf16_flops"] / 1e9,
-            "fp32_gflops": worst["fp32_flops"] / 1e9, "capability": torch.backends.cpu.get_cpu_capability()}
-
-
 def resolve(precision: str, device: str | torch.device = "cpu") -> tuple[str, str]:
     """(bf16 | fp32, why): `auto` from the CPU's ISA flags on a CPU, from the GPU's capability on a
     GPU; the others as given. Nothing is timed: the same command picks the same on the same machine."""
@@ -122,4 +93,4 @@ def resolve(precision: str, device: str | torch.device = "cpu") -> tuple[str, st
                     "AMX-BF16 or Arm BF16), so bf16 products would run on a slow fallback kernel")
 
 
-__all__ = ["PRECISIONS", "cpu_bf16_isa", "cpu_has_bf16_matmul", "probe", "resolve"]
+__all__ = ["PRECISIONS", "cpu_bf16_isa", "cpu_has_bf16_matmul", "resolve"]

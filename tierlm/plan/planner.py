@@ -33,7 +33,7 @@ class Task:
     activations: str = "auto"        # auto | keep | swap (to NVMe) | recompute
     state_cache: bool = True         # keep optimizer state resident in RAM where it fits
     cpu_mem: int | None = None       # RAM the run may use (default: the machine's, less a reserve)
-    precision: str = "auto"          # auto: what `tierlm finetune` would pick on the hardware (measured: its probe)
+    precision: str = "auto"          # auto: what `tierlm finetune` would pick on the hardware (its ISA flags)
     clip: str = "on"                 # on: gradients saved for an exact clip redo; off; redo: every step clips
     weights: str = "bf16"            # serve: the decoder layers' weight format (bf16 | int8 | int4)
 
