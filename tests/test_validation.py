@@ -276,3 +276,16 @@ def test_bench_train_checks_the_finetune_args_before_its_work_directory(tmp_path
                  "--finetune-args", "--lr nan --seq-len 64"]) == 2
     assert "tierlm bench: error: --lr must be a finite number > 0; got nan" in capsys.readouterr().err
     _no_trace(work)
+
+
+def test_help_says_each_range():
+    verbs = _subparsers(build_parser())
+    assert "[an integer >= 1]" in " ".join(verbs["generate"].format_help().split())
+    assert "a finite number in [0, 1)" in " ".join(verbs["finetune"].format_help().split())
+
+
+def test_a_yaml_boolean_is_no_number(tmp_path, capsys):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("lr: yes\n")
+    assert main(["finetune", "m", "--data", "d", "--output", str(tmp_path / "run"), "--config", str(cfg)]) == 2
+    assert f"lr in --config {cfg}: expected float, got True" in capsys.readouterr().err

@@ -244,6 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_infer_verbs(sub)
     _add_plan_verbs(sub)  # plan, bench
+    from .validate import add_ranges_to_help
+    add_ranges_to_help(sub.choices)  # `--help` says each number's range, from where it is checked
     return p
 
 

@@ -44,6 +44,8 @@ def _coerce(name: str, tp, value):
             if str(value).lower() in ("0", "false", "no", "off"):
                 return False
             raise ValueError(value)
+        if base in (int, float) and isinstance(value, bool):  # YAML's `lr: yes` is no learning rate of 1
+            raise ValueError(value)
         if base is int:
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError(value)

@@ -11,6 +11,7 @@ This module imports no torch: the checks must answer in the time `tierlm --help`
 """
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import dataclass
 
@@ -161,6 +162,15 @@ ARGS: dict[str, dict[str, Num | Size]] = {
 
 def flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
+
+
+def add_ranges_to_help(verbs: dict) -> None:
+    """Append each flag's range to its help: verbs maps a verb to its argparse (sub)parser."""
+    for verb, parser in verbs.items():
+        for action in parser._actions:
+            rng = ARGS.get(verb, {}).get(action.dest)
+            if rng is not None and action.help is not argparse.SUPPRESS:
+                action.help = ((action.help or "").rstrip() + f" [{rng.describe()}]").lstrip()
 
 
 def check_args(verb: str, args) -> None:
