@@ -1,6 +1,8 @@
 """The store's requests in flight, the optimizer's shard size (the size of most requests) and the
 weight window's read-ahead: picked from `tierlm bench io`, `tierlm bench compute` and the model,
-where they were measured, and printed with where they came from.
+where they were measured, and printed with where they came from. Each is a timing, so each may
+only tune what does not change bits: how many bytes are in flight and when, never which bytes a
+step computes (the shard size, where it could, comes from the budget: `shard_size`).
 
 Read-ahead: a layer's read must land before the compute reaches it. When the step is
 compute-bound and a layer reads faster than its forward computes, reading one layer ahead is
