@@ -130,3 +130,15 @@ def test_help_imports_no_heavy_library():
     r = subprocess.run([sys.executable, "-c", HELP_WITHOUT_TORCH, *verbs], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split() == ["none"], f"building the parser and --help imported {r.stdout.strip()}"
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_generate_prints_no_library_warnings(tmp_path, arch):
+    """Normal use shows tierlm's lines only: the cache passed under the keyword this transformers
+    takes (the old one warned on every forward: `past_key_values` is deprecated), GPT-2's loss named
+    (transformers warned 'loss_type=None' at the budget's baseline forward)."""
+    model = tmp_path / arch
+    assert main(["init", str(model), "--arch", arch, "--layers", "2", "--hidden", "64"]) == 0
+    r = tierlm("generate", model, "--prompt", "hi", "--max-new-tokens", "4", "--nvme", tmp_path / "store")
+    assert "Warning" not in r.stderr and "[transformers]" not in r.stderr, r.stderr
+    assert "decode:" in r.stderr  # the report is there: the run got as far as generating

@@ -59,7 +59,7 @@ def library_baseline(config, dtype: torch.dtype = torch.bfloat16, device=None,
     the real width, and the head's loss as the engine computes it, run at that batch first, so
     that what a step loads is counted here and not against `--cpu-mem`."""
     from ..hf.presets import make_config
-    from .model import empty_model  # noqa: F401  (our own modules, imported before measuring)
+    from .model import causal_lm, empty_model  # noqa: F401  (our own modules, imported before measuring)
 
     tiny = make_config(config.model_type, None, {})
     from transformers import AutoModelForCausalLM
@@ -67,7 +67,7 @@ def library_baseline(config, dtype: torch.dtype = torch.bfloat16, device=None,
     torch.manual_seed(0)
     state = torch.random.get_rng_state()
     device = torch.device(device or "cpu")
-    m = AutoModelForCausalLM.from_config(tiny).to(dtype).to(device)
+    m = causal_lm(AutoModelForCausalLM.from_config(tiny)).to(dtype).to(device)
     ids = torch.randint(0, tiny.vocab_size, (1, 8)).to(device)
     m(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     del m
@@ -90,12 +90,13 @@ def warm_kernels(config, dtype: torch.dtype, device, batch: tuple[int, int]) -> 
     from transformers import AutoModelForCausalLM
 
     from .head_loss import causal_lm_loss, chunk_tokens
+    from .model import causal_lm
     one = copy.deepcopy(config)
     one.num_hidden_layers = 1
     device = torch.device(device)
     cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     with torch.device(device):
-        m = AutoModelForCausalLM.from_config(one).to(dtype)
+        m = causal_lm(AutoModelForCausalLM.from_config(one)).to(dtype)
     n, seq = batch
     ids = torch.randint(0, one.vocab_size, (n, seq), device=device)
     chunk = chunk_tokens(n * seq, one.vocab_size, dtype)

@@ -32,12 +32,21 @@ def _params_on_meta():
         nn.Module.register_parameter = original
 
 
+def causal_lm(model: nn.Module) -> nn.Module:
+    """Names the loss of a causal LM whose class name transformers maps to none (GPT2LMHeadModel):
+    it would fall back to the same ForCausalLM loss, with a warning on the first loss of every
+    process (`loss_type=None ... unrecognized`), in the middle of a command's output."""
+    if getattr(model, "loss_type", "") is None:
+        model.loss_type = "ForCausalLM"
+    return model
+
+
 def empty_model(config) -> nn.Module:
     """An HF causal LM for `config` whose parameters take no memory."""
     from transformers import AutoModelForCausalLM
 
     with _params_on_meta():
-        model = AutoModelForCausalLM.from_config(config)
+        model = causal_lm(AutoModelForCausalLM.from_config(config))
     model.train()
     return model
 

@@ -27,7 +27,7 @@ from ..storage.aligned import round_up
 from ..units import fmt_bytes, parse_bytes
 from . import packed as packed_attention
 from .gemv import use_gemv
-from .kvcache import SlotKVCache, kv_bytes, kv_geometry
+from .kvcache import SlotKVCache, cache_kwarg, kv_bytes, kv_geometry
 from .lean import LeanDecoder
 from .quant import int4_layout
 from .weights import LayerStream, PieceStore, fingerprint, install_resident, plan_pieces
@@ -233,6 +233,7 @@ class InferenceEngine:
         self.cache = SlotKVCache(cache_config, cfg.max_batch, self.max_len, self.dtype)
         packed_attention.install(self.model, config, self.cache)
         self.base = self.model.base_model
+        self._cache_kw = cache_kwarg(self.base)
         self.head = self.model.get_output_embeddings()
         self._window, self._sliding = self._sliding_window()
         self.lean = LeanDecoder.build(self) if cfg.lean else None
@@ -270,7 +271,7 @@ class InferenceEngine:
             return self.lean.logits(ids, pos, mask, self.cache)
         try:
             out = self.base(input_ids=ids, attention_mask=mask, position_ids=pos,
-                            past_key_values=self.cache, use_cache=True)
+                            use_cache=True, **{self._cache_kw: self.cache})
         finally:
             self.cache.segments = None  # a later forward without begin_step (perplexity) is not packed
         if packed:

@@ -10,8 +10,11 @@ def generate_ids(engine, input_ids: torch.Tensor, max_new_tokens: int, temperatu
     """Prefill the prompt, then decode one token at a time; each forward streams the layers once."""
     from transformers import DynamicCache
 
+    from .kvcache import cache_kwarg
+
     gen = torch.Generator().manual_seed(seed)
     cache = DynamicCache()
+    pass_cache = {cache_kwarg(engine.model): cache}
     ids = input_ids
     out_tokens = []
     was = engine.training
@@ -19,7 +22,7 @@ def generate_ids(engine, input_ids: torch.Tensor, max_new_tokens: int, temperatu
     try:
         step_in = ids
         for _ in range(max_new_tokens):
-            logits = engine.forward(step_in, past_key_values=cache, use_cache=True).logits[:, -1, :].float().cpu()
+            logits = engine.forward(step_in, use_cache=True, **pass_cache).logits[:, -1, :].float().cpu()
             if temperature <= 0:
                 nxt = logits.argmax(-1)
             else:

@@ -19,6 +19,14 @@ from ..storage import BudgetError
 from ..units import fmt_bytes
 
 
+def cache_kwarg(model) -> str:
+    """The keyword `model.forward` takes the KV cache by: `cache` in the transformers that renamed
+    it (where `past_key_values` still works but warns on every call, in the middle of a chat's
+    output), `past_key_values` in those before."""
+    import inspect
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def kv_geometry(config) -> tuple[int, int, int]:
     """(layers, kv heads, head dim) of an HF config."""
     layers = config.num_hidden_layers
