@@ -125,3 +125,19 @@ def test_toml_part_missing_fields_is_named(tmp_path):
     f.write_text('[drive.x]\nread_gbps = 3\nsource = "mine"\n')
     with pytest.raises(ValueError, match=r"bad.toml \[drive.x\]: missing field\(s\) capacity_bytes"):
         Catalog().load_toml(f)
+
+
+@pytest.mark.parametrize("read, cap, words", [
+    ("nan", '"1TB"', "[drive.x] read_gbps must be a finite number > 0; got nan"),
+    ("-1", '"1TB"', "[drive.x] read_gbps must be a finite number > 0; got -1"),
+    ("0", '"1TB"', "[drive.x] read_gbps must be a finite number > 0; got 0"),
+    ('"fast"', '"1TB"', "[drive.x] read_gbps must be a number; got 'fast'"),
+    ("3", '"0GiB"', "[drive.x] capacity_bytes must be a size > 0 bytes"),
+])
+def test_toml_part_numbers_are_in_range(tmp_path, read, cap, words):
+    f = tmp_path / "bad.toml"
+    f.write_text(f'[drive.x]\nread_gbps = {read}\nwrite_gbps = 3\ncapacity_bytes = {cap}\nprice_usd = 0\n'
+                 f'power_w = 1\nsource = "mine"\n')
+    with pytest.raises(ValueError) as e:
+        Catalog().load_toml(f)
+    assert words in str(e.value)

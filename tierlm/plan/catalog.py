@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..units import parse_bytes
+from ..validate import Num, Size
 
 GB = 1000**3
 GiB = 1024**3
@@ -305,6 +306,10 @@ class Catalog:
         return specs
 
 
+# no bf16 (fp16 stands in), free (a machine already owned), or no power figure
+_MAY_BE_ZERO = {"bf16_tflops", "fp16_tflops", "price_usd", "power_w"}
+
+
 def _part_from_toml(cls, name: str, values: dict, where: str):
     known = {f.name for f in dataclasses.fields(cls)} - {"name"}
     unknown = set(values) - known
@@ -318,12 +323,20 @@ def _part_from_toml(cls, name: str, values: dict, where: str):
         if f.name == "name":
             continue
         v = values[f.name]
+        what = f"{where} {f.name}"
         if f.name.endswith("_bytes"):
-            v = parse_bytes(v, f"{where} {f.name}")
-        elif f.type in ("int", int):
-            v = int(v)
-        elif f.type in ("float", float):
-            v = float(v)
+            v = parse_bytes(v, what)
+            Size().check(v, what)
+        elif f.type in ("int", int, "float", float):
+            kind = int if f.type in ("int", int) else float
+            try:
+                v = kind(v) if not isinstance(v, bool) else None
+            except (TypeError, ValueError):
+                v = None
+            if v is None:
+                raise ValueError(f"{what} must be {'an integer' if kind is int else 'a number'}; got {values[f.name]!r}")
+            # a rate of 0 divides by zero in the planner; 0 is a real value only where it means "none"
+            (Num(kind, ge=0) if f.name in _MAY_BE_ZERO else Num(kind, gt=0)).check(v, what)
         else:
             v = str(v)
         kw[f.name] = v
