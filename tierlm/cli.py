@@ -54,13 +54,13 @@ def _cmd_finetune(args) -> int:
 
 
 def _print_summary(s: dict) -> None:
-    from .units import fmt_bytes
+    from .units import count, fmt_bytes
 
     beyond = s["peak_rss_bytes"] - s["library_rss_bytes"]
     if not s["steps"]:
         print(f"nothing to do: the run had already finished its steps; model saved to {s['final_model']}")
         return
-    print(f"done: {s['steps']} steps, loss {s['first_loss']:.4f} -> {s['last_loss']:.4f}, "
+    print(f"done: {count(s['steps'], 'step')}, loss {s['first_loss']:.4f} -> {s['last_loss']:.4f}, "
           f"{s['mean_s_per_step']:.2f} s/step, peak RSS {fmt_bytes(s['peak_rss_bytes'])} = libraries "
           f"{fmt_bytes(s['library_rss_bytes'])} + {fmt_bytes(beyond)} of the {fmt_bytes(s['budget_bytes'])} budget")
     print(f"fine-tuned model: {s['final_model']}")

@@ -34,3 +34,9 @@ def fmt_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else (f"{n:.3g} {unit}" if abs(n) >= 100 else f"{n:.2f} {unit}")
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def count(n: int, noun: str, nouns: str | None = None) -> str:
+    """'1 document', '0 documents', '15,004 documents': a count and its noun, singular for one.
+    `nouns` where the plural is not noun + 's'."""
+    return f"{n:,} {noun if n == 1 else nouns or noun + 's'}"

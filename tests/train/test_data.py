@@ -196,6 +196,28 @@ def test_folder_recursive_sorted(tmp_path, tk):
     b, e = tk.bos_token_id, tk.eos_token_id
     assert ids == [b] + enc(tk, "hello") + [e, b] + enc(tk, "the lazy dog") + [e, b] + enc(tk, "world") + [e]
     assert ds.files == 3 and ds.documents == 3
+    # what was passed over is named, and why: a folder's data line says what was not read
+    assert ds.skipped == [(".hidden.txt", "hidden"), ("image.bin", "not .jsonl/.json/.txt/.md/.markdown/.rst/.text")]
+    assert "not read: .hidden.txt (hidden), image.bin (not .jsonl" in ds.summary()
+
+
+def test_a_hidden_folder_is_named_once_and_a_long_list_is_cut(tmp_path, tk):
+    (tmp_path / "d.txt").write_text("hello")
+    (tmp_path / ".git").mkdir()
+    for name in ("HEAD", "config", "index"):
+        (tmp_path / ".git" / name).write_text("x")
+    for i in range(6):
+        (tmp_path / f"scan{i}.png").write_bytes(b"\x89")
+    ds = load_dataset(tmp_path, tk, 256)
+    assert ds.skipped[0] == (".git/", "hidden") and len(ds.skipped) == 7
+    assert ds.summary().endswith("scan3.png (not .jsonl/.json/.txt/.md/.markdown/.rst/.text) and 2 more")
+
+
+def test_counts_of_one_are_singular(tmp_path, tk):
+    (tmp_path / "one.txt").write_text("hello world")
+    line = load_dataset(tmp_path / "one.txt", tk, 2).summary()
+    assert line.startswith("1 document from 1 file -> ")
+    assert "documents" not in line and "files" not in line
 
 
 # ------------------------------------------------------------------------------------------ errors

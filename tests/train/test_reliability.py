@@ -76,7 +76,7 @@ def test_damaged_state_is_named_and_resume_uses_the_previous_good_one(ref, damag
     if damage != "delete-manifest":
         assert f"passed over manifest-00000004.json: {f}" in err
         assert ("truncated" if damage == "truncate" else "checksum") in err
-    assert "resumed at step 3" in err
+    assert "resumed after step 3 (the last committed" in err and "continuing with step 4 of 4" in err
     assert main(["finetune", str(model), "--data", str(data), "--output", str(clean), *args]) == 0
     assert_same_run(state_of(clean), state_of(out))
 

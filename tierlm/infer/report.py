@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ..units import count
+
 _PROBE = r"""
 import json, os, sys, time, torch
 torch.set_num_threads(int(sys.argv[2]))  # the threads decode ran on
@@ -73,7 +75,7 @@ def machine_rates(nvme_dir: str | None = None, cache: str | None = None, fresh: 
     if key in known and not fresh:
         return known[key]
     print(f"tierlm: measuring this machine's rates for the report's rooflines (memory read as decode reads, on "
-          f"{threads} threads; matmul" + (f"; the drive under {nvme_dir}, at most 128 MiB" if nvme_dir else "")
+          f"{count(threads, 'thread')}; matmul" + (f"; the drive under {nvme_dir}, at most 128 MiB" if nvme_dir else "")
           + f"): about 10 s, once (cached in {cache_path})", file=sys.stderr, flush=True)
     try:
         r = subprocess.run([sys.executable, "-c", _PROBE, nvme_dir or "", str(threads)], capture_output=True,
@@ -108,7 +110,7 @@ def phase_line(name: str, seconds: float, tokens: int, ram: int, ssd: int, kv: i
         shares["compute"] = flops / (mm * 1e9) / seconds
     bound = max(shares, key=shares.get) if shares else "unknown"
     parts = ", ".join(f"{k} {100 * v:.0f}%" for k, v in shares.items())
-    line = (f"{name}: {tokens} tokens in {seconds:.3f} s = {tokens / seconds:.1f} tok/s, "
+    line = (f"{name}: {count(tokens, 'token')} in {seconds:.3f} s = {tokens / seconds:.1f} tok/s, "
             f"{gbps:.2f} GB/s effective (weights from RAM {ram / seconds / 1e9:.2f}, SSD {ssd / seconds / 1e9:.2f}, "
             f"KV {kv / seconds / 1e9:.2f}); closest bound: {bound} (share of each roofline: {parts})")
     return line, {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "gbps": gbps,

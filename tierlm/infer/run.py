@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import sys
 
+from ..units import count
 from .engine import InferConfig, InferenceEngine
 from .flags import add_engine_args, add_sampling_args  # noqa: F401  (the verbs' flags)
 from .sampling import SamplingParams
@@ -130,6 +131,6 @@ def chat_cmd(args, inp=sys.stdin, out=sys.stdout, err=sys.stderr) -> int:
         if req.t_first:
             n = len(req.out_ids)
             dec = (req.t_done - req.t_first) / max(n - 1, 1)
-            print(f"[{n} tokens, first after {req.t_first - req.t_submit:.2f} s, then {1 / dec:.1f} tok/s]", file=err)
+            print(f"[{count(n, 'token')}, first after {req.t_first - req.t_submit:.2f} s, then {1 / dec:.1f} tok/s]", file=err)
     eng.close()
     return 0

@@ -29,6 +29,8 @@ from typing import Any, Iterator
 
 import torch
 
+from ..units import count
+
 log = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
@@ -58,24 +60,45 @@ class _Piece:
 
 # ---------------------------------------------------------------------------------------------- reading
 
-def _files(path: Path) -> list[Path]:
+SKIPPED_SHOWN = 5  # skipped files named in the data line; the rest are counted
+
+
+def _files(path: Path) -> tuple[list[Path], list[tuple[str, str]]]:
+    """The data files under `path`, and what was passed over in a folder: (name, why) each, a hidden
+    folder once (not each file in it), so the data line can say what was not read."""
     if not path.exists():
         raise DataError(f"{path}: no such file or folder. Check the data path (relative paths are from "
                         f"the current directory, {os.getcwd()}).")
     if path.is_file():
-        return [path]
-    found, skipped = [], []
+        return [path], []
+    found, skipped, hidden = [], [], set()
     for p in sorted(path.rglob("*")):
         rel = p.relative_to(path)
-        if not p.is_file() or any(part.startswith(".") for part in rel.parts):
+        dot = next((i for i, part in enumerate(rel.parts) if part.startswith(".")), None)
+        if dot is not None:
+            top = Path(*rel.parts[:dot + 1])
+            if top not in hidden:
+                hidden.add(top)
+                skipped.append((top.as_posix() + ("/" if (path / top).is_dir() else ""), "hidden"))
             continue
-        (found if p.suffix.lower() in JSONL_SUFFIXES + TEXT_SUFFIXES else skipped).append(p)
-    if skipped:
-        log.info("%s: skipping %d file(s) with other extensions, e.g. %s", path, len(skipped), skipped[0].name)
+        if not p.is_file():
+            continue
+        if p.suffix.lower() in JSONL_SUFFIXES + TEXT_SUFFIXES:
+            found.append(p)
+        else:
+            skipped.append((rel.as_posix(), f"not {'/'.join(JSONL_SUFFIXES + TEXT_SUFFIXES)}"))
     if not found:
         raise DataError(f"{path}: folder has no usable data files. Put .jsonl/.json (JSON Lines) or "
-                        f"{'/'.join(TEXT_SUFFIXES)} files in it, or pass a single file.")
-    return found
+                        f"{'/'.join(TEXT_SUFFIXES)} files in it, or pass a single file."
+                        + (f" Passed over: {_skipped_text(skipped)}." if skipped else ""))
+    return found, skipped
+
+
+def _skipped_text(skipped: list[tuple[str, str]]) -> str:
+    """'a.bin (not .jsonl/...), .git/ (hidden)', the first SKIPPED_SHOWN named and the rest counted."""
+    shown = ", ".join(f"{name} ({why})" for name, why in skipped[:SKIPPED_SHOWN])
+    more = len(skipped) - SKIPPED_SHOWN
+    return shown + (f" and {more:,} more" if more > 0 else "")
 
 
 def _read_text(path: Path) -> str:
@@ -298,14 +321,16 @@ class PackedDataset:
     """
 
     def __init__(self, ids: torch.Tensor, trained: torch.Tensor, seq_len: int, pad_id: int,
-                 documents: int = 0, files: int = 0, source: str = ""):
+                 documents: int = 0, files: int = 0, source: str = "",
+                 skipped: list[tuple[str, str]] | None = None):
         if seq_len < 2:
             raise DataError(f"seq_len must be at least 2, got {seq_len}.")
         n = int(ids.numel())
         if n < 2:
-            raise DataError(f"{source}: the data is only {n} token(s) long, too short for even one training "
+            raise DataError(f"{source}: the data is only {count(n, 'token')} long, too short for even one training "
                             f"row of 2 tokens. Add more data.")
         self.seq_len, self.documents, self.files, self.source = seq_len, documents, files, source
+        self.skipped = skipped or []  # (name, why) of files in the data folder that were not read
         self.padded = n < seq_len
         if self.padded:  # the only row: pad at the end (causal attention never looks ahead, no mask needed)
             real = n
@@ -337,14 +362,15 @@ class PackedDataset:
         return ids, ids.masked_fill(~self._trained[r], IGNORE_INDEX)
 
     def summary(self) -> str:
-        extra = [f"{self.dropped_tail_tokens:,} tail tokens dropped"] if self.dropped_tail_tokens else []
+        extra = [f"{count(self.dropped_tail_tokens, 'tail token')} dropped"] if self.dropped_tail_tokens else []
         if self.dropped_masked_rows:
-            extra.append(f"{self.dropped_masked_rows:,} fully masked rows dropped")
+            extra.append(f"{count(self.dropped_masked_rows, 'fully masked row')} dropped")
         if self.padded:
             extra.append("single row padded")
-        return (f"{self.documents:,} documents from {self.files:,} file(s) -> {len(self):,} rows x {self.seq_len} "
-                f"tokens: {self.num_tokens:,} tokens, {self.num_trainable_tokens:,} trained"
-                + (f" ({', '.join(extra)})" if extra else ""))
+        return (f"{count(self.documents, 'document')} from {count(self.files, 'file')} -> "
+                f"{count(len(self), 'row')} x {self.seq_len} tokens: {count(self.num_tokens, 'token')}, "
+                f"{self.num_trainable_tokens:,} trained" + (f" ({', '.join(extra)})" if extra else "")
+                + (f"; not read: {_skipped_text(self.skipped)}" if self.skipped else ""))
 
     __str__ = summary
 
@@ -354,7 +380,7 @@ def load_dataset(path: str | os.PathLike, tokenizer, seq_len: int) -> PackedData
     if not isinstance(seq_len, int) or seq_len < 2:
         raise DataError(f"--seq-len must be an integer >= 2, got {seq_len!r}.")
     path = Path(path)
-    files = _files(path)
+    files, skipped = _files(path)
     enc = _Encoder(tokenizer)
     for f in files:
         text = _read_text(f)
@@ -369,7 +395,7 @@ def load_dataset(path: str | os.PathLike, tokenizer, seq_len: int) -> PackedData
     ids = torch.frombuffer(enc.ids, dtype=torch.int32).clone() if enc.ids else torch.zeros(0, dtype=torch.int32)
     trained = torch.frombuffer(enc.mask, dtype=torch.int8).bool() if enc.mask else torch.zeros(0, dtype=torch.bool)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else enc.eos
-    ds = PackedDataset(ids, trained, seq_len, pad, enc.documents, len(files), str(path))
+    ds = PackedDataset(ids, trained, seq_len, pad, enc.documents, len(files), str(path), skipped)
     log.info("data: %s", ds.summary())
     return ds
 

@@ -13,6 +13,7 @@ from pathlib import Path
 # FinetuneConfig, and `tierlm finetune --help` answers without torch's seconds; the run imports it.
 from ..config import check, option, to_dict
 from ..faults import fault
+from ..units import count
 from ..validate import FINETUNE
 from .schedule import SCHEDULES, lr_at
 
@@ -248,7 +249,9 @@ def _run(cfg: FinetuneConfig, out: Path, dist=None) -> dict:
         set_rng_state(trainer["rng"])
         truncate_metrics(out / metrics_name, start)
         if lead:
-            print(f"resumed at step {start} from {engine.root}", file=sys.stderr)
+            # "at step N" left open whether N was done or next: the state holds N steps, the next is N+1
+            then = f"continuing with step {start + 1} of {total}" if start < total else "no steps are left"
+            print(f"resumed after step {start} (the last committed, in {engine.root}); {then}", file=sys.stderr)
     else:
         torch.manual_seed(cfg.seed)
     if lead:
@@ -308,7 +311,7 @@ def _run(cfg: FinetuneConfig, out: Path, dist=None) -> dict:
                 _save_timeline(engine.timeline, out, step + 1, off - began, progress)
             if bad_streak >= cfg.max_bad_steps:
                 raise TrainingStopped(
-                    f"{bad_streak} consecutive steps had non-finite loss or gradients (steps "
+                    f"{count(bad_streak, 'consecutive step')} had non-finite loss or gradients (steps "
                     f"{step + 2 - bad_streak}..{step + 1}, each skipped); the state of step "
                     f"{step + 1 - bad_streak} is intact in {engine.root}. Lower --lr or check the data, "
                     f"then --resume auto")

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from ..engine import budget as B
-from ..units import fmt_bytes, parse_bytes
+from ..units import count, fmt_bytes, parse_bytes
 
 
 def use_bar(stream) -> bool:
@@ -56,9 +56,9 @@ class Progress:
         st = engine.split
         self.bar.write(f"--cpu-mem {fmt_bytes(st.budget)} beyond the libraries' {fmt_bytes(engine.library_rss)}: "
                        f"{st.describe()}; "
-                       f"direct I/O {'on' if engine.store.direct else 'off'}, {engine.io_threads} reads and {engine.io_threads} writes in flight "
+                       f"direct I/O {'on' if engine.store.direct else 'off'}, {count(engine.io_threads, 'read')} and {count(engine.io_threads, 'write')} in flight "
                        f"({engine.io_threads_why}), optimizer shards of {fmt_bytes(4 * engine.shard_elems)} in fp32 "
-                       f"({engine.shard_why}), {engine.prefetch} blocks read ahead ({engine.prefetch_why}); "
+                       f"({engine.shard_why}), {count(engine.prefetch, 'block')} read ahead ({engine.prefetch_why}); "
                        f"nvme {engine.root}")
 
     def step(self, step: int, loss: float, lr: float, res, tokens: int, dt: float, io0: dict, io: dict) -> None:

@@ -15,6 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..config import to_dict
+from ..units import count
 
 
 def _cause(rc: int) -> str:
@@ -59,7 +60,7 @@ def supervise(cfg) -> int:
             f.write(json.dumps({"time": time.time(), "attempt": restarts + 1, "cause": cause,
                                 "ran_s": time.time() - started}) + "\n")
         if restarts >= cfg.max_restarts:
-            print(f"supervisor: giving up: the run failed {restarts + 1} times (last: {cause}); "
+            print(f"supervisor: giving up: the run failed {count(restarts + 1, 'time')} (last: {cause}); "
                   f"--max-restarts {cfg.max_restarts} reached. The committed state in {cfg.nvme} is "
                   f"intact: fix the cause, then run again with --resume auto. Causes: {log}", file=sys.stderr)
             return 1
