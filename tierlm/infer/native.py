@@ -5,6 +5,11 @@ under the tierlm cache directory by a hash of the source, the compiler and its f
 compiler works, or TIERLM_NATIVE=0, `available()` is False and the callers keep PyTorch's kernels
 (the result is the same product; only the speed differs). The library is linked with -fopenmp and
 loaded after torch, whose bundled libgomp.so.1 then serves it too: one OpenMP thread pool.
+
+The loops come in instruction-set paths (`ISAS`, each a superset of the one before); the highest
+the CPU has runs, or the one TIERLM_NATIVE_ISA names (`supported_isas()` lists this CPU's), so that
+every path's loops can be tested on any CPU that has it. Naming a path the CPU lacks is an error.
+There is no AMX path: a CPU with AMX runs avx512bf16.
 """
 from __future__ import annotations
 
@@ -29,6 +34,12 @@ _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _failed: str | None = None
 _switched_off = False  # use(False): benchmarks compare against PyTorch's kernels in one process
+# kernels/gemv.c's paths, in its order (cpu_level): portable C, AVX2 + FMA, + AVX512-VNNI for one
+# int8 row, + AVX512-BF16 for one bf16 row
+ISAS = ("portable", "avx2", "avx512vnni", "avx512bf16")
+# the switches TIERLM_NATIVE_ISA replaced, and the value that asked for a lower path
+_OLD_SWITCHES = {"TIERLM_NATIVE_PORTABLE": ("not 0", "portable"), "TIERLM_NATIVE_VNNI": ("0", "avx2"),
+                 "TIERLM_NATIVE_BF16DP": ("0", "avx512vnni")}
 
 
 def _compiler() -> str | None:
@@ -65,6 +76,9 @@ def _build() -> ctypes.CDLL:
                                       i64]
     dll.tierlm_gemv_multi.restype = c_int
     dll.tierlm_gemv_isa.restype = c_int
+    dll.tierlm_native_cpu_isa.restype = c_int
+    dll.tierlm_native_set_isa.argtypes = [c_int]
+    dll.tierlm_native_set_isa.restype = c_int
     dll.tierlm_gemv_set_prefetch.argtypes = [i64]
     dll.tierlm_gemv_set_light_x.argtypes = [c_int]
     dll.tierlm_set_steal.argtypes = [c_int]
@@ -77,8 +91,37 @@ def _build() -> ctypes.CDLL:
     dll.tierlm_layers_decode.restype = c_int
     dll.tierlm_layer_scratch_bytes.argtypes = [p, p]
     dll.tierlm_layer_scratch_bytes.restype = i64
+    _cap_isa(dll)
     dll.tierlm_gemv_isa()  # the CPU checks cache their answers here, before any parallel region asks
     return dll
+
+
+def _cap_isa(dll) -> None:
+    """The kernels capped at the path TIERLM_NATIVE_ISA names; a ValueError where the CPU lacks it."""
+    want = _requested_isa()
+    if want is not None:
+        have = dll.tierlm_native_cpu_isa()
+        if ISAS.index(want) > have:
+            raise ValueError(f"TIERLM_NATIVE_ISA={want}: this CPU has no {want} path (it has "
+                             f"{', '.join(ISAS[:have + 1])})")
+        dll.tierlm_native_set_isa(ISAS.index(want))
+
+
+def _requested_isa() -> str | None:
+    """The path TIERLM_NATIVE_ISA names (None: the CPU's highest); a ValueError for a name that is
+    no path, and for the switches it replaced (which would otherwise be ignored without a word)."""
+    for name, (asks, instead) in _OLD_SWITCHES.items():
+        v = os.environ.get(name, "")
+        if v and (v != "0" if asks == "not 0" else v == asks):
+            raise ValueError(f"{name}={v} is no longer read: set TIERLM_NATIVE_ISA={instead}")
+    want = os.environ.get("TIERLM_NATIVE_ISA", "").strip().lower()
+    if not want:
+        return None
+    if want == "amx":
+        raise ValueError("TIERLM_NATIVE_ISA=amx: the kernels have no AMX path; a CPU with AMX runs avx512bf16")
+    if want not in ISAS:
+        raise ValueError(f"TIERLM_NATIVE_ISA={want!r} is none of {', '.join(ISAS)}")
+    return want
 
 
 def library() -> ctypes.CDLL | None:
@@ -148,15 +191,24 @@ def why_unavailable() -> str | None:
 
 
 def isa() -> str:
+    """The path the products run on (one of ISAS), or "none" where the kernels are unavailable."""
     lib = library()
-    if lib is None:
-        return "none"
-    isa = lib.tierlm_gemv_isa()
-    if not isa:
-        return "portable"
-    # "light-x": one row's x rounded to bf16 / 8 bits a group for those loops (TIERLM_NATIVE_EXACT_X=1: not)
-    return "+".join(["avx2"] + [name for bit, name in ((4, "avx512bf16"), (8, "avx512vnni"), (16, "light-x"))
-                                if isa & bit])
+    return ISAS[lib.tierlm_gemv_isa() & 15] if lib is not None else "none"
+
+
+def supported_isas() -> list[str]:
+    """The paths this CPU can run (TIERLM_NATIVE_ISA may name any of them), lowest first; none
+    where the kernels are unavailable."""
+    lib = library()
+    return list(ISAS[:lib.tierlm_native_cpu_isa() + 1]) if lib is not None else []
+
+
+def light_x() -> bool:
+    """Whether one row's x is rounded lighter for the AVX-512 one-row loops (to bf16 against bf16
+    weights, 8 bits a group of 128 against int8): on avx512vnni and avx512bf16 unless
+    TIERLM_NATIVE_EXACT_X=1 or set_light_x(False)."""
+    lib = library()
+    return lib is not None and bool(lib.tierlm_gemv_isa() & 16)
 
 
 def _rows(x: torch.Tensor, k: int) -> torch.Tensor:

@@ -10,9 +10,10 @@
    (OpenMP: the runtime PyTorch has already loaded, so one thread pool).
 
    Accumulation is fp32 in a fixed order for a given K, so results do not depend on the thread
-   count. The AVX2 path is chosen at run time; any other CPU runs the portable loop. One row of x
-   against bf16 weights uses AVX512-BF16's dot product where the CPU has it (rows_bf16_dp), and
-   one row against int8 AVX512-VNNI's (row_i8x16_vnni).
+   count. The path (portable, AVX2, AVX512-VNNI, AVX512-BF16: cpu_level below) is chosen at run
+   time from the CPU's flags, capped by TIERLM_NATIVE_ISA. One row of x against bf16 weights uses
+   AVX512-BF16's dot product on that path (rows_bf16_dp), and one row against int8 AVX512-VNNI's
+   (row_i8x16_vnni).
 
    One row of x against int8 weights (decoding one sequence) runs in integers: x is rounded to
    16 bits with one scale for the row (a relative error of 2^-16 of its largest element, far below
@@ -50,8 +51,10 @@ static void rows_i8x16_scalar(const int16_t *xq, float xs, int64_t K, const int8
         float acc = 0.f;
         for (int64_t b = 0; b < K; b += I16_BLOCK) {
             int64_t e = b + I16_BLOCK < K ? b + I16_BLOCK : K;
-            int32_t part = 0;
-            for (int64_t k = b; k < e; k++) part += (int32_t)xq[k] * wr[k];
+            /* one sum of a block's products, not a vector lane's share of them: 4096 products
+               of up to 128 * 32767 overflow 32 bits */
+            int64_t part = 0;
+            for (int64_t k = b; k < e; k++) part += (int64_t)xq[k] * wr[k];
             acc += (float)part;
         }
         y[n] = acc * xs * s[n];
@@ -84,9 +87,9 @@ static void rows_i4_scalar(const void *xq, int x8, const float *xs, const float 
             const int16_t *x16m = (const int16_t *)xq + m * K;
             float acc = 0.f, r = 0.f;
             for (int64_t g = 0; g < G; g++) {
-                int32_t part = 0;
+                int64_t part = 0;  /* a whole group's sum: 15 * 32767 a product overflows 32 bits past 4369 */
                 for (int64_t k = g * group; k < (g + 1) * group; k++)
-                    part += i4_at(wr, k) * (x8 ? (int32_t)x8m[x8_pos(k)] : (int32_t)x16m[k]);
+                    part += i4_at(wr, k) * (x8 ? (int64_t)x8m[x8_pos(k)] : (int64_t)x16m[k]);
                 acc += (float)part * (x8 ? s[2 * g] * xs[m * G + g] : s[2 * g]);
                 r += s[2 * g + 1] * xsum[m * G + g];
             }
@@ -428,26 +431,50 @@ TARGET_VNNI static void rows_i8x8_vnni(const int8_t *xq, const float *xs, int64_
 }
 #endif
 
-/* The AVX-512 rows this CPU takes, checked once: bit 1 one bf16 row (rows_bf16_dp), bit 2 one int8
-   row (row_i8x16_vnni). TIERLM_NATIVE_BF16DP=0 / TIERLM_NATIVE_VNNI=0 keep the AVX2 loops instead
-   (tests compare them). */
-static int avx512_rows(void) {
+/* The instruction-set paths of these loops, each a superset of the one before:
+   0 portable  the plain C loops (any CPU; what a CPU without AVX2, an ARM server say, runs)
+   1 avx2      AVX2 + FMA loops for every kind
+   2 avx512vnni  as 1, and one int8 row through AVX512-VNNI (row_i8x16_vnni, rows_i8x8_vnni)
+   3 avx512bf16  as 2, and one bf16 row through AVX512-BF16's dot product (rows_bf16_dp, _dp1)
+   There is no AMX path: a CPU with AMX runs 3. By default the highest this CPU has runs; the
+   caller (native.py, from TIERLM_NATIVE_ISA) may cap it lower with tierlm_native_set_isa before
+   the first product, so that each path's loops can be tested on any CPU that has it. The choice
+   follows the CPU's flags and that cap only, so one command gives the same bits on one CPU. */
+static int cpu_level(void) {
 #if HAVE_X86
     static int cached = -1;
     if (cached < 0) {
-        const char *bf = getenv("TIERLM_NATIVE_BF16DP"), *vnni = getenv("TIERLM_NATIVE_VNNI");
-        int bw = tl_use_avx2() && __builtin_cpu_supports("avx512bw");
-        cached = (bw && !(bf && !strcmp(bf, "0")) && __builtin_cpu_supports("avx512bf16") &&
-                  __builtin_cpu_supports("avx512vl") ? 1 : 0) |
-                 (bw && !(vnni && !strcmp(vnni, "0")) && __builtin_cpu_supports("avx512vnni") ? 2 : 0);
+        __builtin_cpu_init();
+        int lv = 0;
+        if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) lv = 1;
+        if (lv == 1 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
+            lv = 2;
+        if (lv == 2 && __builtin_cpu_supports("avx512bf16")) lv = 3;
+        cached = lv;
     }
     return cached;
 #else
     return 0;
 #endif
 }
-int tl_use_bf16dp(void) { return avx512_rows() & 1; }
-int tl_use_vnni(void) { return (avx512_rows() & 2) != 0; }
+static int isa_level = -1;  /* the active path; -1: not chosen yet (the CPU's highest) */
+static int level(void) {
+    if (isa_level < 0) isa_level = cpu_level();
+    return isa_level;
+}
+/* The highest path this CPU has. */
+int tierlm_native_cpu_isa(void) { return cpu_level(); }
+/* Runs path `lv` from now on (before any product: the loops read it unguarded); -1 where this CPU
+   lacks it (nothing changes), else the path. */
+int tierlm_native_set_isa(int lv) {
+    if (lv < 0 || lv > cpu_level()) return -1;
+    isa_level = lv;
+    return lv;
+}
+int tl_use_avx2(void) { return level() >= 1; }
+int tl_use_vnni(void) { return level() >= 2; }
+int tl_use_bf16dp(void) { return level() >= 3; }
 
 /* Whether one row's x is rounded as the AVX-512 loops' lighter forms take it: to bf16 for bf16
    weights (rows_bf16_dp1), to 8 bits a group for int8 (rows_i8x8_vnni). TIERLM_NATIVE_EXACT_X=1
@@ -462,31 +489,10 @@ static int x_light(void) {
     return light_x;
 }
 void tierlm_gemv_set_light_x(int on) { light_x = on != 0; }
-static int tl_light_x(void) { return avx512_rows() && x_light(); }
 static int i8_x8(int64_t K) { return tl_use_vnni() && x_light() && K % X8_GROUP == 0; }
 
-int tl_use_avx2(void) {
-#if HAVE_X86
-    static int cached = -1;
-    if (cached < 0) {
-        __builtin_cpu_init();
-        /* TIERLM_NATIVE_PORTABLE=1: the portable loops, as on a CPU without AVX2 (tests run them) */
-        const char *portable = getenv("TIERLM_NATIVE_PORTABLE");
-        cached = !(portable && *portable && strcmp(portable, "0")) &&
-                 __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    }
-    return cached;
-#else
-    return 0;
-#endif
-}
-
-/* 0: the portable loops; else 2 (AVX2), plus 4 where one bf16 row takes AVX512-BF16
-   (rows_bf16_dp) and 8 where one int8 row takes AVX512-VNNI (row_i8x16_vnni), and 16 where those
-   round x lighter (x_light). */
-int tierlm_gemv_isa(void) {
-    return tl_use_avx2() ? 2 | (tl_use_bf16dp() ? 4 : 0) | (tl_use_vnni() ? 8 : 0) | (tl_light_x() ? 16 : 0) : 0;
-}
+/* The active path (0-3 above), plus 16 where its one-row loops round x lighter (x_light). */
+int tierlm_gemv_isa(void) { return level() | (tl_use_vnni() && x_light() ? 16 : 0); }
 
 /* int4 weights back to fp32 [N, K] for products of many rows (a prefill), which then run as one
    fp32 matrix product: PyTorch's int4 kernel read 5-6 GB/s here, and the same unpacking in torch
