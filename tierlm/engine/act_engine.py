@@ -111,6 +111,8 @@ class ActivationPlanner:
         self.plan: P.Plan | None = None
         self.plan_step = 0
         self.rates: P.Rates | None = None
+        # seconds of one-off measurement (the drive probe) inside commits: no step's time (finetune)
+        self.measure_s = 0.0
         self.profile: list[P.LayerProfile] = []
         self.profiled: list[list[P.LayerProfile]] = []  # steps 2, 3, ... until the profile settles
         self.settled = False
@@ -283,7 +285,9 @@ class ActivationPlanner:
                 layers, self.settled = P.settle(self.profiled)
             self.profile, self.base = layers, base
             if self.rates is None:
+                t = time.perf_counter()
                 self.rates = _rates(self.eng.root)
+                self.measure_s += time.perf_counter() - t
             if self.auto:
                 pool = self._auto_pool()
                 plan = P.choose(layers, self.allowance, pool, self.rates, base, can_swap=pool > 0)

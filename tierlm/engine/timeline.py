@@ -4,6 +4,10 @@ Recording is off until `start()`; events are appended from any thread (a list ap
 under the GIL). `save_chrome` writes a Chrome trace (open it in Perfetto or chrome://tracing), and
 `save_png` a Gantt chart with one lane per resource: the picture that shows at a glance whether the
 pipeline is full. `stall_s` is the time the compute thread spent waiting on I/O.
+
+A recorded step is the window [origin, end] of the step's own time (the s/step of its log line
+and metrics row): `start(origin)` and `stop(end)` take the loop's clock, events are cut to the
+window, and the picture's axis, its title and each lane's share are of that window alone.
 """
 from __future__ import annotations
 
@@ -19,19 +23,38 @@ COLORS = {"compute": "#4878d0", "wait": "#d65f5f", "optimizer": "#6acc64", "ssd_
           "ssd_write": "#956cb4", "act_copy": "#8c613c", "act_write": "#dc7ec0", "act_read": "#797979"}
 
 
+def fmt_share(x: float) -> str:
+    """A lane's share of the step as the log line and the picture both print it."""
+    return f"{100 * x:.0f}%"
+
+
 class Timeline:
     def __init__(self):
         self.events: list[tuple] = []  # (lane, name, t0, t1, nbytes, thread)
         self.recording = False
         self.origin = time.perf_counter()
+        self.end: float | None = None  # the window's end, once stopped
 
-    def start(self) -> None:
+    def start(self, origin: float | None = None) -> None:
+        """Record from now; the window starts at `origin` (perf_counter; default now), where the
+        step's own clock started: time before the first event is then part of the picture too."""
         self.events = []
-        self.origin = time.perf_counter()
+        self.origin = time.perf_counter() if origin is None else origin
+        self.end = None
         self.recording = True
 
-    def stop(self) -> None:
+    def stop(self, end: float | None = None) -> None:
+        """Stop recording; the window ends at `end` (default now) and events are cut to it: what
+        lands after (a commit's last writes) belongs to the next step."""
         self.recording = False
+        self.end = time.perf_counter() if end is None else end
+        self.events = [(ln, nm, t0, min(t1, self.end), nb, th) for ln, nm, t0, t1, nb, th in self.events
+                       if t0 < self.end]
+
+    def span_s(self) -> float:
+        """The window's length: the step's time once stopped, else up to the last event."""
+        end = self.end if self.end is not None else max((e[3] for e in self.events), default=self.origin)
+        return end - self.origin
 
     def event(self, lane: str, name: str, t0: float, t1: float, nbytes: int = 0) -> None:
         if self.recording and t1 > self.origin:
@@ -64,6 +87,11 @@ class Timeline:
     def lanes_busy_s(self) -> dict[str, float]:
         return {lane: sum(t1 - t0 for t0, t1 in self.lane_spans(lane)) for lane in LANES}
 
+    def lane_shares(self) -> dict[str, float]:
+        """Each lane's busy time as a share of the window (span_s)."""
+        span = self.span_s()
+        return {lane: busy / span if span > 0 else 0.0 for lane, busy in self.lanes_busy_s().items()}
+
     def save_chrome(self, path) -> Path:
         path = Path(path)
         tids = {lane: i for i, lane in enumerate(LANES)}
@@ -73,7 +101,9 @@ class Timeline:
             ev.append({"name": name, "cat": lane, "ph": "X", "pid": 0, "tid": tids[lane],
                        "ts": (t0 - self.origin) * 1e6, "dur": max(t1 - t0, 1e-7) * 1e6,
                        "args": {"bytes": nbytes, "thread": thread}})
-        path.write_text(json.dumps({"traceEvents": ev, "displayTimeUnit": "ms"}))
+        # the window's length, so a reader (the PNG's child process) draws the same axis and shares
+        path.write_text(json.dumps({"traceEvents": ev, "displayTimeUnit": "ms",
+                                    "otherData": {"window_s": self.span_s()}}))
         return path
 
     @classmethod
@@ -81,7 +111,9 @@ class Timeline:
         """The timeline a Chrome trace written by save_chrome describes."""
         tl = cls()
         tl.origin = 0.0
-        for e in json.loads(Path(path).read_text())["traceEvents"]:
+        trace = json.loads(Path(path).read_text())
+        tl.end = trace.get("otherData", {}).get("window_s")  # absent in older traces: the last event's end
+        for e in trace["traceEvents"]:
             if e.get("ph") == "X":
                 t0 = e["ts"] / 1e6
                 tl.events.append((e["cat"], e["name"], t0, t0 + e["dur"] / 1e6, e["args"].get("bytes", 0),
@@ -103,14 +135,13 @@ class Timeline:
 
         path = Path(path)
         fig, ax = plt.subplots(figsize=(14, 3.6))
-        busy = self.lanes_busy_s()
-        span = max((e[3] for e in self.events), default=self.origin) - self.origin
+        shares = self.lane_shares()
+        span = self.span_s()
         for i, lane in enumerate(LANES):
             bars = [(t0 - self.origin, t1 - t0) for t0, t1 in self.lane_spans(lane)]
             ax.broken_barh(bars, (len(LANES) - 1 - i - 0.4, 0.8), facecolors=COLORS[lane])
         ax.set_yticks(range(len(LANES)))
-        ax.set_yticklabels([f"{lane} ({100 * busy[lane] / span:.0f}%)" if span else lane
-                            for lane in reversed(LANES)])
+        ax.set_yticklabels([f"{lane} ({fmt_share(shares[lane])})" if span else lane for lane in reversed(LANES)])
         ax.set_xlabel("seconds")
         ax.set_xlim(0, span or 1)
         ax.set_title(title or "one step: busy time per resource")

@@ -126,15 +126,20 @@ def _auto_precision(cfg: FinetuneConfig) -> str:
     return chosen
 
 
-def _save_timeline(tl, out: Path, step: int, dt: float, progress) -> None:
-    tl.stop()
+def _save_timeline(tl, out: Path, step: int, end: float, progress) -> None:
+    """The step's timeline to [its start, `end`]: the window of its s/step (its log line and metrics
+    row), so the picture's title, axis and lane shares are that step's numbers. Called after the
+    step, outside its time."""
+    from ..engine.timeline import fmt_share
+    tl.stop(end)
+    dt, stall = tl.span_s(), tl.stall_s()
     tl.save_chrome(out / "timeline.json")
-    busy = tl.lanes_busy_s()
     tl.save_png_in_child(out / "timeline.json", out / "timeline.png",
-                         title=f"step {step}: {dt:.2f} s, compute waited {tl.stall_s():.2f} s on I/O")
-    progress.bar.write(f"timeline of step {step}: {out / 'timeline.json'} (Perfetto), {out / 'timeline.png'}; "
-                       f"busy: " + ", ".join(f"{k} {v / dt:.0%}" for k, v in busy.items())
-                       + f"; compute stalled {tl.stall_s() / dt:.0%} of the step")
+                         title=f"step {step}: {dt:.2f} s, compute waited {stall:.2f} s on I/O")
+    progress.bar.write(f"timeline of step {step} ({dt:.2f} s): {out / 'timeline.json'} (Perfetto), "
+                       f"{out / 'timeline.png'}; busy: "
+                       + ", ".join(f"{k} {fmt_share(v)}" for k, v in tl.lane_shares().items())
+                       + f"; compute stalled {fmt_share(stall / dt)} of the step")
 
 
 class TrainingStopped(RuntimeError):
@@ -268,12 +273,12 @@ def _run(cfg: FinetuneConfig, out: Path, dist=None) -> dict:
     gc.freeze()
     try:
         # A step's time and bytes run from the end of the one before (its commit included: the
-        # commit's writes land during this step's forward) to this one's end; only drawing a
-        # timeline and writing a checkpoint are left out.
+        # commit's writes land during this step's forward) to this one's end; drawing a timeline,
+        # writing a checkpoint and the activation planner's one-off drive probe are left out.
         t0, io0 = time.perf_counter(), engine.store.stats.snapshot()
         for step in range(start, total):
             if cfg.timeline_step and lead and step + 1 == cfg.timeline_step:
-                engine.timeline.start()
+                engine.timeline.start(origin=t0)  # the step's window, the same as its s/step
             lr = lr_at(cfg.lr, cfg.schedule, cfg.warmup_steps, total, step)
             engine.set_lr(lr)
             losses, tokens = [], 0
@@ -304,11 +309,12 @@ def _run(cfg: FinetuneConfig, out: Path, dist=None) -> dict:
             # The metrics row goes first: a crash before the commit leaves a row that resume drops.
             now, io = time.perf_counter(), engine.store.stats.snapshot()
             progress.step(step, sum(losses) / len(losses), lr, res, tokens, now - t0, io0, io)
-            began, t0, io0 = t0, now, io
+            t0, io0 = now, io
+            probed = engine.acts.measure_s
             engine.commit()
             off = time.perf_counter()
             if engine.timeline.recording:
-                _save_timeline(engine.timeline, out, step + 1, off - began, progress)
+                _save_timeline(engine.timeline, out, step + 1, now, progress)
             if bad_streak >= cfg.max_bad_steps:
                 raise TrainingStopped(
                     f"{count(bad_streak, 'consecutive step')} had non-finite loss or gradients (steps "
@@ -317,7 +323,7 @@ def _run(cfg: FinetuneConfig, out: Path, dist=None) -> dict:
                     f"then --resume auto")
             if cfg.save_every and (step + 1) % cfg.save_every == 0:
                 engine.checkpoint(f"step-{step + 1:08d}")
-            t0 += time.perf_counter() - off
+            t0 += time.perf_counter() - off + (engine.acts.measure_s - probed)
         progress.close()
         if not lead:
             return dict(progress.summary(None), final_model=None)
