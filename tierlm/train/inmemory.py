@@ -35,7 +35,13 @@ def run(cfg) -> dict:
         max(1, math.floor(cfg.epochs * batches.batches_per_epoch / cfg.grad_accum))
     torch.manual_seed(cfg.seed)
     device = torch.device(cfg.device)
-    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32).to(device)
+    from transformers.utils import logging as hf_logging
+
+    from ..engine.model import causal_lm
+    from .progress import use_bar
+    if not use_bar(sys.stderr):  # transformers' "Loading weights" bar: frames in a redirected log
+        hf_logging.disable_progress_bar()
+    model = causal_lm(AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)).to(device)
     model.train()
     masters = [p.detach().clone().requires_grad_(True) for p in model.parameters()]
     if cfg.precision == "bf16":
