@@ -209,41 +209,49 @@ def test_the_models_own_step_sets_the_compute_where_measured_at_the_micro_batch(
     assert not any("own step" in a for a in fp32.assumptions)
 
 
-def test_model_step_probe_splits_a_layer_from_the_rest_and_scales_capped_rows(monkeypatch):
+def test_model_step_probe_times_the_layer_and_the_rest_and_scales_capped_rows(monkeypatch):
     from transformers import AutoConfig
 
     from tierlm.bench import measure
 
     cfg = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
-    # the timings are stand-ins (never timed here): depth 1 takes 1.0 s, depth 3 takes 1.6 s; the
-    # steps themselves run (forward and backward of the family's code)
-    import transformers
-    depth_of = {}
-    real_best, real_from_config = measure._best, transformers.AutoModelForCausalLM.from_config
+    # The timings are stand-ins (never timed here): the one-layer model's step 1.0 s, its layer's
+    # own 0.3 s. The steps themselves run: each starts with zero_grad on what it steps (the model,
+    # or the layer called again with the arguments the model's forward gave it).
+    real_best, real_zero = measure._best, torch.nn.Module.zero_grad
+    ran = []
 
-    def from_config(c, *a, **k):
-        model = real_from_config(c, *a, **k)
-        depth_of[id(model)] = c.num_hidden_layers
-        return model
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config", from_config)
-    real_zero = torch.nn.Module.zero_grad
-
-    def zero_grad(self, *a, **k):  # each step starts with zero_grad: which model it is tells the time
-        if id(self) in depth_of:
-            zero_grad.last = depth_of[id(self)]
+    def zero_grad(self, *a, **k):
+        zero_grad.last = "model" if hasattr(self, "get_output_embeddings") else "layer"
         return real_zero(self, *a, **k)
     monkeypatch.setattr(torch.nn.Module, "zero_grad", zero_grad)
 
     def best(fn, repeats):
         real_best(fn, 1)
-        return {1: 1.0, 3: 1.6}[zero_grad.last]
+        ran.append(zero_grad.last)
+        return {"model": 1.0, "layer": 0.3}[zero_grad.last]
     monkeypatch.setattr(measure, "_best", best)
-    monkeypatch.setattr(measure, "MODEL_STEP_S", 10.0)  # the one-row step (1.6 s): all 2 rows fit
+    monkeypatch.setattr(measure, "MODEL_STEP_S", 10.0)  # a row's layer step (0.3 s): both rows fit
     r = measure.bench_model_step(cfg, 64, 32, torch.float32, repeats=2)
     assert r["layer_s"] == pytest.approx(0.3) and r["rest_s"] == pytest.approx(0.7)
     assert r["probed_tokens"] == 64 and r["tokens"] == 64 and r["model_type"] == "llama"
-    # a step too slow for the rows the run has: one row timed, scaled to the micro-batch per token
-    monkeypatch.setattr(measure, "MODEL_STEP_S", 2.0)  # one row of the four fits
+    assert ran == ["layer", "model", "layer", "model", "layer"]  # the row check, then interleaved rounds
+    # a layer too slow for the rows the run has: one row timed, scaled to the micro-batch per token
+    monkeypatch.setattr(measure, "MODEL_STEP_S", 0.5)
     r = measure.bench_model_step(cfg, 128, 32, torch.float32, repeats=2)
     assert r["probed_tokens"] == 32 and r["layer_s"] == pytest.approx(0.3 * 4) and r["rest_s"] == pytest.approx(0.7 * 4)
+
+
+def test_model_step_probe_replays_any_familys_layer_call():
+    """The layer is called again with what the model's own forward passed it (gpt2's blocks take
+    other arguments than llama's layers); real timings, only checked to be there."""
+    from transformers import AutoConfig
+
+    from tierlm.bench import measure
+
+    for arch, kw in (("gpt2", dict(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64)),
+                     ("qwen2", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, vocab_size=128, tie_word_embeddings=True))):
+        r = measure.bench_model_step(AutoConfig.for_model(arch, **kw), 32, 16, torch.float32, repeats=1)
+        assert r["layer_s"] > 0 and r["model_s"] > 0 and r["model_type"] == arch

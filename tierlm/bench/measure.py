@@ -348,9 +348,8 @@ def bench_layer(dtype: torch.dtype | None = None, repeats: int = 3, widths: tupl
             "layer_dtype": "bf16" if dtype == torch.bfloat16 else "fp32"}
 
 
-MODEL_DEPTHS = (1, 3)     # decoder layers of the two probe models: the slope is one layer's time
-MODEL_STEP_S = 4.0        # the deeper model's step at most about this (fewer rows of the run's length)
-MODEL_MAX_PARAMS = 2e9    # beyond: building the probe models takes longer than the plan is worth
+MODEL_STEP_S = 4.0        # one layer's timed step at most about this (fewer rows of the run's length)
+MODEL_MAX_PARAMS = 2e9    # beyond: building the probe model takes longer than the plan is worth
 
 
 def model_step_key(config, tokens: int, seq: int, dtype: torch.dtype) -> str:
@@ -363,53 +362,59 @@ def model_step_key(config, tokens: int, seq: int, dtype: torch.dtype) -> str:
             f"|threads={torch.get_num_threads()}")
 
 
-def bench_model_step(config, tokens: int, seq: int, dtype: torch.dtype, repeats: int = 3) -> dict | None:
+def bench_model_step(config, tokens: int, seq: int, dtype: torch.dtype, repeats: int = 5) -> dict | None:
     """Seconds of a training micro-batch through the model's own code, split into one decoder
     layer's forward + backward and the rest (embedding, final norm, head and loss), on torch's
     threads (the run's), in the run's compute dtype and sequence length: what `finetune` computes,
-    not a generic layer at a reference width. The model family's code is built from `config` by
-    transformers (as the engine builds it) at two depths; the step runs the engine's path (the
-    head and loss in chunks where the engine chunks them: head_loss). The difference of the two
-    depths is one layer; what the shallow one takes beyond it is the rest.
+    not a generic layer at a reference width.
 
-    At the run's rows per micro-batch where the deeper step takes at most MODEL_STEP_S and fits a
-    quarter of the free memory; else fewer rows of the run's length, scaled per token (the
-    attention's cost per token depends on the length, kept). None where even one row does not
-    fit, or the probe models are too large to build quickly: the planner then interpolates
-    between bench compute's reference layers and says so.
+    The model family's code is built from `config` by transformers (as the engine builds it), with
+    one decoder layer. A whole step (the engine's path: head and loss in chunks where the engine
+    chunks them, head_loss) is timed, and its layer alone, called again with the arguments the
+    model's own forward gave it (captured by a hook: any family's signature); the rest is the
+    difference. Timing the layer directly, not as the difference of two depths, keeps the noise
+    of a shared machine out of the number the plan multiplies by the layer count (two depths, 3
+    rounds, on a 2-core machine shared with other work, once put a layer at 6x what the run's own
+    layers took).
 
-    Each depth's best of `repeats` rounds, interleaved (a slow spell must not cover one depth's
-    rounds only)."""
+    At the run's rows per micro-batch where one layer's step takes at most MODEL_STEP_S and the
+    step fits a quarter of the free memory; else fewer rows of the run's length, scaled per token
+    (the attention's cost per token depends on the length, kept). None where even one row does
+    not fit, or the model is too large to build quickly: the planner then interpolates between
+    bench compute's reference layers and says so.
+
+    Each part's best of `repeats` rounds, interleaved. The steps run as the engine's do: with freed
+    blocks kept in the heap for reuse (HeapGuard); under tierlm's import settings every transient
+    tensor would be fresh pages zeroed by the kernel, a cost the step it predicts does not pay."""
     import copy
 
     from transformers import AutoModelForCausalLM
 
     from ..engine import budget as B
-    from ..engine.head_loss import chunk_tokens, causal_lm_loss
+    from ..engine.head_loss import causal_lm_loss, chunk_tokens
+    from ..engine.heap import MIN_COMPUTE_SHARE, HeapGuard
+    from ..engine.model import find_layers
 
     rows_want = max(1, tokens // seq)
-    per_row = (MODEL_DEPTHS[-1] * B.layer_activation_bytes(config, seq, dtype) + B.logits_bytes(config, seq, dtype))
-    models = {}
-    for depth in MODEL_DEPTHS:
-        cfg = copy.deepcopy(config)
-        cfg.num_hidden_layers = depth
-        torch.manual_seed(0)
-        with torch.device("meta"):
-            n = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
-        elem = torch.empty((), dtype=dtype).element_size()
-        room = psutil.virtual_memory().available // 4 - n * (4 + 2 * elem)  # the fp32 init, weights, gradients
-        if n > MODEL_MAX_PARAMS or room < per_row:
-            return None
-        m = AutoModelForCausalLM.from_config(cfg).to(dtype)
-        m.train()
-        models[depth] = m
-    rows_fit = int(room // per_row)
+    per_row = B.layer_activation_bytes(config, seq, dtype) + B.logits_bytes(config, seq, dtype)
+    cfg = copy.deepcopy(config)
+    cfg.num_hidden_layers = 1
+    with torch.device("meta"):
+        n = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+    elem = torch.empty((), dtype=dtype).element_size()
+    room = psutil.virtual_memory().available // 4 - n * (4 + 2 * elem)  # the fp32 init, weights, gradients
+    if n > MODEL_MAX_PARAMS or room < per_row:
+        return None
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).to(dtype)
+    model.train()
+    layer = find_layers(model)[1][0]
+    head = model.get_output_embeddings()
+    plain_head = type(head) is torch.nn.Linear and not getattr(config, "final_logit_softcapping", None)
 
-    def make_step(model, rows):
+    def model_step(rows):
         ids = torch.randint(0, config.vocab_size, (rows, seq))
-        head = model.get_output_embeddings()
-        chunk = chunk_tokens(rows * seq, config.vocab_size, dtype) \
-            if type(head) is torch.nn.Linear and not getattr(config, "final_logit_softcapping", None) else None
+        chunk = chunk_tokens(rows * seq, config.vocab_size, dtype) if plain_head else None
 
         def step():
             model.zero_grad(set_to_none=True)
@@ -421,26 +426,56 @@ def bench_model_step(config, tokens: int, seq: int, dtype: torch.dtype, repeats:
             loss.backward()
         return step
 
-    deep = models[MODEL_DEPTHS[-1]]
-    one = make_step(deep, 1)
-    one()  # first-call allocations and kernel selection
-    t_row = _best(one, 1)
-    rows = max(1, min(rows_want, rows_fit, int(MODEL_STEP_S / max(t_row, 1e-6))))
-    steps = {d: make_step(m, rows) for d, m in models.items()}
-    for st in steps.values():
-        st()  # warm-up at the timed shape
-    best = dict.fromkeys(steps, float("inf"))
-    for _ in range(repeats):
-        for d, st in steps.items():
-            best[d] = min(best[d], _best(st, 1))
-    lo, hi = MODEL_DEPTHS[0], MODEL_DEPTHS[-1]
-    per_token = (rows * seq)
-    layer_s = max(best[hi] - best[lo], 0.0) / (hi - lo)
-    rest_s = max(best[lo] - lo * layer_s, 0.0)
-    scale = tokens / per_token  # the run's tokens per micro-batch
-    return {"layer_s": layer_s * scale, "rest_s": rest_s * scale, "tokens": tokens, "probed_tokens": per_token,
-            "seq": seq, "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
-            "by_depth_s": {str(d): t for d, t in best.items()}, "model_type": config.model_type}
+    def layer_step(whole):
+        """The layer's own forward + backward, on the arguments the model's forward passed it."""
+        got = {}
+
+        def hook(mod, args, kwargs):
+            got["args"], got["kwargs"] = args, kwargs
+        h = layer.register_forward_pre_hook(hook, with_kwargs=True)
+        try:
+            whole()
+        finally:
+            h.remove()
+        args, kwargs = list(got["args"]), dict(got["kwargs"])
+        if args:
+            x = args[0].detach().clone().requires_grad_(True)
+            args[0] = x
+        else:
+            x = kwargs["hidden_states"].detach().clone().requires_grad_(True)
+            kwargs["hidden_states"] = x
+        kwargs = {k: (v.detach() if isinstance(v, torch.Tensor) else
+                      tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in v) if isinstance(v, tuple) else v)
+                  for k, v in kwargs.items()}
+
+        def step():
+            layer.zero_grad(set_to_none=True)
+            x.grad = None
+            y = layer(*args, **kwargs)
+            (y[0] if isinstance(y, tuple) else y).float().sum().backward()
+        return step
+
+    guard = HeapGuard(1 << 50, MIN_COMPUTE_SHARE)
+    try:
+        one = layer_step(model_step(1))
+        one()  # first-call allocations and kernel selection: not what a row costs
+        t_row = _best(one, 1)
+        rows = max(1, min(rows_want, int(room // per_row), int(MODEL_STEP_S / max(t_row, 1e-6))))
+        whole = model_step(rows)
+        steps = {"model": whole, "layer": layer_step(whole)}
+        for st in steps.values():
+            st()  # warm-up at the timed shape
+        best = dict.fromkeys(steps, float("inf"))
+        for _ in range(repeats):
+            for k, st in steps.items():
+                best[k] = min(best[k], _best(st, 1))
+    finally:
+        guard.close()
+    probed = rows * seq
+    scale = tokens / probed  # the run's tokens per micro-batch
+    return {"layer_s": best["layer"] * scale, "rest_s": max(best["model"] - best["layer"], 0.0) * scale,
+            "tokens": tokens, "probed_tokens": probed, "seq": seq, "dtype": str(dtype).removeprefix("torch."),
+            "threads": torch.get_num_threads(), "model_s": best["model"] * scale, "model_type": config.model_type}
 
 
 DECODE_FORMATS = ("bf16", "int8", "int4")

@@ -184,15 +184,16 @@ def model_step_for(model: str, shape, task: Task, hw: Hardware, quiet: bool = Fa
     known = dict(cache.load().get("model_steps") or {})
     if key in known:
         return known[key] or None
-    # The estimate: the FLOPs of both probe models' steps, a warm-up and the timed rounds, at the
-    # reference layers' rate (the large-GEMM rate where there is none); the probe caps its rows.
+    # The estimate: the FLOPs of a one-layer model's step and of its layer's, a warm-up and the
+    # timed rounds, at the reference layers' rate (the large-GEMM rate where there is none); the
+    # probe caps its rows.
     r = C.rates(hw, C.Efficiency(), precision)
     rate = r.layer_rate(shape.hidden, T) or r.cpu_flops or 1e11
-    per = sum(6.0 * T * (d * shape.layer_params + shape.vocab * shape.hidden) for d in measure.MODEL_DEPTHS)
-    est = min(per * 5 / rate, len(measure.MODEL_DEPTHS) * measure.MODEL_STEP_S * 5) + 2
+    per = 6.0 * T * (2 * shape.layer_params + shape.vocab * shape.hidden)
+    est = min(per * 7 / rate, 2 * measure.MODEL_STEP_S * 7) + 2
     st = Stages("plan", [(f"this model's own training step ({config.model_type} code, {T} tokens in rows of {seq}, "
-                          f"{precision}, {torch.get_num_threads()} threads: forward + backward at "
-                          f"{' and '.join(map(str, measure.MODEL_DEPTHS))} layers)", est)],
+                          f"{precision}, {torch.get_num_threads()} threads: forward + backward of a one-layer model and of its "
+                          f"layer)", est)],
                 note="once per model shape and micro-batch; cached", quiet=quiet)
     try:
         res = st(measure.bench_model_step, config, T, seq, dtype)
