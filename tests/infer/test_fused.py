@@ -8,6 +8,7 @@ from tierlm.infer.engine import InferConfig, InferenceEngine
 from tierlm.infer.fused import FusedLayer, FusedStack
 
 from .test_lean import OVER, SPREAD
+from .tolerances import fp32_sum_tol
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"no kernels: {native.why_unavailable()}")
 
@@ -65,9 +66,12 @@ def test_fused_decode_equals_transformers_forward(arch, resident, make_model_dir
     got = _run(_engine(d, tmp_path, dtype="fp32", resident_layers=resident))
     layers = model.config.num_hidden_layers
     assert len(fused_calls) == 8 * layers  # every decode step, every layer, on the fused kernel
-    # fp32 sums in another order than PyTorch's: ~3e-6 of the logits' size after 8 steps here; a
-    # wrong rotation, head grouping, position or mask errs by the logits' own size
-    assert (got - ref).abs().max() <= 2e-5 * ref.abs().max()
+    # fp32 sums in another order than PyTorch's (tolerances.fp32_sum_tol) of the widest product's K
+    # terms, whose magnitudes sum to ~sqrt(K) times their sum for these random weights, once a
+    # layer: ~1e-4 of the logits' size (~3e-6 seen); a wrong rotation, head grouping, position or
+    # mask errs by the logits' own size
+    k = max(model.config.hidden_size, model.config.intermediate_size)
+    assert (got - ref).abs().max() <= layers * fp32_sum_tol(k, torch.tensor(k ** 0.5)) * ref.abs().max()
     assert len(set(ref.argmax(-1).flatten().tolist())) > 2  # the steps differ: a real comparison
 
 
@@ -261,9 +265,11 @@ def test_fused_decode_on_quantised_weights_runs_every_layer(arch, tmp_path, fuse
             assert len(fused_calls) == 8 * config.num_hidden_layers, (weights, rows)
             per_product = _run(_engine(d, tmp_path, fused=False, weights=weights, dtype=dtype, rows=rows), rows)
             apart, e_fused, e_per = _err(fused, per_product), _err(fused, ref), _err(per_product, ref)
-            if weights == "int8":
+            if weights == "int8" and not (rows == 1 and native.light_x() and config.intermediate_size % 128 == 0):
+                # x in fp32, or one row's to 16 bits: a step of one input is 2^-15 of the row's
+                # largest, and a few over 8 steps stay far below 1e-3
                 assert apart < 1e-3, (rows, apart)
-            elif weights == "int4":
+            elif weights in ("int8", "int4"):  # 8 bits a group somewhere (int8: down's one row, light x)
                 assert e_fused < e_per * 1.15, (rows, e_fused, e_per)
             else:
                 hf = _run(_engine(d, tmp_path, lean=False, weights=weights, dtype=dtype, rows=rows), rows)
