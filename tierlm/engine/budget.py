@@ -154,15 +154,78 @@ class Split:
         return ", ".join(f"{p} {fmt_bytes(getattr(self, p))}" for p in parts)
 
 
-def layer_activation_bytes(config, tokens: int, dtype: torch.dtype) -> int:
-    """Saved-for-backward bytes of one decoder layer (an upper estimate; the run measures it)."""
+def attention_dropout(config) -> float:
+    """The attention's dropout probability (llama family: attention_dropout; GPT-2: attn_pdrop)."""
+    for key in ("attention_dropout", "attn_pdrop"):
+        p = getattr(config, key, None)
+        if p:
+            return float(p)
+    return 0.0
+
+
+def flash_attention(config) -> bool:
+    """Whether a training step's attention runs PyTorch's fused CPU kernel (FlashAttentionKernel.cpp:
+    it saves a logsumexp a query and head, never the scores). Which SDPA kernel runs depends on the
+    inputs and settings, not on the CPU (sdp_utils_cpp.cpp): the fused one unless the model's
+    attention is not SDPA (eager), dropout is on (a published GPT-2 has attn_pdrop 0.1), or flash is
+    switched off (torch.backends.cuda.enable_flash_sdp(False) applies to the CPU too). The engine
+    passes no attention mask. Otherwise the math path runs, which holds the seq x seq scores."""
+    impl = getattr(config, "_attn_implementation", None) or "sdpa"
+    return impl == "sdpa" and attention_dropout(config) == 0.0 and torch.backends.cuda.flash_sdp_enabled()
+
+
+# Saved-for-backward bytes of each score (a query x key pair, per head) where the math path or the
+# eager code runs: a 1024-token llama layer with attention dropout saved three fp32 copies (the scores,
+# their softmax, the dropped-out probabilities: 96 MiB for 8 heads) in bf16 as in fp32, as autograd's
+# saved-tensor hooks counted; the eager code saves the fp32 softmax, a one-byte dropout mask and the
+# probabilities. 13 covers both.
+SCORE_SAVED_BYTES = 13
+
+
+def layer_activation_bytes(config, tokens: int, dtype: torch.dtype, seq: int | None = None) -> int:
+    """Saved-for-backward bytes of one decoder layer for `tokens` in sequences of `seq` (default: one
+    sequence, the most the attention's scores can be), an upper estimate; the run measures it.
+
+    The attention adds its logsumexp (fp32, a query and head) where the fused kernel runs, and the
+    seq x seq scores of each head where it does not (`flash_attention`): at 4096 tokens and 16 heads,
+    3.3 GiB, not the 8 MiB of the fused kernel."""
     h = config.hidden_size
     inter = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * h
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     kv_dim = h // heads * kv
     per_token = 10 * h + 4 * inter + 4 * kv_dim
-    return tokens * per_token * torch.empty((), dtype=dtype).element_size()
+    out = tokens * per_token * torch.empty((), dtype=dtype).element_size()
+    if flash_attention(config):
+        return out + 4 * heads * tokens
+    return out + SCORE_SAVED_BYTES * heads * tokens * min(seq or tokens, tokens)
+
+
+# Per-thread scratch of the kernels one layer runs, which grows with the thread count (a 64-core
+# machine runs 64 threads, each with its own buffers), so the reserve measured with two threads
+# does not hold it:
+# - the fused attention's per-thread blocks (FlashAttentionKernel.cpp, torch 2.3-2.13): a query block of
+#   256 rows (64 from 192 tokens, 32 below) by a key block of 512; backward holds the scores and their
+#   gradient in fp32 and, for bf16/fp16, a copy of each in the compute dtype (1.5 MiB a thread in bf16);
+#   forward less (the scores, one row of output per query, and a compute-dtype copy);
+# - the matrix products' packing buffers (oneDNN's brgemm on AVX512-BF16 and AMX, MKL in fp32): the
+#   largest of a layer's bf16 products at 4096 tokens (hidden 1024, intermediate 2816) took 8.3 MiB at
+#   2 threads, 24.8 at 16, 26.9 at 32 and 30.9 at 64 (0.4 MiB a thread); counted as 1 MiB a thread,
+#   for other kernels' blockings (AMX's brgemm was not measured).
+GEMM_SCRATCH_PER_THREAD = 1 << 20
+
+
+def kernel_scratch_bytes(config, seq: int, dtype: torch.dtype, threads: int | None = None) -> int:
+    """What `threads` (default: torch's intra-op threads) hold at once in one layer's kernels:
+    the fused attention's blocks, where it runs, and the products' packing."""
+    threads = threads or torch.get_num_threads()
+    per = GEMM_SCRATCH_PER_THREAD
+    if flash_attention(config):
+        q_block = 256 if seq >= 768 else 64 if seq >= 192 else 32
+        block = min(q_block, seq) * min(512, seq)
+        es = torch.empty((), dtype=dtype).element_size()
+        per += block * (2 * 4 + (2 * es if dtype in (torch.bfloat16, torch.float16) else 0))
+    return threads * per
 
 
 def logits_bytes(config, tokens: int, dtype: torch.dtype) -> int:
@@ -278,7 +341,12 @@ def plan_split(budget: int, baseline: int, window_size: WindowSize, max_block_gr
         window = least + int(f * (window - least))
         optimizer = optimizer_item + int(f * (optimizer - optimizer_item))
         grads = least_grads + int(f * (grads - least_grads))
-    acts = max(budget - baseline - window - optimizer - grads - compute, 0)
+    # The layer inputs are held apart from the activations' share under every policy: a recomputed
+    # layer restarts from its input, and a kept or swapped layer's graph holds its input and its
+    # output (the next layer's input) in RAM, whatever its saved tensors are swapped to. Counted in
+    # the share as well, a 20-layer model at 4096 tokens (40 MiB of inputs) swapped with a pool
+    # 40 MiB larger than the budget had room for.
+    acts = max(budget - baseline - window - optimizer - grads - compute - n_layers * layer_input, 0)
     # What keeping every layer's activations does not need keeps optimizer state resident instead.
     keep_all = n_layers * layer_act
     cache = max(acts - keep_all, 0)

@@ -7,6 +7,7 @@ import torch
 
 from ..storage import BudgetError
 from ..storage.aligned import round_up
+from ..units import fmt_bytes
 from . import budget as B
 from . import state_quant as SQ
 from .layout import nbytes
@@ -62,20 +63,25 @@ def plan_budget(eng, baseline: int) -> tuple[B.Split, int]:
                for n in b.uses if n not in b.owns)
     state_total, weights_total = whole_model_bytes(eng)
 
+    bsz = max(eng.cfg.micro_batch_size, 1)
+
     def sizes(tokens: int) -> tuple[int, int, int]:
-        act = B.layer_activation_bytes(eng.config, tokens, eng.dtype)
+        act = B.layer_activation_bytes(eng.config, tokens, eng.dtype, seq=max(tokens // bsz, 1))
         inp = tokens * eng.config.hidden_size * torch.empty((), dtype=eng.dtype).element_size()
         return act, inp, B.head_loss_bytes(eng.config, tokens, eng.dtype, eng._chunkable(),
                                            eng.cfg.loss_chunk, tied=held > 0)
 
-    def split(tokens: int) -> B.Split:
+    def split(tokens: int, budget: int | None = None) -> B.Split:
+        budget = eng.cfg.cpu_mem if budget is None else budget
         if eng.on_gpu:  # activations, layer inputs, logits and the held gradient are on the GPU
-            return B.plan_split(eng.cfg.cpu_mem, baseline, win, max_g, item, 0, 0, n_layers, 0,
+            return B.plan_split(budget, baseline, win, max_g, item, 0, 0, n_layers, 0,
                                 0, reserve=B.GPU_HOST_RESERVE, state_total=state_total,
                                 weights_total=weights_total)
         act, inp, logits = sizes(tokens)
-        return B.plan_split(eng.cfg.cpu_mem, baseline, win, max_g, item, act, inp, n_layers,
-                            logits, held, max_layer_grad=layer_g, state_total=state_total,
+        # the kernels' per-thread scratch: as many copies as this machine runs threads
+        reserve = B.TRAINING_RESERVE + B.kernel_scratch_bytes(eng.config, max(tokens // bsz, 1), eng.dtype)
+        return B.plan_split(budget, baseline, win, max_g, item, act, inp, n_layers,
+                            logits, held, reserve=reserve, max_layer_grad=layer_g, state_total=state_total,
                             weights_total=weights_total)
 
     def gpu(tokens: int) -> int:
@@ -83,7 +89,7 @@ def plan_budget(eng, baseline: int) -> tuple[B.Split, int]:
         return B.plan_gpu(gpu_budget(eng), max_w, max_g, act, inp, n_layers, logits, held)
     try:
         out = split(eng.cfg.tokens_per_micro_batch)
-        return out, gpu(eng.cfg.tokens_per_micro_batch) if eng.on_gpu else out.activations
+        allowance = gpu(eng.cfg.tokens_per_micro_batch) if eng.on_gpu else out.activations
     except BudgetError as e:
         # Under every activation policy the layer inputs, one layer's activations and the
         # logits stay: name the longest sequence that fits, if any does.
@@ -97,13 +103,53 @@ def plan_budget(eng, baseline: int) -> tuple[B.Split, int]:
                 lo = mid
             except BudgetError:
                 hi = mid
-        bsz = max(eng.cfg.micro_batch_size, 1)
         if lo >= bsz:
             hint = (f" Whatever the activation policy (keep, swap, recompute), the longest micro-batch that fits "
                     f"is {lo} tokens: --seq-len {lo // bsz} at --batch-size {bsz}.")
         else:
             hint = " Not even a one-token micro-batch fits: the budget is below the weights' working set."
         raise BudgetError(str(e) + hint) from None
+    check_kept(eng, n_layers, sizes(eng.cfg.tokens_per_micro_batch)[0], allowance,
+               lambda budget: split(eng.cfg.tokens_per_micro_batch, budget).activations)
+    return out, allowance
+
+
+def check_kept(eng, n_layers: int, act: int, allowance: int, acts_at) -> None:
+    """What the policies the user chose hold must fit the activations' allowance, or the run stops
+    with the budget they need (auto keeps and swaps only what fits, layer by layer):
+    - each layer told to keep (`--activations keep`, or `keep` in a per-layer list) holds its
+      activations for the whole step;
+    - swapping needs its staging pool to hold one layer's saved tensors: with less, the storages that
+      find no room are written from the tensors themselves, and backward read back into buffers
+      beside the pool's (20 layers at 4096 tokens, 41 MiB a layer, swapped through a 38 MiB pool peaked
+      286 MiB beyond the libraries under --cpu-mem 256MiB; through 48 MiB, 167 MiB under 266MiB).
+    Swapped and recomputed layers also hold their inputs, which the split counts apart.
+    `acts_at(budget)`: the activations' share of a CPU split under `budget`."""
+    pols = eng.cfg.activations.split(",")
+    pols = pols * n_layers if len(pols) == 1 else pols
+    if "auto" in pols:
+        return
+    kept = sum(p == "keep" for p in pols)
+    swaps = any(p in ("swap", "swap-host") for p in pols)
+    need = (kept + swaps) * act
+    if need <= allowance:
+        return
+    what = (f"--activations {eng.cfg.activations}: " + (f"{kept} of {n_layers} layers keep" if kept else "")
+            + (" and " if kept and swaps else "") + ("swapping stages one layer's" if swaps else "")
+            + f" activations, {fmt_bytes(need)} ({fmt_bytes(act)} a layer, an upper estimate); "
+            f"{fmt_bytes(allowance)} is left for them")
+    if eng.on_gpu:
+        raise BudgetError(f"{what} in --gpu-mem {fmt_bytes(gpu_budget(eng))}. Raise --gpu-mem by "
+                          f"{fmt_bytes(need - allowance)} or more, or use --activations auto or recompute.")
+    lo, hi = eng.cfg.cpu_mem, 2 * eng.cfg.cpu_mem + need
+    while acts_at(hi) < need:
+        lo, hi = hi, 2 * hi
+    while hi - lo > (1 << 20):  # the least budget whose share holds them, to a MiB
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if acts_at(mid) >= need else (mid, hi)
+    raise BudgetError(f"{what} under --cpu-mem {fmt_bytes(eng.cfg.cpu_mem)}. Raise --cpu-mem to {fmt_bytes(hi)} "
+                      f"or more, or use --activations auto or recompute (the same bits).")
+
 
 def gpu_budget(eng) -> int:
     """--gpu-mem, or 90% of what is free now (read once: the longest-sequence search asks again)."""
