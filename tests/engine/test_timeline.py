@@ -45,7 +45,7 @@ def test_a_stopped_window_is_the_step_and_cuts_what_lands_after(tmp_path):
 
 
 def test_the_recorded_step_is_timed_like_its_neighbours_and_its_picture_says_so(tmp_path, monkeypatch, capsys):
-    """The recorded step (2) against steps 3 and 4: each step made ~1 s long (a sleep in finish), so
+    """The recorded step (2) against steps 3 and 4: each step made ~2 s long (a sleep in finish), so
     that noise is small beside 10%; the activation planner's one-off drive probe (after step 1) and
     drawing the picture (after step 2) take 3 s each, and neither may land in a step's time. The
     picture's title, window and shares are the step's metrics row and its log line."""
@@ -54,7 +54,7 @@ def test_the_recorded_step_is_timed_like_its_neighbours_and_its_picture_says_so(
     from tierlm.hf.init import init_model
     from tierlm.hf.presets import make_config
 
-    step_s, delay = 1.0, 3.0
+    step_s, delay = 2.0, 3.0
     finish = Engine.finish
     monkeypatch.setattr(Engine, "finish", lambda self: (time.sleep(step_s), finish(self))[1])
     probed = []
