@@ -25,7 +25,8 @@ PRECISIONS = ("auto", "bf16", "fp32")
 def _cpuinfo_flags() -> set[str]:
     """The CPU's feature flags as Linux lists them (x86 `flags`, Arm `Features`); empty elsewhere."""
     try:
-        text = open("/proc/cpuinfo", encoding="utf-8", errors="replace").read()
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            text = f.read()
     except OSError:
         return set()
     for line in text.splitlines():
