@@ -233,6 +233,7 @@ def test_model_step_probe_times_the_layer_and_the_rest_and_scales_capped_rows(mo
         return {"model": 1.0, "layer": 0.3}[zero_grad.last]
     monkeypatch.setattr(measure, "_best", best)
     monkeypatch.setattr(measure, "MODEL_STEP_S", 10.0)  # a row's layer step (0.3 s): both rows fit
+    monkeypatch.setattr(measure, "MODEL_PROBE_S", 0.0)  # `repeats` rounds, no more
     r = measure.bench_model_step(cfg, 64, 32, torch.float32, repeats=2)
     assert r["layer_s"] == pytest.approx(0.3) and r["rest_s"] == pytest.approx(0.7)
     assert r["probed_tokens"] == 64 and r["tokens"] == 64 and r["model_type"] == "llama"

@@ -350,6 +350,11 @@ def bench_layer(dtype: torch.dtype | None = None, repeats: int = 3, widths: tupl
 
 MODEL_STEP_S = 4.0        # one layer's timed step at most about this (fewer rows of the run's length)
 MODEL_MAX_PARAMS = 2e9    # beyond: building the probe model takes longer than the plan is worth
+# More rounds than `repeats` while they take less than MODEL_PROBE_S: on a 2-core machine shared
+# with other work (load 6-7), one llama layer's forward + backward at 512 tokens took 0.18-2.1 s in
+# ten rounds, and the run's own layers 0.09-0.13 s: the best of five can miss the quiet moments.
+MODEL_PROBE_S = 10.0
+MODEL_MAX_ROUNDS = 25
 
 
 def model_step_key(config, tokens: int, seq: int, dtype: torch.dtype) -> str:
@@ -383,7 +388,7 @@ def bench_model_step(config, tokens: int, seq: int, dtype: torch.dtype, repeats:
     not fit, or the model is too large to build quickly: the planner then interpolates between
     bench compute's reference layers and says so.
 
-    Each part's best of `repeats` rounds, interleaved. The steps run as the engine's do: with freed
+    Each part's best of `repeats` rounds or more (MODEL_PROBE_S), interleaved. The steps run as the engine's do: with freed
     blocks kept in the heap for reuse (HeapGuard); under tierlm's import settings every transient
     tensor would be fresh pages zeroed by the kernel, a cost the step it predicts does not pay."""
     import copy
@@ -459,16 +464,18 @@ def bench_model_step(config, tokens: int, seq: int, dtype: torch.dtype, repeats:
     try:
         one = layer_step(model_step(1))
         one()  # first-call allocations and kernel selection: not what a row costs
-        t_row = _best(one, 1)
+        t_row = _best(one, 3)
         rows = max(1, min(rows_want, int(room // per_row), int(MODEL_STEP_S / max(t_row, 1e-6))))
         whole = model_step(rows)
         steps = {"model": whole, "layer": layer_step(whole)}
         for st in steps.values():
             st()  # warm-up at the timed shape
         best = dict.fromkeys(steps, float("inf"))
-        for _ in range(repeats):
+        t0, rounds = time.perf_counter(), 0
+        while rounds < repeats or (time.perf_counter() - t0 < MODEL_PROBE_S and rounds < MODEL_MAX_ROUNDS):
             for k, st in steps.items():
                 best[k] = min(best[k], _best(st, 1))
+            rounds += 1
     finally:
         guard.close()
     probed = rows * seq

@@ -190,7 +190,7 @@ def model_step_for(model: str, shape, task: Task, hw: Hardware, quiet: bool = Fa
     r = C.rates(hw, C.Efficiency(), precision)
     rate = r.layer_rate(shape.hidden, T) or r.cpu_flops or 1e11
     per = 6.0 * T * (2 * shape.layer_params + shape.vocab * shape.hidden)
-    est = min(per * 7 / rate, 2 * measure.MODEL_STEP_S * 7) + 2
+    est = max(min(per * 7 / rate, 2 * measure.MODEL_STEP_S * 7), measure.MODEL_PROBE_S) + 2
     st = Stages("plan", [(f"this model's own training step ({config.model_type} code, {T} tokens in rows of {seq}, "
                           f"{precision}, {torch.get_num_threads()} threads: forward + backward of a one-layer model and of its "
                           f"layer)", est)],
