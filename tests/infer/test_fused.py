@@ -134,11 +134,10 @@ def _layer_tolerance(seen, prods, att_fused=None):
     MLP in float64; twice that, as torch's fp32 attention stands in for the C one (their bf16
     roundings of x can differ by a step too)."""
     from tierlm.infer import native
-    from .tolerances import fp32_sum_tol, x_step
+    from .tolerances import FLIPS, fp32_sum_tol, x_step
     qkv, o, gu, down = prods
     isa, light = native.isa(), native.light_x()
     kind = qkv.kind if qkv.kind in ("int8", "int4", "bf16") else "fp32"
-    group = getattr(qkv.mods[0], "group", 0)
     (wo, wo_r), (wgu, _), (wd, wd_r) = _weights(o), _weights(gu), _weights(down)
     att, xmid, act = seen["o"][0].double(), seen["gu"][0].double(), seen["down"][0].double()
     ln2 = seen["gu"][2]
@@ -150,14 +149,15 @@ def _layer_tolerance(seen, prods, att_fused=None):
         return torch.nn.functional.silu(gu_[..., :inter]) * gu_[..., inter:] @ wd_s.T
 
     xn = xmid * torch.rsqrt(xmid.pow(2).mean(-1, keepdim=True) + ln2.variance_epsilon) * ln2.weight.double()
-    step = lambda x: x_step(kind, x.float(), group, light, isa)  # noqa: E731
-    s_gu = step(xn)
+    def step(x, prods):  # each stage's int4 group its own
+        return x_step(kind, x.float(), getattr(prods.mods[0], "group", 0), light, isa)
+    s_gu = step(xn, gu)
     through_gu = 0.0
     if s_gu:  # each input of each row moved by a step, all at once as a batch
         h = xn.shape[1]
         moved = xn[:, None, :] + s_gu * torch.eye(h, dtype=torch.float64)
         through_gu = (mlp(moved) - mlp(xn)[:, None, :]).abs().max().item()
-    flips = wo_r.max().item() * step(att) + through_gu + wd_r.max().item() * step(act)
+    flips = wo_r.max().item() * step(att, o) + through_gu + wd_r.max().item() * step(act, down)
     sums = sum(fp32_sum_tol(w.shape[1], w.sum(1).max() * x.abs().max()).item()
                for w, x in ((wo, att), (wgu, xn), (wd, act)))
     attention = 0.0
@@ -171,9 +171,6 @@ def _layer_tolerance(seen, prods, att_fused=None):
                             * ln2.weight.double())
         attention = (tail(att_fused.double()) - tail(att)).abs().max().item()
     return FLIPS * flips + sums + 2 * attention
-
-
-FLIPS = 2
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases, a sliding and a full layer

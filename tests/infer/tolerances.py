@@ -14,10 +14,11 @@ U = 2.0 ** -24
 LAMBDA = 6.0
 EXTRA = 4
 
-# One step of x rounded by a kernel, as a fraction of the largest |x| it is scaled by: 8 bits a
-# group (int4, and int8's light one-row x): 1/127; 16 bits a row (int8 one row): 1/32767; bf16
-# (bf16's light one-row x): half a bf16 unit, 2^-8 of |x| at most, of x itself.
-STEP = {"x8": 1 / 127, "x16": 1 / 32767, "bf16": 2.0 ** -8}
+# One step of x rounded by a kernel (the distance between neighbouring rounded values), as a
+# fraction of the largest |x| it is scaled by: 8 bits a group (int4, and int8's light one-row x):
+# 1/127; 16 bits a row (int8 one row): 1/32767; bf16 (bf16's light one-row x), of x itself: one
+# bf16 unit, 2^-7 of |x| at most (8 significant bits).
+STEP = {"x8": 1 / 127, "x16": 1 / 32767, "bf16": 2.0 ** -7}
 
 
 def fp32_sum_tol(k: int, magnitude: torch.Tensor) -> torch.Tensor:
