@@ -145,3 +145,19 @@ def test_first_plan_on_this_machine_says_what_it_measures_and_for_how_long(tmp_p
     # measured once: the next plan prints no such line
     assert main(["plan", "qwen2.5-0.5b", "--hardware", "this", "--batch", "1", "--seq-len", "64"]) == 0
     assert "measures" not in capsys.readouterr().err
+
+
+def test_serve_plan_on_this_machine_measures_the_models_own_decode(measured, capsys, make_model_dir, monkeypatch):
+    from tierlm.bench import measure
+
+    seen = []
+    monkeypatch.setattr(measure, "bench_decode", lambda formats, config=None: seen.append((formats, config.model_type))
+                        or {"decode_gbps": {formats[0]: 2.5}})
+    d, _ = make_model_dir("llama")
+    args = ["plan", str(d), "--hardware", "this", "--task", "serve", "--weights", "int8", "--json", str(d / "p.json")]
+    assert main(args) == 0
+    out = capsys.readouterr()
+    assert seen == [(("int8",), "llama")] and "this model's own decode step (llama code, int8 weights" in out.err
+    assert "int8 decode rate measured on this model's own layers: int8 2.50 GB/s" in out.out
+    assert json.loads((d / "p.json").read_text())["hardware"]["rates"]["decode"]["int8"] == 2.5e9
+    assert main(args) == 0 and len(seen) == 1  # cached

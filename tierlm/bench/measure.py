@@ -488,7 +488,8 @@ def bench_model_step(config, tokens: int, seq: int, dtype: torch.dtype, repeats:
 DECODE_FORMATS = ("bf16", "int8", "int4")
 
 
-def bench_decode(formats=DECODE_FORMATS, hidden: int = 2048, total_bytes: int = 256 << 20, repeats: int = 30) -> dict:
+def bench_decode(formats=DECODE_FORMATS, hidden: int = 2048, total_bytes: int = 256 << 20, repeats: int = 30,
+                 config=None) -> dict:
     """Weight bytes/s of a batch-1 decode step through llama decoder layers on the inference
     engine's own decode path (`tierlm.infer.lean`: each layer one C call where our kernels build),
     per weight format: what the plan divides a decode step's weight bytes by. Far below the
@@ -514,11 +515,20 @@ def bench_decode(formats=DECODE_FORMATS, hidden: int = 2048, total_bytes: int = 
     inter = hidden * 8 // 3 // 64 * 64
     steps, path = {}, None  # format -> (weight bytes, one decode step)
     for fmt in formats:
-        cfg = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_attention_heads=hidden // 64,
-                          num_key_value_heads=max(1, hidden // 256), num_hidden_layers=1, vocab_size=256,
-                          max_position_embeddings=64)
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+        if config is not None:
+            # a model's own layers (`tierlm plan --task serve --hardware this`): its family's code
+            # and shapes; a small vocabulary, since the head is not what is timed here
+            from transformers import AutoModelForCausalLM
+            cfg = copy.deepcopy(config)
+            cfg.num_hidden_layers, cfg.vocab_size, cfg.max_position_embeddings = 1, 256, 64
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).eval()
+        else:
+            cfg = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_attention_heads=hidden // 64,
+                              num_key_value_heads=max(1, hidden // 256), num_hidden_layers=1, vocab_size=256,
+                              max_position_embeddings=64)
+            torch.manual_seed(0)
+            model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
         layer = model.model.layers[0]
         if fmt != "bf16":
             for q, _conv, old in replace_linears(layer, fmt).values():
@@ -547,7 +557,8 @@ def bench_decode(formats=DECODE_FORMATS, hidden: int = 2048, total_bytes: int = 
             for fmt, (_, step) in steps.items():
                 best[fmt] = min(best[fmt], _best(step, 1))
     rates = {fmt: nbytes / best[fmt] / GB for fmt, (nbytes, _) in steps.items()}
-    return {"decode_gbps": rates, "decode_path": path, "decode_hidden": hidden}
+    return {"decode_gbps": rates, "decode_path": path,
+            "decode_hidden": config.hidden_size if config is not None else hidden}
 
 
 def bench_checksum(size_bytes: int = 64 << 20, repeats: int = 5) -> dict:

@@ -162,11 +162,13 @@ def bench_text(what: str, res: dict) -> str:
             f"{res['overlap']:.0%} of the shorter (rounds {res['overlap_rounds']})")
 
 
-def model_step_for(model: str, shape, task: Task, hw: Hardware, quiet: bool = False) -> dict | None:
-    """This model's own training step measured on this machine at the task's micro-batch, dtype and
-    threads (bench.measure.bench_model_step), cached in bench.json by what it depends on; None for
-    serving, catalog hardware, or where the probe cannot run (the planner then interpolates bench
-    compute's reference layers and says so)."""
+def own_measurements(model: str, shape, task: Task, hw: Hardware, quiet: bool = False) -> dict:
+    """What this model's own code does on this machine, measured at the task's shapes, dtype and
+    threads, for hw.measured: fine-tuning, its training step at the task's micro-batch
+    (bench.measure.bench_model_step: "model_step"); serving, its decode step in the task's weight
+    format (bench.measure.bench_decode on its own layers: "decode_gbps"). Cached in bench.json by
+    what each depends on. Nothing for catalog hardware or beside a GPU; where a probe cannot run,
+    the planner keeps bench compute's reference layers and says so."""
     import torch
 
     from ..bench import cache, measure
@@ -174,36 +176,57 @@ def model_step_for(model: str, shape, task: Task, hw: Hardware, quiet: bool = Fa
     from . import cost as C
     from .shapes import _config_for
 
-    if task.kind != "finetune" or hw.measured is None or hw.gpu is not None:
-        return None
-    precision = task.precision if task.precision != "auto" else hw.measured.get("precision", "bf16")
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    if hw.measured is None or hw.gpu is not None:
+        return {}
     config, _ = _config_for(model)
-    T, seq = task.batch * task.seq_len, task.seq_len
-    key = measure.model_step_key(config, T, seq, dtype)
+    threads = torch.get_num_threads()
+    if task.kind == "serve":
+        key = "decode|" + measure.model_step_key(config, 1, 1, torch.bfloat16) + f"|{task.weights}"
+        what = (f"this model's own decode step ({config.model_type} code, {task.weights} weights, batch 1, "
+                f"{threads} threads, 256 MiB of layer copies, 30 rounds)", 15)
+        probe = lambda: {"decode_gbps": measure.bench_decode((task.weights,), config=config)["decode_gbps"]}  # noqa: E731
+    else:
+        precision = task.precision if task.precision != "auto" else hw.measured.get("precision", "bf16")
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        T, seq = task.batch * task.seq_len, task.seq_len
+        key = measure.model_step_key(config, T, seq, dtype)
+        # The estimate: the FLOPs of a one-layer model's step and of its layer's, a warm-up and the
+        # timed rounds, at the reference layers' rate (the large-GEMM rate where there is none); the
+        # probe caps its rows.
+        r = C.rates(hw, C.Efficiency(), precision)
+        rate = r.layer_rate(shape.hidden, T) or r.cpu_flops or 1e11
+        per = 6.0 * T * (2 * shape.layer_params + shape.vocab * shape.hidden)
+        est = max(min(per * 7 / rate, 2 * measure.MODEL_STEP_S * 7), measure.MODEL_PROBE_S) + 2
+        what = (f"this model's own training step ({config.model_type} code, {T} tokens in rows of {seq}, "
+                f"{precision}, {threads} threads: forward + backward of a one-layer model and of its layer)", est)
+
+        def probe():
+            res = measure.bench_model_step(config, T, seq, dtype)
+            return {"model_step": res} if res else {}
     known = dict(cache.load().get("model_steps") or {})
     if key in known:
-        return known[key] or None
-    # The estimate: the FLOPs of a one-layer model's step and of its layer's, a warm-up and the
-    # timed rounds, at the reference layers' rate (the large-GEMM rate where there is none); the
-    # probe caps its rows.
-    r = C.rates(hw, C.Efficiency(), precision)
-    rate = r.layer_rate(shape.hidden, T) or r.cpu_flops or 1e11
-    per = 6.0 * T * (2 * shape.layer_params + shape.vocab * shape.hidden)
-    est = max(min(per * 7 / rate, 2 * measure.MODEL_STEP_S * 7), measure.MODEL_PROBE_S) + 2
-    st = Stages("plan", [(f"this model's own training step ({config.model_type} code, {T} tokens in rows of {seq}, "
-                          f"{precision}, {torch.get_num_threads()} threads: forward + backward of a one-layer model and of its "
-                          f"layer)", est)],
-                note="once per model shape and micro-batch; cached", quiet=quiet)
+        return known[key]
+    st = Stages("plan", [what], note="once per model shape and task; cached", quiet=quiet)
     try:
-        res = st(measure.bench_model_step, config, T, seq, dtype)
-    except (RuntimeError, ValueError, TypeError, AttributeError) as e:  # a family whose forward the probe cannot drive
+        res = st(probe)
+    except Exception as e:  # noqa: BLE001 - a family whose code the probe cannot drive: the plan goes on
         print(f"plan: this model's own step could not be measured ({type(e).__name__}: {e}); "
-              f"interpolating bench compute's reference layers", file=sys.stderr)
-        return None  # not cached: the next plan tries again
-    known[key] = res or {}  # None (too large to build, or no row fits) is cached as such
+              f"keeping bench compute's reference layers", file=sys.stderr)
+        return {}  # not cached: the next plan tries again
+    known[key] = res  # {} (too large to build, or no row fits) is cached as such
     cache.update("model_steps", known)
     return res
+
+
+def _with_own(hw: Hardware, model: str, shape, task: Task) -> Hardware:
+    own = own_measurements(model, shape, task, hw)
+    if "decode_gbps" in own:
+        hw.measured["decode_gbps"] = {**(hw.measured.get("decode_gbps") or {}), **own["decode_gbps"]}
+        hw.measured["decode_source"] = (f"{task.weights} decode rate measured on this model's own layers: "
+                                        + ", ".join(f"{k} {v:.2f} GB/s" for k, v in own["decode_gbps"].items()))
+    if "model_step" in own:
+        hw.measured["model_step"] = own["model_step"]
+    return hw
 
 
 def resolve(spec: str, catalog: Catalog, nvme: str | None = None) -> Hardware:
@@ -223,10 +246,7 @@ def run_plan(model: str, task: Task, hardware: str, compare: str | None = None, 
         specs = catalog.everything() if compare.strip().lower() == "all" else [s for s in compare.split(",") if s.strip()]
         plans = []
         for spec in specs:
-            hw = resolve(spec, catalog, nvme)
-            if hw.measured is not None:
-                hw.measured["model_step"] = model_step_for(model, shape, task, hw)
-            plans.append(plan(shape, hw, Task(**vars(task))))
+            plans.append(plan(shape, _with_own(resolve(spec, catalog, nvme), model, shape, task), Task(**vars(task))))
         print(report.compare_text(plans))
         chart = Path(chart_path or f"plan-{shape.name}-{task.kind}.png")
         report.chart(plans, chart, f"{shape.name}, {task.kind}, batch {task.batch} x {task.seq_len}")
@@ -234,10 +254,7 @@ def run_plan(model: str, task: Task, hardware: str, compare: str | None = None, 
         if json_path:
             report.write_json([p.to_json() for p in report.rank(plans)], json_path)
         return plans
-    hw = resolve(hardware, catalog, nvme)
-    if hw.measured is not None:
-        hw.measured["model_step"] = model_step_for(model, shape, task, hw)
-    p = plan(shape, hw, task)
+    p = plan(shape, _with_own(resolve(hardware, catalog, nvme), model, shape, task), task)
     print(report.text(p))
     if json_path:
         report.write_json(p.to_json(), json_path)

@@ -421,6 +421,8 @@ def _serve(p: Plan, s: ModelShape, hw: Hardware, task: Task, r: C.Rates) -> None
     layer_w = s.layer_params * C.weight_bytes_per_param(task.weights, s.hidden)
     fixed_w = (s.params - s.layers * s.layer_params) * C.W_BYTES
     W = s.layers * layer_w + fixed_w
+    if hw.measured is not None and hw.measured.get("decode_source"):
+        p.assumptions.append(hw.measured["decode_source"])
     if hw.measured is not None and r.gemv and task.weights not in (r.decode or {}):
         p.assumptions.append(f"no {task.weights} decode rate in the measurements (cached by an older `tierlm bench "
                              f"compute`): its bytes are read at the bf16 rate; run `tierlm bench compute` again")
