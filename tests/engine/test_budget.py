@@ -119,3 +119,65 @@ def test_kernel_warm_up_runs_one_layer_and_the_engines_head(arch, monkeypatch):
     B.warm_kernels(cfg, torch.bfloat16, "cpu", (2, 16))
     assert calls == [((2, 16, 64), 4)]
     assert cfg.num_hidden_layers == 3  # the caller's config is not changed
+
+
+def test_layer_inputs_are_counted_apart_from_the_activations_share():
+    """Every policy holds the layer inputs (a recomputed layer restarts from its input; a kept or
+    swapped layer's graph holds its input and output in RAM): the split names them once, so the
+    activations' share and everything else add up to the budget."""
+    common = dict(baseline=64 * MB, max_block_grad=60 * MB, optimizer_item=80 * MB, layer_act=100 * MB,
+                  layer_input=16 * MB, n_layers=24, logits=200 * MB, window_size=window_size(qwen_like(), 2))
+    for budget in (1800 * MB, 2500 * MB):
+        s = plan_split(budget, **common)
+        assert 0 < s.activations < 24 * 100 * MB
+        assert (s.baseline + s.window + s.optimizer + s.grads + s.compute + s.activations + s.state_cache
+                + 24 * 16 * MB) == budget
+
+
+def _layer_saved_bytes(cfg, seq: int, dtype) -> int:
+    """What one decoder layer of `cfg` saves for backward at `seq` tokens (training mode), as autograd's
+    saved-tensor hooks see it, parameters left out."""
+    from transformers import AutoModelForCausalLM
+    m = AutoModelForCausalLM.from_config(cfg).to(dtype).train()
+    params = {p.untyped_storage().data_ptr() for p in m.parameters()}
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    x = torch.randn(1, seq, cfg.hidden_size, dtype=dtype, requires_grad=True)
+    pos = torch.arange(seq)[None]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        m.model.layers[0](x, position_embeddings=m.model.rotary_emb(x, pos), position_ids=pos, attention_mask=None)
+    return sum(b for p, b in seen.items() if p not in params)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_activation_estimate_holds_on_either_attention_path(dropout, dtype):
+    """SDPA runs its fused CPU kernel (a logsumexp saved) unless dropout is on, where its math path
+    saves the seq x seq scores of every head: the estimate counts the path the model will take, and
+    is an upper bound of what autograd saves on both (measured here at 512 tokens)."""
+    from tierlm.engine.budget import flash_attention, layer_activation_bytes
+    from tierlm.hf.presets import make_config
+    cfg = make_config("llama", None, {"layers": 1, "hidden": 128, "heads": 4, "kv_heads": 2, "intermediate": 256,
+                                      "vocab": 512, "max_positions": 512})
+    cfg.attention_dropout = dropout
+    assert flash_attention(cfg) == (dropout == 0.0)
+    saved, est = _layer_saved_bytes(cfg, 512, dtype), layer_activation_bytes(cfg, 512, dtype)
+    assert saved <= est <= 1.25 * saved
+    scores = 4 * 512 * 512 * 4  # one fp32 copy of every head's scores
+    assert (saved > 3 * scores) == (dropout > 0)
+
+
+def test_kernel_scratch_is_counted_per_thread():
+    """The kernels' per-thread buffers (the fused attention's blocks, the products' packing) grow
+    with the thread count: a 64-thread machine holds 32 times what 2 threads do."""
+    from tierlm.engine.budget import kernel_scratch_bytes
+    from tierlm.hf.presets import make_config
+    cfg = make_config("llama", None, {"layers": 1, "hidden": 1024, "intermediate": 2816})
+    two = kernel_scratch_bytes(cfg, 4096, torch.bfloat16, threads=2)
+    assert kernel_scratch_bytes(cfg, 4096, torch.bfloat16, threads=64) == 32 * two
+    # bf16 backward: 256 x 512 blocks of scores and their gradient, fp32 and bf16, and the packing
+    assert two == 2 * (256 * 512 * 12 + (1 << 20))
+    assert kernel_scratch_bytes(cfg, 4096, torch.float32, threads=2) == 2 * (256 * 512 * 8 + (1 << 20))

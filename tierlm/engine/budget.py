@@ -261,6 +261,11 @@ TRAINING_RESERVE = 24 << 20
 GPU_HOST_RESERVE = 256 << 20
 
 
+def flag_bytes(n: float) -> str:
+    """`n` bytes rounded up to a whole MiB as the flag takes it (fmt_bytes can write 1.02e+03 MiB)."""
+    return f"{-(-int(n) // (1 << 20))}MiB"
+
+
 class WindowSize(NamedTuple):
     want: int   # the window that never waits for room to read ahead
     floor: int  # the least that runs: a block pinned and the next one read
@@ -330,7 +335,7 @@ def plan_split(budget: int, baseline: int, window_size: WindowSize, max_block_gr
             f"{fmt_bytes(least)}, one optimizer shard {fmt_bytes(optimizer_item)}, "
             f"one block of gradients {fmt_bytes(least_grads)}, layer inputs "
             f"{fmt_bytes(n_layers * layer_input)}, compute, logits and kernel scratch {fmt_bytes(compute)}). "
-            f"Raise --cpu-mem to {fmt_bytes(floor * 1.1)} or more, or lower --batch-size / --seq-len.")
+            f"Raise --cpu-mem to {flag_bytes(floor * 1.1)} or more, or lower --batch-size / --seq-len.")
     spare = budget - baseline - compute - n_layers * layer_input
     # Shrink the generous defaults toward the floor until they fit, keeping proportions.
     want = window + optimizer + grads

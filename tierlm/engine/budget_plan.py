@@ -147,7 +147,7 @@ def check_kept(eng, n_layers: int, act: int, allowance: int, acts_at) -> None:
     while hi - lo > (1 << 20):  # the least budget whose share holds them, to a MiB
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if acts_at(mid) >= need else (mid, hi)
-    raise BudgetError(f"{what} under --cpu-mem {fmt_bytes(eng.cfg.cpu_mem)}. Raise --cpu-mem to {fmt_bytes(hi)} "
+    raise BudgetError(f"{what} under --cpu-mem {fmt_bytes(eng.cfg.cpu_mem)}. Raise --cpu-mem to {B.flag_bytes(hi)} "
                       f"or more, or use --activations auto or recompute (the same bits).")
 
 
