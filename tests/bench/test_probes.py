@@ -136,3 +136,30 @@ def test_report_without_rates_when_the_probe_fails(monkeypatch, tmp_path):
     monkeypatch.setenv("TIERLM_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: (_ for _ in ()).throw(subprocess.TimeoutExpired(cmd, 300)))
     assert report.machine_rates(str(tmp_path)) == {}
+
+
+def test_a_phase_faster_than_the_cached_roofline_measures_it_again(monkeypatch, tmp_path, capsys):
+    """Decode read 31 GB/s against a roofline cached at 25 (a busier moment): measured again once,
+    the faster kept (and cached), the share recomputed."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from tierlm.infer import report
+
+    monkeypatch.setenv("TIERLM_CACHE_DIR", str(tmp_path / "cache"))
+    calls = []
+
+    def run(cmd, **kw):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, json.dumps({"mem_gbps": 25.0 if len(calls) == 1 else 33.0}), "")
+    monkeypatch.setattr(subprocess, "run", run)
+    rates = report.machine_rates()
+    stats = SimpleNamespace(s={"prefill": 0.1, "decode": 1.0}, tokens={"prefill": 10, "decode": 100},
+                            ram={"prefill": 1e8, "decode": 31e9}, ssd={"prefill": 0, "decode": 0},
+                            kv={"prefill": 0, "decode": 0})
+    eng = SimpleNamespace(flop_params=1e6, dtype=torch.float32, store=None)
+    lines, out = report.report(SimpleNamespace(stats=stats), eng, [], rates)
+    assert len(calls) == 2 and "measuring it again" in capsys.readouterr().err
+    assert out["decode"]["shares"]["memory"] == pytest.approx(31 / 33) and "memory 94%" in lines[-1]
+    assert report.machine_rates()["mem_gbps"] == 33.0 and len(calls) == 2  # the faster one cached

@@ -152,12 +152,13 @@ def test_serve_plan_on_this_machine_measures_the_models_own_decode(measured, cap
 
     seen = []
     monkeypatch.setattr(measure, "bench_decode", lambda formats, config=None: seen.append((formats, config.model_type))
-                        or {"decode_gbps": {formats[0]: 2.5}})
+                        or {"decode_gbps": {f: 2.5 for f in formats}})
     d, _ = make_model_dir("llama")
     args = ["plan", str(d), "--hardware", "this", "--task", "serve", "--weights", "int8", "--json", str(d / "p.json")]
     assert main(args) == 0
     out = capsys.readouterr()
-    assert seen == [(("int8",), "llama")] and "this model's own decode step (llama code, int8 weights" in out.err
-    assert "int8 decode rate measured on this model's own layers: int8 2.50 GB/s" in out.out
+    assert seen == [(("int8", "bf16"), "llama")]  # the head is bf16 whatever the layers
+    assert "this model's own decode step (llama code, int8 and bf16 weights" in out.err
+    assert "decode rates measured on this model's own layers: int8 2.50 GB/s, bf16 2.50 GB/s" in out.out
     assert json.loads((d / "p.json").read_text())["hardware"]["rates"]["decode"]["int8"] == 2.5e9
     assert main(args) == 0 and len(seen) == 1  # cached

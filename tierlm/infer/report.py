@@ -55,9 +55,11 @@ print(json.dumps(out))
 RATES_VERSION = 2
 
 
-def machine_rates(nvme_dir: str | None = None, cache: str | None = None, fresh: bool = False) -> dict:
+def machine_rates(nvme_dir: str | None = None, cache: str | None = None, fresh: bool = False,
+                  store: dict | None = None) -> dict:
     """{'mem_gbps', 'matmul_bf16_gflops', 'matmul_fp32_gflops', 'ssd_gbps'?}; cached per directory
-    (`fresh` measures again and replaces the cached entry: benchmarks compare within one run)."""
+    (`fresh` measures again and replaces the cached entry: benchmarks compare within one run;
+    `store` replaces it with these rates, measuring nothing)."""
     cache_path = Path(cache or Path(os.environ.get("TIERLM_CACHE_DIR") or Path.home() / ".cache" / "tierlm")
                       / "rates.json")
     # per machine and per file system (the SSD rate is the directory's device's); RATES_VERSION
@@ -72,6 +74,14 @@ def machine_rates(nvme_dir: str | None = None, cache: str | None = None, fresh: 
         known = json.loads(cache_path.read_text())
     except (OSError, json.JSONDecodeError):
         known = {}
+    if store is not None:
+        known[key] = store
+        try:
+            cache_path.parent.mkdir(parents=True, exist_ok=True)
+            cache_path.write_text(json.dumps(known, indent=1))
+        except OSError:
+            pass
+        return store
     if key in known and not fresh:
         return known[key]
     print(f"tierlm: measuring this machine's rates for the report's rooflines (memory read as decode reads, on "
@@ -129,7 +139,27 @@ def compute_dtype(engine) -> str:
 
 
 def report(batcher, engine, requests, rates: dict) -> tuple[list[str], dict]:
-    """Lines for `tierlm generate`: TTFT, prefill and decode phases."""
+    """Lines for `tierlm generate`: TTFT, prefill and decode phases.
+
+    A phase that read memory faster than the cached roofline proves the roofline low (measured in
+    a busier moment of a shared machine: one cached at 30.8 GB/s, decode then read 31-32): the
+    memory is measured again, once, and the roofline is the faster of the two, kept in the cache."""
+    lines, out = _report(batcher, engine, requests, rates)
+    if any(d.get("shares", {}).get("memory", 0) > 1 for d in out.values() if isinstance(d, dict)) \
+            and not rates.get("remeasured"):
+        print("tierlm: a phase read memory faster than the measured roofline; measuring it again", file=sys.stderr)
+        nvme = str(engine.store.root) if getattr(engine, "store", None) else None
+        new = machine_rates(nvme, fresh=True)
+        if new.get("mem_gbps"):
+            best = max(new["mem_gbps"], rates.get("mem_gbps") or 0.0)
+            rates.update(new)
+            rates["mem_gbps"], rates["remeasured"] = best, True
+            machine_rates(nvme, store={**rates})
+            lines, out = _report(batcher, engine, requests, rates)
+    return lines, out
+
+
+def _report(batcher, engine, requests, rates: dict) -> tuple[list[str], dict]:
     s = batcher.stats
     lines, out = [], {}
     ttfts = [r.t_first - r.t_submit for r in requests if r.t_first]

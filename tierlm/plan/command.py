@@ -182,9 +182,11 @@ def own_measurements(model: str, shape, task: Task, hw: Hardware, quiet: bool = 
     threads = torch.get_num_threads()
     if task.kind == "serve":
         key = "decode|" + measure.model_step_key(config, 1, 1, torch.bfloat16) + f"|{task.weights}"
-        what = (f"this model's own decode step ({config.model_type} code, {task.weights} weights, batch 1, "
-                f"{threads} threads, 256 MiB of layer copies, 30 rounds)", 15)
-        probe = lambda: {"decode_gbps": measure.bench_decode((task.weights,), config=config)["decode_gbps"]}  # noqa: E731
+        # bf16 too: the head stays bf16 whatever the layers' format (the planner reads it at that rate)
+        formats = tuple(dict.fromkeys((task.weights, "bf16")))
+        what = (f"this model's own decode step ({config.model_type} code, {' and '.join(formats)} weights, batch 1, "
+                f"{threads} threads, 256 MiB of layer copies, 30 rounds)", 5 * len(formats))
+        probe = lambda: {"decode_gbps": measure.bench_decode(formats, config=config)["decode_gbps"]}  # noqa: E731
     else:
         precision = task.precision if task.precision != "auto" else hw.measured.get("precision", "bf16")
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
@@ -222,7 +224,7 @@ def _with_own(hw: Hardware, model: str, shape, task: Task) -> Hardware:
     own = own_measurements(model, shape, task, hw)
     if "decode_gbps" in own:
         hw.measured["decode_gbps"] = {**(hw.measured.get("decode_gbps") or {}), **own["decode_gbps"]}
-        hw.measured["decode_source"] = (f"{task.weights} decode rate measured on this model's own layers: "
+        hw.measured["decode_source"] = ("decode rates measured on this model's own layers: "
                                         + ", ".join(f"{k} {v:.2f} GB/s" for k, v in own["decode_gbps"].items()))
     if "model_step" in own:
         hw.measured["model_step"] = own["model_step"]
