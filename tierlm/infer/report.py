@@ -74,14 +74,18 @@ def machine_rates(nvme_dir: str | None = None, cache: str | None = None, fresh: 
         known = json.loads(cache_path.read_text())
     except (OSError, json.JSONDecodeError):
         known = {}
-    if store is not None:
-        known[key] = store
+
+    def save(rates: dict) -> dict:
+        known[key] = rates
         try:
             cache_path.parent.mkdir(parents=True, exist_ok=True)
             cache_path.write_text(json.dumps(known, indent=1))
-        except OSError:
+        except OSError:  # an unwritable cache costs a later probe, not this report
             pass
-        return store
+        return rates
+
+    if store is not None:
+        return save(store)
     if key in known and not fresh:
         return known[key]
     print(f"tierlm: measuring this machine's rates for the report's rooflines (memory read as decode reads, on "
@@ -95,13 +99,7 @@ def machine_rates(nvme_dir: str | None = None, cache: str | None = None, fresh: 
         rates = None
     if rates is None:  # the report goes without rooflines; the generation it reports on is done
         return {}
-    known[key] = rates
-    try:
-        cache_path.parent.mkdir(parents=True, exist_ok=True)
-        cache_path.write_text(json.dumps(known, indent=1))
-    except OSError:
-        pass
-    return rates
+    return save(rates)
 
 
 def phase_line(name: str, seconds: float, tokens: int, ram: int, ssd: int, kv: int, flops: float,
