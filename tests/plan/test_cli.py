@@ -50,8 +50,27 @@ def test_plan_on_this_machine_uses_measurements(measured, capsys, make_model_dir
     out = capsys.readouterr().out
     assert "measured by `tierlm bench`" in out and "cost: hardware n/a" in out
     assert "run `tierlm bench compute` again" in out  # an old cache: said, not silently re-measured
-    # the model's own layer code, at the plan's micro-batch (64 tokens), measured and used
-    assert "this model's own step measured here (llama code from transformers" in out
+    # the model's own step through the engine, at the plan's micro-batch (64 tokens), measured and used
+    assert "this model's own step run by the engine here (llama code from transformers, 2 of its layers" in out
+
+
+def test_plan_falls_back_to_the_bare_layer_where_the_engine_cannot_run_the_step(measured, capsys, make_model_dir,
+                                                                              monkeypatch):
+    """The engine probe failing (here: raising) leaves the bare layer's probe, said, and cached as such."""
+    from tierlm.bench import measure
+
+    def refuse(*a, **k):
+        raise ValueError("no room")
+    monkeypatch.setattr(measure, "bench_engine_step", refuse)
+    bare = []
+    monkeypatch.setattr(measure, "bench_model_step", lambda config, tokens, seq, dtype: bare.append(tokens) or {
+        "layer_s": 0.1, "rest_s": 0.2, "tokens": tokens, "probed_tokens": tokens, "seq": seq, "dtype": "bfloat16",
+        "threads": 2, "model_type": config.model_type})
+    d, _ = make_model_dir("llama")
+    assert main(["plan", str(d), "--hardware", "this", "--batch", "2", "--seq-len", "32"]) == 0
+    out = capsys.readouterr()
+    assert bare == [64] and "the engine could not run this model's step (ValueError: no room)" in out.err
+    assert "this model's own step measured here (llama code from transformers" in out.out
 
 
 def test_serving_weights_format_is_a_flag(tmp_path, capsys, monkeypatch):
@@ -130,9 +149,10 @@ def test_first_plan_on_this_machine_says_what_it_measures_and_for_how_long(tmp_p
         monkeypatch.setattr(measure, name, lambda: {})
     monkeypatch.setattr(overhead, "bench_overhead", lambda where: None)
     monkeypatch.setattr(overlap, "bench_overlap", lambda where: {})
-    monkeypatch.setattr(measure, "bench_model_step", lambda config, tokens, seq, dtype: {
-        "layer_s": 0.1, "rest_s": 0.2, "tokens": tokens, "probed_tokens": tokens, "seq": seq, "dtype": "bfloat16",
-        "threads": 2, "model_type": config.model_type})
+    monkeypatch.setattr(measure, "bench_engine_step", lambda config, tokens, seq, dtype, where, *a: {
+        "layer_s": 0.1, "rest_s": 0.2, "step_s": 0.4, "layers": 2, "tokens": tokens, "probed_tokens": tokens,
+        "seq": seq, "dtype": "bfloat16", "threads": 2, "model_type": config.model_type, "source": "engine",
+        "steps": 4, "read_bytes": 0})
     Usage = __import__("collections").namedtuple("Usage", "total used free")
     monkeypatch.setattr("shutil.disk_usage", lambda p: Usage(8 << 30, 6 << 30, 2 << 30))
     assert main(["plan", "qwen2.5-0.5b", "--hardware", "this", "--batch", "1", "--seq-len", "64"]) == 0
@@ -140,7 +160,7 @@ def test_first_plan_on_this_machine_says_what_it_measures_and_for_how_long(tmp_p
     assert "nothing measured on this machine yet" in err
     assert "bench io: measures sequential write and read" in err and "about" in err
     assert "bench compute: measures matmul per dtype" in err and "[2/6] decoder layers" in err
-    assert "plan: measures this model's own training step (qwen2 code, 64 tokens" in err
+    assert "plan: measures this model's own training step through the engine (qwen2 code, 2 of its layers, 64 tokens" in err
     assert max(sizes) <= (2 << 30) // 8  # at most an eighth of the free space on the drive measured
     # measured once: the next plan prints no such line
     assert main(["plan", "qwen2.5-0.5b", "--hardware", "this", "--batch", "1", "--seq-len", "64"]) == 0

@@ -209,6 +209,56 @@ def test_the_models_own_step_sets_the_compute_where_measured_at_the_micro_batch(
     assert not any("own step" in a for a in fp32.assumptions)
 
 
+def test_the_engines_own_step_sets_the_cpu_time_with_the_optimizer_inside(shape):
+    """bench_engine_step's seconds (the model's step run by the engine, its optimizer and checksums
+    on the same cores) are the CPU's time: the layers scaled to the model's depth plus the rest,
+    no fixed costs or optimizer added again; only reads the probe did not make add to it."""
+    s, _ = shape
+    hw = hardware_from_measurements(measurements())
+    hw.measured["model_step"] = {"layer_s": 0.5, "rest_s": 0.7, "step_s": 1.7, "layers": 2, "tokens": 256,
+                                 "probed_tokens": 256, "seq": 128, "dtype": "bfloat16", "threads": 2,
+                                 "model_type": "llama", "source": "engine", "steps": 4, "read_bytes": 0}
+    task = dict(batch=2, seq_len=128, cpu_mem=4 << 30, clip="off", precision="bf16")
+    keep = plan(s, hw, Task(activations="keep", **task))
+    assert keep.resources_s["compute"] == pytest.approx(s.layers * 0.5 + 0.7)
+    assert keep.devices_s["cpu"] == pytest.approx(keep.resources_s["compute"])  # the state is cached: no reads
+    assert keep.resources_s["optimizer"] > 0  # reported, but inside the measured step
+    assert any("this model's own step run by the engine here" in a for a in keep.assumptions)
+    rec = plan(s, hw, Task(activations="recompute", **task))
+    assert rec.resources_s["compute"] == pytest.approx(s.layers * 0.5 * (1 + 1 / 3) + 0.7)
+    # a budget that caches no state: the reads beyond the probe's are checksummed on the same cores
+    small = plan(s, hw, Task(activations="keep", **dict(task, state_cache=False)))
+    beyond = small.resources_s["checksum_beyond_probe"]
+    assert beyond > 0 and small.devices_s["cpu"] == pytest.approx(small.resources_s["compute"] + beyond)
+    hw.measured["model_step"]["read_bytes"] = 1 << 40  # the probe read as much: nothing beyond
+    assert plan(s, hw, Task(activations="keep", **dict(task, state_cache=False))).resources_s[
+        "checksum_beyond_probe"] == 0
+
+
+def test_engine_step_probe_takes_the_layer_from_the_engines_profile(monkeypatch, tmp_path):
+    """The probe drives the engine and reads the first layer's time from the engine's own profile:
+    a profile entry made 100 s longer shows up as the layer's time (nothing is timed against a
+    threshold); the rest is the step less the probe's layers; the scratch folder is removed."""
+    from transformers import AutoConfig
+
+    from tierlm.bench import measure
+    from tierlm.engine.act_engine import ActivationPlanner
+
+    real = ActivationPlanner.forward_end
+
+    def forward_end(self, blk, dt, saved):
+        return real(self, blk, dt + (100.0 if blk.index == min(self.cur) else 0.0), saved)
+    monkeypatch.setattr(ActivationPlanner, "forward_end", forward_end)
+    cfg = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                               num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+    r = measure.bench_engine_step(cfg, 64, 32, torch.float32, tmp_path, 256 << 20, "off", steps=3)
+    assert 100 < r["layer_s"] < 200 and r["rest_s"] == 0.0  # the step itself took far less than 2 x 100 s
+    assert r["source"] == "engine" and r["layers"] == 2 and r["steps"] == 2 and r["tokens"] == 64
+    assert r["dtype"] == "float32" and r["model_type"] == "llama" and r["read_bytes"] == 0
+    assert not list(tmp_path.iterdir())
+    assert cfg.num_hidden_layers == 6  # the model's config is left as it was
+
+
 def test_model_step_probe_times_the_layer_and_the_rest_and_scales_capped_rows(monkeypatch):
     from transformers import AutoConfig
 

@@ -485,6 +485,103 @@ def bench_model_step(config, tokens: int, seq: int, dtype: torch.dtype, repeats:
             "threads": torch.get_num_threads(), "model_s": best["model"] * scale, "model_type": config.model_type}
 
 
+ENGINE_PROBE_LAYERS = 2   # the probe model's depth: one layer beside the head, one beside the embedding
+ENGINE_PROBE_STEPS = 5    # the first pays for first reads and kernel selection; the median of the rest
+
+
+def engine_step_key(config, tokens: int, seq: int, dtype: torch.dtype, cpu_mem: int | None, clip: str,
+                    state_cache: bool = True) -> str:
+    """What an engine-step probe depends on: the model-step key's, the budget, clipping and state cache."""
+    return (f"engine|{model_step_key(config, tokens, seq, dtype)}|cpu_mem={cpu_mem}|clip={clip}"
+            f"|state_cache={state_cache}")
+
+
+def bench_engine_step(config, tokens: int, seq: int, dtype: torch.dtype, directory: str | os.PathLike,
+                      cpu_mem: int | None = None, clip: str = "on", state_cache: bool = True,
+                      layers: int = ENGINE_PROBE_LAYERS, steps: int = ENGINE_PROBE_STEPS) -> dict | None:
+    """Seconds of a training step as `tierlm finetune` runs it, from a copy of the model's family
+    and shapes with `layers` decoder layers (random weights) driven by the engine itself, at the
+    run's micro-batch, sequence length, dtype, threads and budget: split into one decoder layer's
+    compute and the rest of the step.
+
+    Why the engine and not the bare layer: in a run the layer's forward and backward share the
+    cores with the optimizer updating the layer before it, the store's checksums and writes, the
+    gradient hooks and weight installs; on a 2-core machine the engine's own per-layer profile came
+    out 1.5-2x a bare layer's forward + backward at the same shapes. Here those costs are in the
+    number, measured where they happen.
+
+    The step is timed as finetune times it (from the end of one step to the end of the next, the
+    deferred commit's writes landing in the next step; the activation planner's one-off drive probe
+    left out). The per-layer time is the engine's own profile of the first layer (forward +
+    backward, waits excluded; it runs beside the next layer's update, as every layer but the last
+    does in a deeper model); the rest (embedding, head and loss, the last layer's extra beside the
+    head's update, commit, waits) is the step less `layers` of it. Medians over the steps after the
+    first; `read_bytes`, what a step read from the drive (state the budget did not cache): the CPU
+    work of those reads is in the step, the planner adds only the reads a deeper model makes beyond.
+    None where the probe model is too large to build quickly."""
+    import copy
+    import gc
+    import statistics
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    from ..engine.engine import Engine, EngineConfig
+    from ..engine.optim_types import AdamWConfig
+
+    cfg = copy.deepcopy(config)
+    cfg.num_hidden_layers = layers
+    with torch.device("meta"):
+        n = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+    if n > MODEL_MAX_PARAMS:
+        return None
+    rows = max(1, tokens // seq)
+    precision = "bf16" if dtype == torch.bfloat16 else "fp32"
+    # clipping on (or redo): the gradients are saved for the exact redo, as in the run; the limit is
+    # out of reach so that random weights' large norms do not redo every step (the planner adds the
+    # redo where the task clips every step)
+    optim = AdamWConfig(max_grad_norm=None if clip == "off" else 1e30)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    root = Path(tempfile.mkdtemp(prefix=".tierlm-engine-probe-", dir=directory))
+    ecfg = EngineConfig(nvme_dir=str(root / "nvme"), cpu_mem=cpu_mem if cpu_mem else "4GiB", precision=precision,
+                        activations="keep", optim=optim, state_cache=state_cache, tokens_per_micro_batch=rows * seq,
+                        micro_batch_size=rows)
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, config.vocab_size, (rows, seq), generator=g) for _ in range(steps + 1)]
+    step_s, layer_s, read = [], [], []
+    eng = Engine.from_model(model, ecfg)
+    del model
+    gc.collect()
+    gc.freeze()  # as finetune: a full collection walking the run held the GIL from the I/O threads
+    try:
+        t0, r0 = time.perf_counter(), eng.store.stats.snapshot()["bytes_read"]
+        for i in range(steps):
+            loss = eng.forward(batches[i], labels=batches[i]).loss
+            eng.expect(batches[i + 1])
+            eng.backward(loss)
+            eng.finish()
+            now = time.perf_counter()
+            first = eng.acts.cur[min(eng.acts.cur)]
+            step_s.append(now - t0)
+            layer_s.append(first["fwd"] + first["bwd"])
+            r1 = eng.store.stats.snapshot()["bytes_read"]
+            read.append(r1 - r0)
+            t0, r0 = now, r1
+            probed = eng.acts.measure_s
+            eng.commit()
+            t0 += eng.acts.measure_s - probed
+    finally:
+        gc.unfreeze()
+        eng.close()
+        shutil.rmtree(root, ignore_errors=True)
+    step, layer = statistics.median(step_s[1:]), statistics.median(layer_s[1:])
+    return {"layer_s": layer, "rest_s": max(step - layers * layer, 0.0), "step_s": step, "layers": layers,
+            "tokens": tokens, "probed_tokens": rows * seq, "seq": seq, "dtype": str(dtype).removeprefix("torch."),
+            "threads": torch.get_num_threads(), "model_type": config.model_type, "source": "engine",
+            "steps": len(step_s) - 1, "read_bytes": int(statistics.median(read[1:]))}
+
+
 DECODE_FORMATS = ("bf16", "int8", "int4")
 
 

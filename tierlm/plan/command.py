@@ -11,7 +11,7 @@ from pathlib import Path
 from ..units import fmt_bytes
 from . import report
 from .catalog import CPU, Catalog, Drive, Hardware
-from .planner import Plan, Task, plan
+from .planner import Plan, Task, _usable_ram, plan
 from .shapes import model_shape
 
 
@@ -162,10 +162,12 @@ def bench_text(what: str, res: dict) -> str:
             f"{res['overlap']:.0%} of the shorter (rounds {res['overlap_rounds']})")
 
 
-def own_measurements(model: str, shape, task: Task, hw: Hardware, quiet: bool = False) -> dict:
+def own_measurements(model: str, shape, task: Task, hw: Hardware, quiet: bool = False,
+                     nvme: str | None = None) -> dict:
     """What this model's own code does on this machine, measured at the task's shapes, dtype and
-    threads, for hw.measured: fine-tuning, its training step at the task's micro-batch
-    (bench.measure.bench_model_step: "model_step"); serving, its decode step in the task's weight
+    threads, for hw.measured: fine-tuning, its training step at the task's micro-batch through the
+    engine, at the task's budget and clipping (bench.measure.bench_engine_step: "model_step"; where
+    the engine cannot run it, the layer alone, bench_model_step); serving, its decode step in the task's weight
     format (bench.measure.bench_decode on its own layers: "decode_gbps"). Cached in bench.json by
     what each depends on. Nothing for catalog hardware or beside a GPU; where a probe cannot run,
     the planner keeps bench compute's reference layers and says so."""
@@ -191,19 +193,28 @@ def own_measurements(model: str, shape, task: Task, hw: Hardware, quiet: bool = 
         precision = task.precision if task.precision != "auto" else hw.measured.get("precision", "bf16")
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         T, seq = task.batch * task.seq_len, task.seq_len
-        key = measure.model_step_key(config, T, seq, dtype)
-        # The estimate: the FLOPs of a one-layer model's step and of its layer's, a warm-up and the
-        # timed rounds, at the reference layers' rate (the large-GEMM rate where there is none); the
-        # probe caps its rows.
+        budget = _usable_ram(hw, task)  # the run's --cpu-mem, or what the plan assumes it would be
+        key = measure.engine_step_key(config, T, seq, dtype, budget, task.clip, task.state_cache)
+        where = nvme or _existing((hw.measured.get("io") or {}).get("dir") or ".")
+        # The estimate: the FLOPs of a two-layer model's step at the reference layers' rate (the
+        # large-GEMM rate where there is none), per step, plus building it and writing its first state.
         r = C.rates(hw, C.Efficiency(), precision)
         rate = r.layer_rate(shape.hidden, T) or r.cpu_flops or 1e11
-        per = 6.0 * T * (2 * shape.layer_params + shape.vocab * shape.hidden)
-        est = max(min(per * 7 / rate, 2 * measure.MODEL_STEP_S * 7), measure.MODEL_PROBE_S) + 2
-        what = (f"this model's own training step ({config.model_type} code, {T} tokens in rows of {seq}, "
-                f"{precision}, {threads} threads: forward + backward of a one-layer model and of its layer)", est)
+        per = 6.0 * T * (measure.ENGINE_PROBE_LAYERS * shape.layer_params + shape.vocab * shape.hidden)
+        est = per * measure.ENGINE_PROBE_STEPS / rate + 5
+        what = (f"this model's own training step through the engine ({config.model_type} code, "
+                f"{measure.ENGINE_PROBE_LAYERS} of its layers, {T} tokens in rows of {seq}, {precision}, {threads} "
+                f"threads, {measure.ENGINE_PROBE_STEPS} steps in {where})", est)
 
         def probe():
-            res = measure.bench_model_step(config, T, seq, dtype)
+            try:
+                res = measure.bench_engine_step(config, T, seq, dtype, where, budget, task.clip, task.state_cache)
+            except Exception as e:  # noqa: BLE001 - e.g. a budget the probe's engine refuses: the bare layer
+                print(f"plan: the engine could not run this model's step ({type(e).__name__}: {e}); "
+                      f"timing its layer alone", file=sys.stderr)
+                res = None
+            if res is None:  # the engine failed, or its probe model is too large to build quickly
+                res = measure.bench_model_step(config, T, seq, dtype)
             return {"model_step": res} if res else {}
     known = dict(cache.load().get("model_steps") or {})
     if key in known:
@@ -220,8 +231,8 @@ def own_measurements(model: str, shape, task: Task, hw: Hardware, quiet: bool = 
     return res
 
 
-def _with_own(hw: Hardware, model: str, shape, task: Task) -> Hardware:
-    own = own_measurements(model, shape, task, hw)
+def _with_own(hw: Hardware, model: str, shape, task: Task, nvme: str | None = None) -> Hardware:
+    own = own_measurements(model, shape, task, hw, nvme=nvme)
     if "decode_gbps" in own:
         hw.measured["decode_gbps"] = {**(hw.measured.get("decode_gbps") or {}), **own["decode_gbps"]}
         hw.measured["decode_source"] = ("decode rates measured on this model's own layers: "
@@ -248,7 +259,7 @@ def run_plan(model: str, task: Task, hardware: str, compare: str | None = None, 
         specs = catalog.everything() if compare.strip().lower() == "all" else [s for s in compare.split(",") if s.strip()]
         plans = []
         for spec in specs:
-            plans.append(plan(shape, _with_own(resolve(spec, catalog, nvme), model, shape, task), Task(**vars(task))))
+            plans.append(plan(shape, _with_own(resolve(spec, catalog, nvme), model, shape, task, nvme), Task(**vars(task))))
         print(report.compare_text(plans))
         chart = Path(chart_path or f"plan-{shape.name}-{task.kind}.png")
         report.chart(plans, chart, f"{shape.name}, {task.kind}, batch {task.batch} x {task.seq_len}")
@@ -256,7 +267,7 @@ def run_plan(model: str, task: Task, hardware: str, compare: str | None = None, 
         if json_path:
             report.write_json([p.to_json() for p in report.rank(plans)], json_path)
         return plans
-    p = plan(shape, _with_own(resolve(hardware, catalog, nvme), model, shape, task), task)
+    p = plan(shape, _with_own(resolve(hardware, catalog, nvme), model, shape, task, nvme), task)
     print(report.text(p))
     if json_path:
         report.write_json(p.to_json(), json_path)

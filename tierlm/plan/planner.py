@@ -257,7 +257,15 @@ def _finetune(p: Plan, s: ModelShape, hw: Hardware, task: Task, r: C.Rates) -> N
     (n_ssd, n_rec), (devices, step, resources, traffic, flops) = best
     if r.measured and not gpu:
         ms = r.model_step
-        if r.model_step_s(T) is not None:
+        if r.model_step_s(T) is not None and ms.get("source") == "engine":
+            p.assumptions.append(
+                f"compute: this model's own step run by the engine here ({ms['model_type']} code from transformers, "
+                f"{ms['layers']} of its layers, random weights, {ms['dtype']}, {ms['threads']} threads, {T} tokens in "
+                f"rows of {ms['seq']}, median of {ms['steps']} steps after the first): a decoder layer "
+                f"{ms['layer_s']:.3f} s (the engine's profile: forward + backward beside the optimizer, checksums and "
+                f"writes on the same cores), the rest of the step {ms['rest_s']:.3f} s; the optimizer and checksum "
+                f"times are inside these, only reads beyond the probe's are added")
+        elif r.model_step_s(T) is not None:
             p.assumptions.append(
                 f"compute: this model's own step measured here ({ms['model_type']} code from transformers, "
                 f"{ms['dtype']}, {ms['threads']} threads, rows of {ms['seq']} tokens"
@@ -366,7 +374,15 @@ def _finetune_times(s, task, r: C.Rates, T, resident, k_ram, n_ssd, n_rec, act, 
     dram = ssd_r + ssd_w + h2d + d2h + P * C.OPT_DRAM_PER_PARAM + (0 if gpu else 2 * k_ram * act)
     compute = flops / r.compute_flops
     own = r.model_step_s(T) if not gpu else None
-    if own is not None:
+    engine_probe = own is not None and r.model_step.get("source") == "engine"
+    if engine_probe:
+        # Measured CPU, this model's step run by the engine at this micro-batch and budget
+        # (bench_engine_step): a layer's compute as the engine's profile took it, beside the
+        # optimizer, checksums, hooks and writes that share these cores in a run, and the rest of
+        # the step (embedding, head and loss, commit, waits). The engine's fixed costs are in both.
+        layer_s, rest_s = own
+        compute = L * layer_s + n_rec * layer_s / 3 + rest_s
+    elif own is not None:
         # Measured CPU, this model's own step measured at this micro-batch (bench_model_step): its
         # layers' forward + backward, a recomputed layer's forward again (a third of the pair, as
         # in the FLOP count), the embedding, head and loss, plus the engine's fixed costs.
@@ -392,12 +408,22 @@ def _finetune_times(s, task, r: C.Rates, T, resident, k_ram, n_ssd, n_rec, act, 
         res["checksum"] = (ssd_r + ssd_w) / r.crc
     if gpu:
         devices = {"gpu": res["compute"], "cpu": res["optimizer"] + res.get("checksum", 0.0)}
+    elif engine_probe:
+        # The probe's step already held the optimizer and the checksums of what it wrote and read;
+        # only the reads this model makes beyond the probe's (state its budget does not cache) add.
+        extra = max(ssd_r - r.model_step.get("read_bytes", 0), 0)
+        res["checksum_beyond_probe"] = extra / r.crc if r.crc else 0.0
+        res["ssd_read_beyond_probe"] = extra / r.ssd_read if r.ssd_read else 0.0
+        devices = {"cpu": res["compute"] + res["checksum_beyond_probe"]}
     else:
         devices = {"cpu": res["compute"] + res["optimizer"] + res.get("checksum", 0.0)}
     devices.update({"dram": res["memory"], "pcie": max(res["link_h2d"], res["link_d2h"]),
                     "ssd": res["ssd_read"] + res["ssd_write"]})
     _, step = _combine(devices, L)
-    if not gpu:
+    if engine_probe:
+        # the store's threads beside compute: measured in the probe, but for the reads beyond it
+        step += _unhidden(r, {"cpu": devices["cpu"], "ssd": res["ssd_read_beyond_probe"]}, res)
+    elif not gpu:
         step += _unhidden(r, devices, res)
     if task.clip == "redo":
         # A step that clips knows it only once backward has ended: the update is redone from the old
