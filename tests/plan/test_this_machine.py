@@ -257,6 +257,10 @@ def test_engine_step_probe_takes_the_layer_from_the_engines_profile(monkeypatch,
     assert r["dtype"] == "float32" and r["model_type"] == "llama" and r["read_bytes"] == 0
     assert not list(tmp_path.iterdir())
     assert cfg.num_hidden_layers == 6  # the model's config is left as it was
+    # a budget the engine refuses raises (the plan then times the bare layer) and leaves nothing behind
+    with pytest.raises(Exception, match="cpu-mem"):
+        measure.bench_engine_step(cfg, 64, 32, torch.float32, tmp_path, 1 << 20, "off", steps=3)
+    assert not list(tmp_path.iterdir())
 
 
 def test_model_step_probe_times_the_layer_and_the_rest_and_scales_capped_rows(monkeypatch):

@@ -550,11 +550,12 @@ def bench_engine_step(config, tokens: int, seq: int, dtype: torch.dtype, directo
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, config.vocab_size, (rows, seq), generator=g) for _ in range(steps + 1)]
     step_s, layer_s, read = [], [], []
-    eng = Engine.from_model(model, ecfg)
-    del model
-    gc.collect()
-    gc.freeze()  # as finetune: a full collection walking the run held the GIL from the I/O threads
+    eng = None
     try:
+        eng = Engine.from_model(model, ecfg)  # a budget it refuses raises: the caller falls back
+        del model
+        gc.collect()
+        gc.freeze()  # as finetune: a full collection walking the run held the GIL from the I/O threads
         t0, r0 = time.perf_counter(), eng.store.stats.snapshot()["bytes_read"]
         for i in range(steps):
             loss = eng.forward(batches[i], labels=batches[i]).loss
@@ -573,7 +574,8 @@ def bench_engine_step(config, tokens: int, seq: int, dtype: torch.dtype, directo
             t0 += eng.acts.measure_s - probed
     finally:
         gc.unfreeze()
-        eng.close()
+        if eng is not None:
+            eng.close()
         shutil.rmtree(root, ignore_errors=True)
     step, layer = statistics.median(step_s[1:]), statistics.median(layer_s[1:])
     return {"layer_s": layer, "rest_s": max(step - layers * layer, 0.0), "step_s": step, "layers": layers,
