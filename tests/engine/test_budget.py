@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from tierlm.engine.budget import plan_split, window_size
+from tierlm.engine.budget import TRAINING_RESERVE, plan_split, window_size
 from tierlm.storage import BudgetError
 
 MB = 1 << 20
@@ -76,7 +76,7 @@ def test_a_held_gradient_is_compute_share_but_not_transient():
     plain = plan_split(4096 * MB, window_size=win, **common)
     held = plan_split(4096 * MB, window_size=win, held_grad=545 * MB, **common)
     assert held.compute == plain.compute + 545 * MB and held.held_grad == 545 * MB
-    assert held.transient == plain.transient == plain.compute == 2 * 2 * MB + 65 * MB + (24 << 20)
+    assert held.transient == plain.transient == plain.compute == 2 * 2 * MB + 65 * MB + TRAINING_RESERVE
 
 
 def test_room_the_whole_state_leaves_keeps_the_weights():
