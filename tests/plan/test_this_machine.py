@@ -251,7 +251,7 @@ def test_engine_step_probe_takes_the_layer_from_the_engines_profile(monkeypatch,
     monkeypatch.setattr(ActivationPlanner, "forward_end", forward_end)
     cfg = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=6,
                                num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
-    r = measure.bench_engine_step(cfg, 64, 32, torch.float32, tmp_path, 256 << 20, "off", steps=3)
+    r = measure.bench_engine_step(cfg, 64, 32, torch.float32, tmp_path, 256 << 20, "off", steps=3, warmup=1)
     assert 100 < r["layer_s"] < 200 and r["rest_s"] == 0.0  # the step itself took far less than 2 x 100 s
     assert r["source"] == "engine" and r["layers"] == 2 and r["steps"] == 2 and r["tokens"] == 64
     assert r["dtype"] == "float32" and r["model_type"] == "llama" and r["read_bytes"] == 0
@@ -259,7 +259,7 @@ def test_engine_step_probe_takes_the_layer_from_the_engines_profile(monkeypatch,
     assert cfg.num_hidden_layers == 6  # the model's config is left as it was
     # a budget the engine refuses raises (the plan then times the bare layer) and leaves nothing behind
     with pytest.raises(Exception, match="cpu-mem"):
-        measure.bench_engine_step(cfg, 64, 32, torch.float32, tmp_path, 1 << 20, "off", steps=3)
+        measure.bench_engine_step(cfg, 64, 32, torch.float32, tmp_path, 1 << 20, "off", steps=3, warmup=1)
     assert not list(tmp_path.iterdir())
 
 

@@ -486,19 +486,25 @@ def bench_model_step(config, tokens: int, seq: int, dtype: torch.dtype, repeats:
 
 
 ENGINE_PROBE_LAYERS = 2   # the probe model's depth: one layer beside the head, one beside the embedding
-ENGINE_PROBE_STEPS = 5    # the first pays for first reads and kernel selection; the median of the rest
+# The first steps pay for first reads, kernel selection and the heap and caches filling: on a 2-core
+# machine a two-layer probe's steps 2-4 still took 1.2-1.6x the steady ones (as a run's steps 2-3
+# do), so the median is of the steps after ENGINE_PROBE_WARMUP.
+ENGINE_PROBE_STEPS = 8
+ENGINE_PROBE_WARMUP = 3
 
 
 def engine_step_key(config, tokens: int, seq: int, dtype: torch.dtype, cpu_mem: int | None, clip: str,
                     state_cache: bool = True) -> str:
-    """What an engine-step probe depends on: the model-step key's, the budget, clipping and state cache."""
+    """What an engine-step probe depends on: the model-step key's, the budget, clipping and state
+    cache, and the steps it times (a probe cached with fewer warm-up steps is measured again)."""
     return (f"engine|{model_step_key(config, tokens, seq, dtype)}|cpu_mem={cpu_mem}|clip={clip}"
-            f"|state_cache={state_cache}")
+            f"|state_cache={state_cache}|steps={ENGINE_PROBE_STEPS}-{ENGINE_PROBE_WARMUP}")
 
 
 def bench_engine_step(config, tokens: int, seq: int, dtype: torch.dtype, directory: str | os.PathLike,
                       cpu_mem: int | None = None, clip: str = "on", state_cache: bool = True,
-                      layers: int = ENGINE_PROBE_LAYERS, steps: int = ENGINE_PROBE_STEPS) -> dict | None:
+                      layers: int = ENGINE_PROBE_LAYERS, steps: int = ENGINE_PROBE_STEPS,
+                      warmup: int = ENGINE_PROBE_WARMUP) -> dict | None:
     """Seconds of a training step as `tierlm finetune` runs it, from a copy of the model's family
     and shapes with `layers` decoder layers (random weights) driven by the engine itself, at the
     run's micro-batch, sequence length, dtype, threads and budget: split into one decoder layer's
@@ -516,7 +522,7 @@ def bench_engine_step(config, tokens: int, seq: int, dtype: torch.dtype, directo
     backward, waits excluded; it runs beside the next layer's update, as every layer but the last
     does in a deeper model); the rest (embedding, head and loss, the last layer's extra beside the
     head's update, commit, waits) is the step less `layers` of it. Medians over the steps after the
-    first; `read_bytes`, what a step read from the drive (state the budget did not cache): the CPU
+    first `warmup`; `read_bytes`, what a step read from the drive (state the budget did not cache): the CPU
     work of those reads is in the step, the planner adds only the reads a deeper model makes beyond.
     None where the probe model is too large to build quickly."""
     import copy
@@ -577,11 +583,11 @@ def bench_engine_step(config, tokens: int, seq: int, dtype: torch.dtype, directo
         if eng is not None:
             eng.close()
         shutil.rmtree(root, ignore_errors=True)
-    step, layer = statistics.median(step_s[1:]), statistics.median(layer_s[1:])
+    step, layer = statistics.median(step_s[warmup:]), statistics.median(layer_s[warmup:])
     return {"layer_s": layer, "rest_s": max(step - layers * layer, 0.0), "step_s": step, "layers": layers,
             "tokens": tokens, "probed_tokens": rows * seq, "seq": seq, "dtype": str(dtype).removeprefix("torch."),
             "threads": torch.get_num_threads(), "model_type": config.model_type, "source": "engine",
-            "steps": len(step_s) - 1, "read_bytes": int(statistics.median(read[1:]))}
+            "steps": len(step_s) - warmup, "read_bytes": int(statistics.median(read[warmup:]))}
 
 
 DECODE_FORMATS = ("bf16", "int8", "int4")

@@ -261,7 +261,7 @@ def _finetune(p: Plan, s: ModelShape, hw: Hardware, task: Task, r: C.Rates) -> N
             p.assumptions.append(
                 f"compute: this model's own step run by the engine here ({ms['model_type']} code from transformers, "
                 f"{ms['layers']} of its layers, random weights, {ms['dtype']}, {ms['threads']} threads, {T} tokens in "
-                f"rows of {ms['seq']}, median of {ms['steps']} steps after the first): a decoder layer "
+                f"rows of {ms['seq']}, median of its last {ms['steps']} steps): a decoder layer "
                 f"{ms['layer_s']:.3f} s (the engine's profile: forward + backward beside the optimizer, checksums and "
                 f"writes on the same cores), the rest of the step {ms['rest_s']:.3f} s; the optimizer and checksum "
                 f"times are inside these, only reads beyond the probe's are added")
