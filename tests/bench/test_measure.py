@@ -27,8 +27,8 @@ def test_layer_probe_interleaves_its_rounds_across_shapes(monkeypatch):
     # A slow spell of a few seconds must not cover every timing of one shape: round r of every
     # shape runs before round r + 1 of any.
     order = []
-    real = measure._best
-    monkeypatch.setattr(measure, "_best", lambda fn, repeats: order.append(fn) or real(fn, repeats))
+    real = measure.best_seconds
+    monkeypatch.setattr(measure, "best_seconds", lambda fn, repeats: order.append(fn) or real(fn, repeats))
     r = measure.bench_layer(torch.float32, repeats=3, widths=(128, 256), tokens=(256, 512))
     shapes = order[:4]
     assert len(set(shapes)) == 4 and order == shapes * 3

@@ -57,13 +57,13 @@ def test_plan_on_this_machine_uses_measurements(measured, capsys, make_model_dir
 def test_plan_falls_back_to_the_bare_layer_where_the_engine_cannot_run_the_step(measured, capsys, make_model_dir,
                                                                               monkeypatch):
     """The engine probe failing (here: raising) leaves the bare layer's probe, said, and cached as such."""
-    from tierlm.bench import measure
+    from tierlm.bench import model_step
 
     def refuse(*a, **k):
         raise ValueError("no room")
-    monkeypatch.setattr(measure, "bench_engine_step", refuse)
+    monkeypatch.setattr(model_step, "bench_engine_step", refuse)
     bare = []
-    monkeypatch.setattr(measure, "bench_model_step", lambda config, tokens, seq, dtype: bare.append(tokens) or {
+    monkeypatch.setattr(model_step, "bench_model_step", lambda config, tokens, seq, dtype: bare.append(tokens) or {
         "layer_s": 0.1, "rest_s": 0.2, "tokens": tokens, "probed_tokens": tokens, "seq": seq, "dtype": "bfloat16",
         "threads": 2, "model_type": config.model_type})
     d, _ = make_model_dir("llama")
@@ -132,7 +132,7 @@ def test_overhead_splits_per_step_and_per_layer(tmp_path, monkeypatch):
 def test_first_plan_on_this_machine_says_what_it_measures_and_for_how_long(tmp_path, monkeypatch, capsys):
     """Nothing cached: `--hardware this` measures, and first says so (what, about how long), one
     line per stage off a terminal. The measurements themselves are stand-ins: this is about words."""
-    from tierlm.bench import measure, overhead, overlap
+    from tierlm.bench import measure, model_step, overhead, overlap
 
     monkeypatch.setenv("TIERLM_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
@@ -149,7 +149,7 @@ def test_first_plan_on_this_machine_says_what_it_measures_and_for_how_long(tmp_p
         monkeypatch.setattr(measure, name, lambda: {})
     monkeypatch.setattr(overhead, "bench_overhead", lambda where: None)
     monkeypatch.setattr(overlap, "bench_overlap", lambda where: {})
-    monkeypatch.setattr(measure, "bench_engine_step", lambda config, tokens, seq, dtype, where, *a: {
+    monkeypatch.setattr(model_step, "bench_engine_step", lambda config, tokens, seq, dtype, where, *a: {
         "layer_s": 0.1, "rest_s": 0.2, "step_s": 0.4, "layers": 2, "tokens": tokens, "probed_tokens": tokens,
         "seq": seq, "dtype": "bfloat16", "threads": 2, "model_type": config.model_type, "source": "engine",
         "steps": 4, "read_bytes": 0})

@@ -241,7 +241,7 @@ def test_engine_step_probe_takes_the_layer_from_the_engines_profile(monkeypatch,
     threshold); the rest is the step less the probe's layers; the scratch folder is removed."""
     from transformers import AutoConfig
 
-    from tierlm.bench import measure
+    from tierlm.bench import model_step
     from tierlm.engine.act_engine import ActivationPlanner
 
     real = ActivationPlanner.forward_end
@@ -251,7 +251,7 @@ def test_engine_step_probe_takes_the_layer_from_the_engines_profile(monkeypatch,
     monkeypatch.setattr(ActivationPlanner, "forward_end", forward_end)
     cfg = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=6,
                                num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
-    r = measure.bench_engine_step(cfg, 64, 32, torch.float32, tmp_path, 256 << 20, "off", steps=3, warmup=1)
+    r = model_step.bench_engine_step(cfg, 64, 32, torch.float32, tmp_path, 256 << 20, "off", steps=3, warmup=1)
     assert 100 < r["layer_s"] < 200 and r["rest_s"] == 0.0  # the step itself took far less than 2 x 100 s
     assert r["source"] == "engine" and r["layers"] == 2 and r["steps"] == 2 and r["tokens"] == 64
     assert r["dtype"] == "float32" and r["model_type"] == "llama" and r["read_bytes"] == 0
@@ -259,21 +259,21 @@ def test_engine_step_probe_takes_the_layer_from_the_engines_profile(monkeypatch,
     assert cfg.num_hidden_layers == 6  # the model's config is left as it was
     # a budget the engine refuses raises (the plan then times the bare layer) and leaves nothing behind
     with pytest.raises(Exception, match="cpu-mem"):
-        measure.bench_engine_step(cfg, 64, 32, torch.float32, tmp_path, 1 << 20, "off", steps=3, warmup=1)
+        model_step.bench_engine_step(cfg, 64, 32, torch.float32, tmp_path, 1 << 20, "off", steps=3, warmup=1)
     assert not list(tmp_path.iterdir())
 
 
 def test_model_step_probe_times_the_layer_and_the_rest_and_scales_capped_rows(monkeypatch):
     from transformers import AutoConfig
 
-    from tierlm.bench import measure
+    from tierlm.bench import measure, model_step
 
     cfg = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
     # The timings are stand-ins (never timed here): the one-layer model's step 1.0 s, its layer's
     # own 0.3 s. The steps themselves run: each starts with zero_grad on what it steps (the model,
     # or the layer called again with the arguments the model's forward gave it).
-    real_best, real_zero = measure._best, torch.nn.Module.zero_grad
+    real_best, real_zero = measure.best_seconds, torch.nn.Module.zero_grad
     ran = []
 
     def zero_grad(self, *a, **k):
@@ -285,16 +285,16 @@ def test_model_step_probe_times_the_layer_and_the_rest_and_scales_capped_rows(mo
         real_best(fn, 1)
         ran.append(zero_grad.last)
         return {"model": 1.0, "layer": 0.3}[zero_grad.last]
-    monkeypatch.setattr(measure, "_best", best)
-    monkeypatch.setattr(measure, "MODEL_STEP_S", 10.0)  # a row's layer step (0.3 s): both rows fit
-    monkeypatch.setattr(measure, "MODEL_PROBE_S", 0.0)  # `repeats` rounds, no more
-    r = measure.bench_model_step(cfg, 64, 32, torch.float32, repeats=2)
+    monkeypatch.setattr(measure, "best_seconds", best)
+    monkeypatch.setattr(model_step, "MODEL_STEP_S", 10.0)  # a row's layer step (0.3 s): both rows fit
+    monkeypatch.setattr(model_step, "MODEL_PROBE_S", 0.0)  # `repeats` rounds, no more
+    r = model_step.bench_model_step(cfg, 64, 32, torch.float32, repeats=2)
     assert r["layer_s"] == pytest.approx(0.3) and r["rest_s"] == pytest.approx(0.7)
     assert r["probed_tokens"] == 64 and r["tokens"] == 64 and r["model_type"] == "llama"
     assert ran == ["layer", "model", "layer", "model", "layer"]  # the row check, then interleaved rounds
     # a layer too slow for the rows the run has: one row timed, scaled to the micro-batch per token
-    monkeypatch.setattr(measure, "MODEL_STEP_S", 0.5)
-    r = measure.bench_model_step(cfg, 128, 32, torch.float32, repeats=2)
+    monkeypatch.setattr(model_step, "MODEL_STEP_S", 0.5)
+    r = model_step.bench_model_step(cfg, 128, 32, torch.float32, repeats=2)
     assert r["probed_tokens"] == 32 and r["layer_s"] == pytest.approx(0.3 * 4) and r["rest_s"] == pytest.approx(0.7 * 4)
 
 
@@ -303,10 +303,10 @@ def test_model_step_probe_replays_any_familys_layer_call():
     other arguments than llama's layers); real timings, only checked to be there."""
     from transformers import AutoConfig
 
-    from tierlm.bench import measure
+    from tierlm.bench import model_step
 
     for arch, kw in (("gpt2", dict(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64)),
                      ("qwen2", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                                     num_key_value_heads=2, vocab_size=128, tie_word_embeddings=True))):
-        r = measure.bench_model_step(AutoConfig.for_model(arch, **kw), 32, 16, torch.float32, repeats=1)
+        r = model_step.bench_model_step(AutoConfig.for_model(arch, **kw), 32, 16, torch.float32, repeats=1)
         assert r["layer_s"] > 0 and r["model_s"] > 0 and r["model_type"] == arch

@@ -166,14 +166,14 @@ def own_measurements(model: str, shape, task: Task, hw: Hardware, quiet: bool = 
                      nvme: str | None = None) -> dict:
     """What this model's own code does on this machine, measured at the task's shapes, dtype and
     threads, for hw.measured: fine-tuning, its training step at the task's micro-batch through the
-    engine, at the task's budget and clipping (bench.measure.bench_engine_step: "model_step"; where
+    engine, at the task's budget and clipping (bench.model_step.bench_engine_step: "model_step"; where
     the engine cannot run it, the layer alone, bench_model_step); serving, its decode step in the task's weight
     format (bench.measure.bench_decode on its own layers: "decode_gbps"). Cached in bench.json by
     what each depends on. Nothing for catalog hardware or beside a GPU; where a probe cannot run,
     the planner keeps bench compute's reference layers and says so."""
     import torch
 
-    from ..bench import cache, measure
+    from ..bench import cache, measure, model_step
     from ..bench.progress import Stages
     from . import cost as C
     from .shapes import _config_for
@@ -183,7 +183,7 @@ def own_measurements(model: str, shape, task: Task, hw: Hardware, quiet: bool = 
     config, _ = _config_for(model)
     threads = torch.get_num_threads()
     if task.kind == "serve":
-        key = "decode|" + measure.model_step_key(config, 1, 1, torch.bfloat16) + f"|{task.weights}"
+        key = "decode|" + model_step.model_step_key(config, 1, 1, torch.bfloat16) + f"|{task.weights}"
         # bf16 too: the head stays bf16 whatever the layers' format (the planner reads it at that rate)
         formats = tuple(dict.fromkeys((task.weights, "bf16")))
         what = (f"this model's own decode step ({config.model_type} code, {' and '.join(formats)} weights, batch 1, "
@@ -194,27 +194,27 @@ def own_measurements(model: str, shape, task: Task, hw: Hardware, quiet: bool = 
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         T, seq = task.batch * task.seq_len, task.seq_len
         budget = _usable_ram(hw, task)  # the run's --cpu-mem, or what the plan assumes it would be
-        key = measure.engine_step_key(config, T, seq, dtype, budget, task.clip, task.state_cache)
+        key = model_step.engine_step_key(config, T, seq, dtype, budget, task.clip, task.state_cache)
         where = nvme or _existing((hw.measured.get("io") or {}).get("dir") or ".")
         # The estimate: the FLOPs of a two-layer model's step at the reference layers' rate (the
         # large-GEMM rate where there is none), per step, plus building it and writing its first state.
         r = C.rates(hw, C.Efficiency(), precision)
         rate = r.layer_rate(shape.hidden, T) or r.cpu_flops or 1e11
-        per = 6.0 * T * (measure.ENGINE_PROBE_LAYERS * shape.layer_params + shape.vocab * shape.hidden)
-        est = per * measure.ENGINE_PROBE_STEPS / rate + 5
+        per = 6.0 * T * (model_step.ENGINE_PROBE_LAYERS * shape.layer_params + shape.vocab * shape.hidden)
+        est = per * model_step.ENGINE_PROBE_STEPS / rate + 5
         what = (f"this model's own training step through the engine ({config.model_type} code, "
-                f"{measure.ENGINE_PROBE_LAYERS} of its layers, {T} tokens in rows of {seq}, {precision}, {threads} "
-                f"threads, {measure.ENGINE_PROBE_STEPS} steps in {where})", est)
+                f"{model_step.ENGINE_PROBE_LAYERS} of its layers, {T} tokens in rows of {seq}, {precision}, {threads} "
+                f"threads, {model_step.ENGINE_PROBE_STEPS} steps in {where})", est)
 
         def probe():
             try:
-                res = measure.bench_engine_step(config, T, seq, dtype, where, budget, task.clip, task.state_cache)
+                res = model_step.bench_engine_step(config, T, seq, dtype, where, budget, task.clip, task.state_cache)
             except Exception as e:  # noqa: BLE001 - e.g. a budget the probe's engine refuses: the bare layer
                 print(f"plan: the engine could not run this model's step ({type(e).__name__}: {e}); "
                       f"timing its layer alone", file=sys.stderr)
                 res = None
             if res is None:  # the engine failed, or its probe model is too large to build quickly
-                res = measure.bench_model_step(config, T, seq, dtype)
+                res = model_step.bench_model_step(config, T, seq, dtype)
             return {"model_step": res} if res else {}
     known = dict(cache.load().get("model_steps") or {})
     if key in known:

@@ -87,7 +87,7 @@ class Rates:
     # cores (bench/overlap.py); 1 on catalog hardware and beside a GPU, where threads that move
     # bytes do not take the compute's cores
     overlap: float = 1.0
-    # measured only, for one model and micro-batch (bench.measure.bench_model_step): seconds of its
+    # measured only, for one model and micro-batch (bench.model_step.bench_model_step): seconds of its
     # own decoder layer's forward + backward and of the rest (embedding, head, loss) at `tokens`
     model_step: dict | None = None
 

@@ -486,8 +486,8 @@ def _serve(p: Plan, s: ModelShape, hw: Hardware, task: Task, r: C.Rates) -> None
                 + (B - 1) * flops_tok / B / comp
         # The measured decode step reads its weights from RAM (256 MiB, past the caches): that rate
         # is already the memory's for those bytes. Counting them again at bench io's copy rate (read
-        # and write bytes, ~2/3 of a pure read stream) bound genoa-2c's in-RAM decode at 22.8 GB/s
-        # where it read 34 (docs/planner.md, genoa-2c).
+        # and write bytes, ~2/3 of a pure read stream) bound a 2-vCPU Zen 4 VM's in-RAM decode at 22.8 GB/s
+        # where it read 34 (docs/planner.md, a 2-vCPU Zen 4 VM).
         resident_read = in_ram if site == "cpu" and not r.gemv else 0
         res = {"compute": t_comp,
                "memory": (resident_read + from_ssd + (kv if kv_where == "ram" else 0)) / r.dram,
