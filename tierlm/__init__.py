@@ -41,7 +41,7 @@ def _tame_malloc() -> bool:
 
     TIERLM_MALLOC=glibc leaves glibc's defaults: `bench train`'s in-memory run is plain PyTorch,
     and these settings cost it ~9% (fresh pages zeroed for every large tensor: Qwen2.5-0.5B 4x448
-    bf16, 25.6 against 28.0 s/step, docs/benchmarks.md genoa-2c)."""
+    bf16, 25.6 against 28.0 s/step, docs/benchmarks.md a 2-vCPU Zen 4 VM)."""
     if _os.environ.get("TIERLM_MALLOC") == "glibc":
         return False
     import ctypes

@@ -10,7 +10,7 @@ enough on average, and the drive's slow requests decide the rest: the blocks ahe
 read plus the spread between a typical and a slow request (`bench io`'s p50 and p99). When the
 step's SSD traffic (weights, and the optimizer's states both ways) outlasts its compute, it waits on
 the drive whatever the depth: two layers ahead keep the drive queued, and every block further
-would only take RAM from the optimizer-state cache (I/O-bound on genoa-2c, --prefetch 3 or 4
+would only take RAM from the optimizer-state cache (I/O-bound on a 2-vCPU Zen 4 VM, --prefetch 3 or 4
 against 2: Qwen2.5-0.5B 6.20-6.55 against 5.92-6.71 s a step, TinyLlama within the noise too,
 docs/benchmarks.md).
 """

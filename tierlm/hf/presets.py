@@ -7,6 +7,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: building the command line must not import them
+    import torch
+    import transformers
 
 # Names, not classes: the command line builds its choices from them without importing transformers
 # (seconds); ARCHS, the config classes, is made on first use (module __getattr__ below).

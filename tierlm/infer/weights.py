@@ -105,7 +105,7 @@ def install_resident(pieces: list[Piece], src) -> torch.Tensor:
     stay on 4 KiB pages (TinyLlama's layers: 6 of each 8 MiB q and o matrix on huge pages, k and v
     none), and PyTorch's huge-page switch works only when tierlm was imported before torch. The
     buffer is 2 MiB-aligned and advised huge (aligned_empty) wherever it was imported from, and a
-    layer's products read one run of memory. TinyLlama-1.1B bf16 on genoa-2c, decode alternated on
+    layer's products read one run of memory. TinyLlama-1.1B bf16 on a 2-vCPU Zen 4 VM, decode alternated on
     one engine against each tensor in an allocation of its own (benchmarks/infer_bench.py --layout,
     3 runs of 6 rounds): faster in 17 of 18 rounds at 1 thread (median +10%), 15 of 18 at 2 threads
     (+3%; docs/inference.md)."""

@@ -9,7 +9,7 @@ it is not run, and the out-of-core step is compared with its I/O bound instead.
 
 The drive is measured right before and right after the out-of-core run, on the run's own folder,
 and the bound uses the mean of the two: a virtual disk's rates move by 2x within an hour (read 2.43
-then 1.37 GB/s 25 minutes apart on genoa-2c), so a cached `bench io` can be far from what the run
+then 1.37 GB/s 25 minutes apart on a 2-vCPU Zen 4 VM), so a cached `bench io` can be far from what the run
 saw. Reads and writes share one device, so the drive's use is the sum of each direction's bytes
 over its own rate: the share of the step the drive would be busy at those rates (= bound / step).
 """
@@ -29,11 +29,11 @@ from ..units import fmt_bytes
 
 # Steps left out of the steady means: the out-of-core run's first two create the files of its two
 # state slots (a step writes the slot the last one did not), and creating a file writes 2-3x slower
-# than overwriting one in place, as every later step does (TinyLlama 1x128 under 4 GiB, genoa-2c:
+# than overwriting one in place, as every later step does (TinyLlama 1x128 under 4 GiB, a 2-vCPU Zen 4 VM:
 # step 2 took 13.7-15.3 s, steps 3-5 11.2-13.5). Both runs leave out the same number.
 WARMUP_STEPS = 2
 # Where the bounds by the probe before and by the probe after alone differ by more than this, the
-# drive's rate moved during the run and the step / bound ratio is not settled by it (genoa-2c,
+# drive's rate moved during the run and the step / bound ratio is not settled by it (a 2-vCPU Zen 4 VM,
 # Qwen2.5-0.5B 1x32: a 1.26 GB/s read before and 2.49 after gave 6.07 and 3.99 s, and a mean-rate
 # ratio of 1.03x where the runs on either side of it measured 1.19-1.20x with probes within 14%).
 PROBES_DISAGREE = 0.20

@@ -792,7 +792,7 @@ void tl_prepare_x(int kind, int64_t group, const float *x, int64_t M, int64_t K,
    one word on a cache line of its own. A thread takes chunks of ~64 KiB of weights from its own front;
    one whose share is done takes the back half of the largest share left, and goes on with it as
    its own. Each row is still computed whole by one thread, so results do not depend on who took it.
-   Why: in genoa-2c's ~60 GB/s memory state one core read up to ~20% slower than the other for
+   Why: in a 2-vCPU Zen 4 VM's ~60 GB/s memory state one core read up to ~20% slower than the other for
    seconds at a time, and with fixed halves the faster one waited 1-7 ms of a ~40 ms token at the
    barriers (TinyLlama bf16, each thread's products and waits timed in a scratch build). */
 static int steal = 1;

@@ -107,7 +107,7 @@ TARGET_AVX2 static float dot_avx2(const float *q, const void *k, int bf16, int64
 
 /* q against 4 keys `stride` bytes apart: four independent chains. One chain a key (dot_avx2) waits
    on each FMA before the next, ~45 cycles a position at 64 dims; attention took ~30 us a layer at
-   80 positions (TinyLlama), ~3% of an int8 token in genoa-2c's fast memory state. Each key's sum
+   80 positions (TinyLlama), ~3% of an int8 token in a 2-vCPU Zen 4 VM's fast memory state. Each key's sum
    runs in dot_avx2's order, so the scores are the same to the bit. */
 TARGET_AVX2 static void dot4_avx2(const float *q, const char *k, int64_t stride, int bf16, int64_t n, float *out) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -393,7 +393,7 @@ int tierlm_layer_decode(const tierlm_layer_w *lw, const tierlm_step *st, float *
    than a layer's tierlm_layer_scratch_bytes (nothing computed); or the first refusal's code with
    *info its layer.
    Why: a resident model's decode step made one ctypes call a layer, and each cost ~35 us of Python
-   and glue beside the C (TinyLlama, 22 layers: ~0.8 ms of a ~21 ms int8 token in genoa-2c's fast
+   and glue beside the C (TinyLlama, 22 layers: ~0.8 ms of a ~21 ms int8 token in a 2-vCPU Zen 4 VM's fast
    memory state), much of it the interpreter running from caches the layer's weights had just
    swept. */
 int tierlm_layers_decode(const tierlm_layer_w *const *lws, const tierlm_step *const *sts, int64_t n, float *x,
