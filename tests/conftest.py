@@ -30,6 +30,15 @@ def tiny_model(arch: str, seed: int = 0, **over):
     return AutoModelForCausalLM.from_config(tiny_config(arch, **over)).float()
 
 
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A 2-layer llama made by `tierlm init` (byte tokenizer), one per test module that asks."""
+    from tierlm.cli import main
+    d = tmp_path_factory.mktemp("cli") / "tiny"
+    assert main(["init", str(d), "--arch", "llama", "--layers", "2", "--hidden", "64"]) == 0
+    return d
+
+
 @pytest.fixture
 def make_model_dir(tmp_path):
     """A tiny random HF model directory (fp32 safetensors) and the in-memory model it holds."""

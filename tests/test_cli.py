@@ -17,13 +17,6 @@ def tierlm(*args, check=True):
     return r
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    d = tmp_path_factory.mktemp("cli") / "tiny"
-    assert main(["init", str(d), "--arch", "llama", "--layers", "2", "--hidden", "64"]) == 0
-    return d
-
-
 def _data(path, lines):
     path.write_text("\n".join(json.dumps(x) if not isinstance(x, str) else x for x in lines) + "\n")
     return path

@@ -202,13 +202,6 @@ def test_every_numeric_flag_of_every_verb_has_a_range():
 
 # ---- a refusal after the run directory exists removes what the run made --------------------------
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    d = tmp_path_factory.mktemp("val") / "tiny"
-    assert main(["init", str(d), "--arch", "llama", "--layers", "2", "--hidden", "64"]) == 0
-    return d
-
-
 def test_missing_model_leaves_no_run_directory(tmp_path, capsys):
     out = tmp_path / "a" / "b" / "run"   # parents made for the run go too
     assert main(["finetune", str(tmp_path / "nope"), "--data", "d.txt", "--output", str(out)]) == 2
