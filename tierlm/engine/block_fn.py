@@ -134,8 +134,20 @@ class BlockFunction(torch.autograd.Function):
 
 
 def wrap_layer(engine, block, layer: nn.Module) -> None:
-    """Route `layer`'s forward through BlockFunction (an instance attribute: names stay HF's)."""
-    original = layer.forward
+    """Route `layer`'s forward through BlockFunction (an instance attribute: names stay HF's).
+
+    Layers that return a tuple (Falcon's: hidden states, then optional attention weights) give
+    BlockFunction their hidden states and the model a tuple of them back."""
+    layer_forward = layer.forward
+    returns_tuple = False
+
+    def original(*args, **kwargs):
+        nonlocal returns_tuple
+        out = layer_forward(*args, **kwargs)
+        if isinstance(out, tuple):
+            returns_tuple = True
+            return out[0]
+        return out
 
     def forward(*args, **kwargs):
         if args:
@@ -146,10 +158,11 @@ def wrap_layer(engine, block, layer: nn.Module) -> None:
             engine.block_forward_begin(block)
             try:
                 with engine.hooks:
-                    return original(hidden, *rest, **kwargs)
+                    return layer_forward(hidden, *rest, **kwargs)
             finally:
                 engine.block_forward_end(block)
         call = BlockCall(engine, block, original, rest, kwargs, engine.policy_for(block))
-        return BlockFunction.apply(call, hidden)
+        out = BlockFunction.apply(call, hidden)
+        return (out,) if returns_tuple else out
 
     layer.forward = forward

@@ -58,10 +58,10 @@ def library_baseline(config, dtype: torch.dtype = torch.bfloat16, device=None,
     host memory on its first use, and which kernels run depends on the shapes: one decoder layer of
     the real width, and the head's loss as the engine computes it, run at that batch first, so
     that what a step loads is counted here and not against `--cpu-mem`."""
-    from ..hf.presets import make_config
+    from ..hf.fields import shrunk
     from .model import causal_lm, empty_model  # noqa: F401  (our own modules, imported before measuring)
 
-    tiny = make_config(config.model_type, None, {})
+    tiny = shrunk(config)
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)

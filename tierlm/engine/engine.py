@@ -194,23 +194,25 @@ class Engine(DurableState, Exports):
                         **kw) -> "Engine":
         from transformers import AutoConfig
 
+        from ..hf.names import model_to_checkpoint
         from ..hf.safetensors_io import SafetensorsDir
 
         config = AutoConfig.from_pretrained(model_dir)
         model = empty_model(config)
         st = SafetensorsDir(model_dir)
-        available = set(st.names())
+        in_file = model_to_checkpoint(model, st.names(), dict(model.named_parameters()), where=str(model_dir))
 
         def source(name: str, out: torch.Tensor) -> None:
-            if name not in available:
+            if name not in in_file:
                 raise ValueError(f"{model_dir}: the checkpoint has no tensor {name!r} that "
                                  f"{type(model).__name__} needs; is this the right model directory?")
-            dt, _ = st.info(name)
+            ck = in_file[name]
+            dt, _ = st.info(ck)
             if dt == torch.float32:
-                st.read(name, out)
+                st.read(ck, out)
             else:
                 tmp = torch.empty(out.shape, dtype=dt)
-                st.read(name, tmp)
+                st.read(ck, tmp)
                 out.copy_(tmp)
         eng = cls(model, source, cfg, resume=resume, overwrite=overwrite, **kw)
         eng.model_dir = str(model_dir)

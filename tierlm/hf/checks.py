@@ -4,7 +4,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-SUPPORTED = ("llama", "qwen2", "mistral", "gpt2")
+# The families tests/test_families.py runs through every verb (fine-tune exact against
+# torch.optim.AdamW, generate equal to transformers, serve, reload). Any other decoder-only family
+# transformers builds runs on the same generic path; `family_problem` refuses what cannot.
+TESTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi", "phi3", "olmo",
+          "olmo2", "gpt_neox", "gpt2", "falcon", "starcoder2", "granite")
 
 
 class ModelDirError(ValueError):
@@ -26,15 +30,51 @@ def check_model_dir(path) -> dict:
         cfg = json.loads(cfg_path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ModelDirError(f"{cfg_path}: unreadable: {e}") from None
-    mt = cfg.get("model_type")
-    if mt not in SUPPORTED:
-        raise ModelDirError(f"{cfg_path}: model_type {mt!r} is not supported; tierlm supports "
-                            f"{', '.join(SUPPORTED)}")
+    problem = family_problem(cfg)
+    if problem:
+        raise ModelDirError(f"{cfg_path}: {problem}")
     if not any(p.glob("*.safetensors")):
         hint = " (found PyTorch .bin files: load them with transformers and save_pretrained(dir) to convert)" \
             if any(p.glob("*.bin")) else ""
         raise ModelDirError(f"{p}: no .safetensors weights{hint}")
     return cfg
+
+
+def family_problem(cfg: dict) -> str | None:
+    """Why tierlm cannot run the model config.json describes (with the way out where there is one),
+    or None: every decoder-only causal LM the installed transformers builds runs on the generic path,
+    with the family's own modules."""
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto import modeling_auto as auto
+
+    mt = cfg.get("model_type")
+    if not mt:
+        return "no model_type; this config.json is not a transformers model's"
+    if mt not in CONFIG_MAPPING:
+        if cfg.get("auto_map"):
+            return (f"model_type {mt!r} is remote code (auto_map), which tierlm does not run: it runs the "
+                    "modeling code transformers ships. Use a checkpoint of a transformers family, or upgrade "
+                    "transformers if this family has been added to it")
+        import transformers
+        return (f"model_type {mt!r} is unknown to the installed transformers {transformers.__version__}; "
+                "upgrade transformers (pip install -U transformers) if the family is newer")
+    if cfg.get("is_encoder_decoder") or mt in auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
+        return (f"model_type {mt!r} is an encoder-decoder model; tierlm fine-tunes and serves decoder-only "
+                "causal language models")
+    if mt in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        return (f"model_type {mt!r} is an encoder (bidirectional) model; tierlm fine-tunes and serves "
+                "decoder-only causal language models")
+    text = cfg.get("text_config")
+    if isinstance(text, dict) or mt in auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        way = ""
+        if isinstance(text, dict) and text.get("model_type"):
+            way = (f"; use its text model on its own: a directory whose config.json is this text_config "
+                   f"(model_type {text['model_type']!r}) with the language model's weights, e.g. saved by "
+                   f"transformers from the loaded model's language_model")
+        return f"model_type {mt!r} is a multimodal wrapper, which tierlm does not run{way}"
+    if mt not in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return f"model_type {mt!r} has no causal language model class in transformers (AutoModelForCausalLM)"
+    return None
 
 
 def load_tokenizer(path):

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ..engine import budget as B
+from ..hf.names import model_to_checkpoint
 from ..storage import BudgetError, HostBufferPool
 from ..storage.aligned import round_up
 from ..units import fmt_bytes, parse_bytes
@@ -193,12 +194,15 @@ class InferenceEngine:
         streamed = [i for i in layer_idx if i not in resident]
 
         st = SafetensorsDir(model_dir)
+        in_file = model_to_checkpoint(self.model, st.names(), {n for b in self.blocks for n in b.uses},
+                                      where=str(model_dir))
 
         def src(name: str) -> torch.Tensor:
-            if name not in st:
+            if name not in in_file:
                 raise ValueError(f"{model_dir}: the checkpoint has no tensor {name!r} that "
                                  f"{type(self.model).__name__} needs; is this the right model directory?")
-            return self.tp.read(name, st.read(name)) if self.tp else st.read(name)
+            t = st.read(in_file[name])
+            return self.tp.read(name, t) if self.tp else t
 
         t0 = time.perf_counter()
         self.resident_bytes = 0

@@ -1,0 +1,50 @@
+"""Tiny configs of every decoder family tierlm is tested on: each exercises what sets the family
+apart (rotary variants, q/k norms, sliding windows, soft-capping, multipliers, fused weights,
+parallel residuals, biases, tied or untied heads), at sizes that run in a second."""
+from __future__ import annotations
+
+_BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+_NO_DROP = dict(attention_dropout=0.0)
+
+FAMILIES = {
+    # rope_scaling llama3: frequencies rescaled by wavelength
+    "llama": dict(_BASE, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+    "mistral": dict(_BASE, sliding_window=None),
+    "qwen2": dict(_BASE, tie_word_embeddings=True),                       # q/k/v biases, tied head
+    "qwen3": dict(_BASE, head_dim=16, tie_word_embeddings=True),          # q/k RMSNorms
+    "gemma": dict(_BASE, head_dim=16),                                    # scaled embeddings, (1 + w) norms
+    # sliding layers beside global ones, attention and logit soft-capping, norms after blocks
+    "gemma2": dict(_BASE, head_dim=16, sliding_window=6, attn_logit_softcapping=20.0,
+                   final_logit_softcapping=10.0, query_pre_attn_scalar=16),
+    "gemma3_text": dict(_BASE, head_dim=16, sliding_window=6, layer_types=["sliding_attention", "full_attention"]),
+    # partial rotary, parallel attention + MLP residual, biases, dense gelu MLP
+    "phi": dict(_BASE, partial_rotary_factor=0.5, resid_pdrop=0.0, embd_pdrop=0.0, **_NO_DROP),
+    # fused qkv and gate_up weights
+    "phi3": dict(_BASE, resid_pdrop=0.0, embd_pdrop=0.0, pad_token_id=0, **_NO_DROP),
+    "olmo": dict(_BASE, clip_qkv=8.0),                                    # non-parametric norms, qkv clipping
+    "olmo2": dict(_BASE),                                                 # q/k norms, norms after blocks
+    # fused qkv, partial rotary, parallel residual, untied embed_out
+    "gpt_neox": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                     vocab_size=128, max_position_embeddings=64, rotary_pct=0.25, use_parallel_residual=True,
+                     hidden_dropout=0.0, attention_dropout=0.0),
+    "gpt2": dict(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64, resid_pdrop=0.0,
+                 embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0),
+    # fused grouped qkv, one shared layer norm, parallel attention
+    "falcon": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2, vocab_size=128,
+                   new_decoder_architecture=True, parallel_attn=True, bias=False, alibi=False,
+                   hidden_dropout=0.0, attention_dropout=0.0, max_position_embeddings=64),
+    "starcoder2": dict(_BASE, sliding_window=6, use_bias=True, residual_dropout=0.0, embedding_dropout=0.0,
+                       **_NO_DROP),
+    # embedding, residual, attention multipliers and logits scaling
+    "granite": dict(_BASE, embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.2,
+                    logits_scaling=2.0),
+}
+
+
+def family_config(family: str, **over):
+    from transformers import AutoConfig
+    kw = dict(FAMILIES[family])
+    kw.update(over)
+    return AutoConfig.for_model(family, **kw)

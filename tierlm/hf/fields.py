@@ -1,0 +1,74 @@
+"""A model config's shape by role, whatever the family calls its fields.
+
+Families name the same thing differently (GPT-2's `n_embd`, Falcon's `num_kv_heads` and
+`ffn_hidden_size`, MPT's `d_model`); transformers' `attribute_map` covers some of it. These helpers
+read and set a shape by role on any config, so presets, overrides and the tiny copies the budget
+measures need no per-family code.
+"""
+from __future__ import annotations
+
+import copy
+
+ROLES = {
+    "layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
+    "hidden": ("hidden_size", "n_embd", "d_model"),
+    "heads": ("num_attention_heads", "n_head", "num_heads", "n_heads"),
+    "kv_heads": ("num_key_value_heads", "num_kv_heads", "n_head_kv"),
+    "intermediate": ("intermediate_size", "n_inner", "ffn_hidden_size", "ffn_dim"),
+    "vocab": ("vocab_size",),
+    "max_positions": ("max_position_embeddings", "n_positions", "max_seq_len"),
+    "head_dim": ("head_dim",),
+}
+
+
+def _field(config, role: str) -> str | None:
+    own = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    return next((f for f in ROLES[role] if f in own), None)
+
+
+def get(config, role: str, default=None):
+    f = _field(config, role)
+    v = getattr(config, f, None) if f else None
+    return default if v is None else v
+
+
+def put(config, role: str, value) -> bool:
+    """Set `role` where the config has a field for it; False where it has none (GPT-NeoX has no
+    separate KV heads). Layers also trims or extends `layer_types` (the pattern repeats)."""
+    f = _field(config, role)
+    if f is None:
+        return False
+    setattr(config, f, value)
+    if role == "layers":
+        types = getattr(config, "layer_types", None)
+        if types:
+            config.layer_types = [types[i % len(types)] for i in range(value)]
+    return True
+
+
+def head_dim(config) -> int:
+    return get(config, "head_dim") or get(config, "hidden") // get(config, "heads")
+
+
+def shrunk(config, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
+           intermediate: int = 96, vocab: int = 128):
+    """A small copy of `config`: the same family and options (rotary variant, norms, soft-capping,
+    sliding pattern, biases), tiny shapes. Layers keep the first `layers` of the layer pattern."""
+    c = copy.deepcopy(config)
+    put(c, "layers", min(layers, get(config, "layers", layers)))
+    put(c, "hidden", hidden)
+    put(c, "heads", heads)
+    put(c, "kv_heads", kv_heads if heads % kv_heads == 0 else heads)
+    if get(config, "intermediate") is not None:
+        put(c, "intermediate", intermediate)
+    if get(config, "head_dim") is not None:
+        put(c, "head_dim", hidden // heads)
+    put(c, "vocab", vocab)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # published ids fall outside a small vocab
+        v = getattr(c, key, None)
+        ids = v if isinstance(v, list) else [v]
+        if any(i is not None and i >= vocab for i in ids):
+            setattr(c, key, None)
+    if getattr(c, "sliding_window", None):
+        c.sliding_window = min(c.sliding_window, 64)
+    return c
