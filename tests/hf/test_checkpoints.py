@@ -1,0 +1,192 @@
+"""Model directories as the Hugging Face hub publishes them (built here with transformers, then edited
+the way real uploads differ): sharded files in fp16 / bf16 / fp32, tied heads present or absent,
+weights saved from the base model alone, GPT-NeoX's `embed_out`, several EOS ids, chat templates in
+tokenizer_config.json or in chat_template.jinja. The fine-tuning engine and the inference engine
+load each one and agree with transformers' own `from_pretrained`; what tierlm saves is the family's
+own layout, and transformers loads it back."""
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.families import family_config
+from tierlm.engine.engine import Engine, EngineConfig
+from tierlm.hf.safetensors_io import INDEX_NAME, SafetensorsDir
+from tierlm.infer.engine import InferConfig, InferenceEngine
+
+PROBE = torch.tensor([[5, 9, 17, 3, 44, 100, 7, 12], [1, 2, 3, 4, 5, 6, 7, 8]])
+SHARD = "20KB"  # the tiny models' files split into several shards, with an index
+
+
+def _build(fam, seed=0, **over):
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(family_config(fam, **over)).float().eval()
+
+
+def _save(model, d, dtype=torch.float32, shard=SHARD):
+    model.to(dtype).save_pretrained(d, **({"max_shard_size": shard} if shard else {}))
+    model.float()
+    return Path(d)
+
+
+def _keys(d) -> dict[str, str]:
+    """{tensor name: file} of a saved directory."""
+    d = Path(d)
+    if (d / INDEX_NAME).is_file():
+        return json.loads((d / INDEX_NAME).read_text())["weight_map"]
+    return {k: "model.safetensors" for k in safe_open(str(d / "model.safetensors"), "pt").keys()}
+
+
+def _edit(d, fn):
+    """Rewrite every weights file of `d` through fn({name: tensor}) -> {name: tensor}, index too."""
+    d = Path(d)
+    files = sorted(set(_keys(d).values()))
+    weight_map = {}
+    for f in files:
+        with safe_open(str(d / f), "pt") as h:
+            meta = h.metadata()
+            tensors = {k: h.get_tensor(k) for k in h.keys()}
+        tensors = fn(tensors)
+        save_file(tensors, str(d / f), metadata=meta)
+        weight_map.update({k: f for k in tensors})
+    if (d / INDEX_NAME).is_file():
+        index = json.loads((d / INDEX_NAME).read_text())
+        index["weight_map"] = weight_map
+        (d / INDEX_NAME).write_text(json.dumps(index))
+
+
+def _hf_logits(d, dtype=torch.float32):
+    m = AutoModelForCausalLM.from_pretrained(d, dtype=dtype).eval()
+    with torch.no_grad():
+        return m(input_ids=PROBE).logits.float()
+
+
+def _train_logits(d, tmp_path, precision="fp32", save=None):
+    eng = Engine.from_pretrained(d, EngineConfig(nvme_dir=str(tmp_path / f"nvme-{precision}"), cpu_mem="1GiB",
+                                                 precision=precision))
+    try:
+        with torch.no_grad():
+            out = eng.forward(PROBE).logits.float()
+        saved = eng.save_pretrained(save) if save else None
+    finally:
+        eng.close()
+    return out, saved
+
+
+def _infer_logits(d, tmp_path, dtype="fp32"):
+    eng = InferenceEngine(d, InferConfig(dtype=dtype, cpu_mem="1GiB", nvme_dir=str(tmp_path / f"infer-{dtype}"),
+                                         max_seq_len=32), library_rss=0)
+    try:
+        return eng.logits_all(PROBE)
+    finally:
+        eng.close()
+
+
+def _close(a, b, tol):
+    scale = b.abs().max().item()
+    torch.testing.assert_close(a, b, rtol=0, atol=tol * scale)
+
+
+# ---- 1. sharded files in each dtype -------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_sharded_checkpoint_in_each_dtype_loads_like_transformers(tmp_path, dtype):
+    d = _save(_build("llama", initializer_range=0.2), tmp_path / "m", dtype)
+    assert (d / INDEX_NAME).is_file() and len(set(_keys(d).values())) > 2
+    with SafetensorsDir(d) as st:
+        assert {st.info(n)[0] for n in st.names()} == {dtype}
+    # fp32 compute: both engines upcast the file's values exactly, as transformers does with dtype=fp32
+    ref = _hf_logits(d, torch.float32)
+    assert torch.equal(_train_logits(d, tmp_path)[0], ref)
+    _close(_infer_logits(d, tmp_path, "fp32"), ref, 1e-5)
+    if dtype != torch.float32:  # in the file's own precision (transformers' default, dtype "auto"): loosely
+        ref = _hf_logits(d, "auto")
+        _close(_train_logits(d, tmp_path, "bf16")[0], ref, 3e-2)
+        _close(_infer_logits(d, tmp_path, "bf16"), ref, 3e-2)
+
+
+def _agree(d, tmp_path, tol=1e-5):
+    """Both engines give transformers' logits for the directory (fp32)."""
+    ref = _hf_logits(d)
+    assert torch.equal(_train_logits(d, tmp_path)[0], ref)
+    _close(_infer_logits(d, tmp_path), ref, tol)
+    return ref
+
+
+# ---- 2. tied heads: absent from the file, or present anyway; untied ------------------------------
+@pytest.mark.parametrize("fam", ["qwen2", "qwen3", "gemma"])
+def test_tied_head_absent_from_the_file(tmp_path, fam):
+    model = _build(fam, tie_word_embeddings=True, initializer_range=0.2)
+    d = _save(model, tmp_path / "m")
+    assert not any("lm_head" in k for k in _keys(d))
+    ref = _agree(d, tmp_path)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=PROBE).logits, ref)
+
+
+def test_untied_head_is_read_from_the_file(tmp_path):
+    model = _build("qwen2", tie_word_embeddings=False, initializer_range=0.2)
+    d = _save(model, tmp_path / "m")
+    assert "lm_head.weight" in _keys(d)
+    assert not torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+    _agree(d, tmp_path)
+
+
+def test_tied_head_present_in_the_file_anyway(tmp_path):
+    """Some hub uploads of tied models carry lm_head.weight too (a copy of the embedding): it loads,
+    the embedding is the weight, and a save leaves the copy out again (the family's layout)."""
+    d = _save(_build("qwen2", tie_word_embeddings=True, initializer_range=0.2), tmp_path / "m", shard=None)
+    _edit(d, lambda t: {**t, "lm_head.weight": t["model.embed_tokens.weight"].clone()})
+    assert "lm_head.weight" in _keys(d)
+    ref = _hf_logits(d)
+    out, saved = _train_logits(d, tmp_path, save=tmp_path / "saved")
+    assert torch.equal(out, ref)
+    _close(_infer_logits(d, tmp_path), ref, 1e-5)
+    assert "lm_head.weight" not in _keys(saved)
+    assert torch.equal(_hf_logits(saved), ref)
+
+
+# ---- 3. saved from the base model alone (no `model.` / `transformer.` prefix) --------------------
+@pytest.mark.parametrize("fam,prefix", [("gpt2", "transformer."), ("llama", "model.")])
+def test_checkpoint_of_the_base_model_alone(tmp_path, fam, prefix):
+    """openai-community/gpt2's files name `h.0.attn.c_attn.weight`, `wte.weight`, ... (and carry the
+    old attention-mask buffers `h.N.attn.bias`): the prefix is found, extra buffers are ignored, and
+    a save writes the full names again."""
+    d = _save(_build(fam, initializer_range=0.2), tmp_path / "m")
+
+    def strip(t):
+        out = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in t.items()}
+        if fam == "gpt2" and "h.0.ln_1.weight" in out:
+            out["h.0.attn.bias"] = torch.tril(torch.ones(1, 1, 64, 64, dtype=torch.bool)).to(torch.uint8)
+        return out
+    ref = _hf_logits(d)
+    _edit(d, strip)
+    assert not any(k.startswith(prefix) for k in _keys(d))
+    assert torch.equal(_hf_logits(d), ref)  # transformers reads it too
+    out, saved = _train_logits(d, tmp_path, save=tmp_path / "saved")
+    assert torch.equal(out, ref)
+    _close(_infer_logits(d, tmp_path), ref, 1e-5)
+    assert all(k.startswith(prefix) or k == "lm_head.weight" for k in _keys(saved))
+    assert torch.equal(_hf_logits(saved), ref)
+
+
+# ---- 4. GPT-NeoX: `embed_out` in files, `lm_head` in the module ----------------------------------
+def test_gpt_neox_embed_out_loads_and_saves_as_embed_out(tmp_path):
+    """(Pythia's files also carry buffers of older transformers, which are ignored.)"""
+    d = _save(_build("gpt_neox", initializer_range=0.2), tmp_path / "m", shard=None)
+    keys = _keys(d)
+    _edit(d, lambda t: {**t, "gpt_neox.layers.0.attention.rotary_emb.inv_freq": torch.ones(4),
+                        "gpt_neox.layers.0.attention.masked_bias": torch.tensor(-1e9)})
+    assert "embed_out.weight" in keys and "lm_head.weight" not in keys
+    ref = _hf_logits(d)
+    out, saved = _train_logits(d, tmp_path, save=tmp_path / "saved")
+    assert torch.equal(out, ref)
+    _close(_infer_logits(d, tmp_path), ref, 1e-5)
+    keys = _keys(saved)
+    assert "embed_out.weight" in keys and "lm_head.weight" not in keys
+    assert set(keys) == {k for k in _keys(d) if "attention.rotary_emb" not in k and "masked_bias" not in k}
+    assert torch.equal(_hf_logits(saved), ref)
