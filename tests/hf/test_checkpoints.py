@@ -190,3 +190,89 @@ def test_gpt_neox_embed_out_loads_and_saves_as_embed_out(tmp_path):
     assert "embed_out.weight" in keys and "lm_head.weight" not in keys
     assert set(keys) == {k for k in _keys(d) if "attention.rotary_emb" not in k and "masked_bias" not in k}
     assert torch.equal(_hf_logits(saved), ref)
+
+
+# ---- 5. several EOS ids (generation_config.json's list), or none ---------------------------------
+class _Tok:
+    """Just enough of a tokenizer for the batcher when the test speaks in ids (and no eos of its own)."""
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def _first_new(seq, after):
+    """The first index > after whose token does not occur earlier in seq."""
+    return next(i for i in range(after + 1, len(seq)) if seq[i] not in seq[:i])
+
+
+def test_generation_stops_at_any_of_several_eos_ids(tmp_path):
+    from tierlm.infer.batcher import Batcher, Request, eos_ids_of
+    from tierlm.infer.sampling import SamplingParams
+
+    d = _save(_build("llama", initializer_range=0.3), tmp_path / "m", shard=None)
+    prompt = [5, 9, 17, 3, 44]
+    eng = InferenceEngine(d, InferConfig(dtype="fp32", cpu_mem="1GiB", nvme_dir=str(tmp_path / "nvme"),
+                                         max_seq_len=40), library_rss=0)
+    try:
+        def greedy(eos):
+            b = Batcher(eng, _Tok(), eos)
+            r = b.submit(Request(list(prompt), SamplingParams(max_tokens=16)))
+            b.run_until_idle()
+            return r.out_ids, r.finish_reason
+        ref, why = greedy([])
+        assert why == "length"
+        early = _first_new(ref, 1)
+        late = _first_new(ref, early)
+        unused = next(t for t in range(128) if t not in ref)
+        for listed, stop in (([ref[late], ref[early]], early), ([unused, ref[late]], late)):
+            (d / "generation_config.json").write_text(json.dumps({"eos_token_id": listed, "bos_token_id": 1}))
+            eos = eos_ids_of(_Tok(), d)
+            assert eos == sorted(listed)
+            assert greedy(eos) == (ref[:stop], "stop"), listed  # the eos token itself is not output
+    finally:
+        eng.close()
+
+
+def test_generation_config_without_eos(tmp_path, tiny):
+    """A generation_config.json without eos_token_id adds none (as in transformers' generate); a
+    directory without one takes config.json's. `tierlm generate` and the fine-tuning engine's sample
+    run either way, to the token limit where nothing ends them."""
+    from tierlm.cli import main
+    from tierlm.hf.checks import load_tokenizer
+    from tierlm.infer.batcher import eos_ids_of
+    from tierlm.infer.generate import generate, generate_ids
+
+    d = tmp_path / "tiny"
+    shutil.copytree(tiny, d)
+    (d / "generation_config.json").write_text(json.dumps({"do_sample": False}))
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["eos_token_id"] = [0, 2]
+    (d / "config.json").write_text(json.dumps(cfg))
+    hf = AutoModelForCausalLM.from_pretrained(d)
+    assert hf.generation_config.eos_token_id is None
+    assert eos_ids_of(_Tok(), d) == []
+    tok = load_tokenizer(d)
+    assert eos_ids_of(tok, d) == [tok.eos_token_id]
+    (d / "generation_config.json").unlink()
+    assert AutoModelForCausalLM.from_pretrained(d).generation_config.eos_token_id == [0, 2]
+    assert eos_ids_of(_Tok(), d) == [0, 2]
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": None}))
+    assert eos_ids_of(_Tok(), d) == []
+
+    rep = tmp_path / "gen.json"
+    assert main(["generate", str(d), "--prompt", "hi", "--max-new-tokens", "4", "--weights", "fp32",
+                 "--nvme", str(tmp_path / "store"), "--cpu-mem", "1GiB", "--json", str(rep)]) == 0
+    assert 1 <= json.loads(rep.read_text())["completion_tokens"][0] <= 4
+
+    eng = Engine.from_pretrained(d, EngineConfig(nvme_dir=str(tmp_path / "nvme"), cpu_mem="1GiB"))
+    try:
+        assert isinstance(generate(eng, tok, "hi", 4), str)
+        ids = tok("hi", return_tensors="pt").input_ids
+        ref = generate_ids(eng, ids, 6)[0, ids.shape[1]:].tolist()
+        early = _first_new(ref, 0)
+        late = _first_new(ref, early)
+        got = generate_ids(eng, ids, 6, eos_token_id=[ref[late], ref[early]])[0, ids.shape[1]:].tolist()
+        assert got == ref[:early + 1]  # stops at either id, which it keeps
+    finally:
+        eng.close()

@@ -193,17 +193,23 @@ class Batcher:
 
 
 def eos_ids_of(tokenizer, model_dir) -> list[int]:
-    """End-of-sequence ids: the tokenizer's and generation_config.json's (a list in chat models)."""
+    """End-of-sequence ids: the tokenizer's, and the model's as transformers' generate takes them:
+    generation_config.json's (a list in chat models: end of text and end of turn), or, where the
+    directory has no generation_config.json (older uploads), config.json's. A generation config
+    without one adds none."""
     import json
     from pathlib import Path
 
     ids = set()
-    if tokenizer.eos_token_id is not None:
+    if getattr(tokenizer, "eos_token_id", None) is not None:
         ids.add(tokenizer.eos_token_id)
-    gc = Path(model_dir) / "generation_config.json"
-    if gc.is_file():
-        e = json.loads(gc.read_text()).get("eos_token_id")
-        ids.update(e if isinstance(e, list) else [e] if e is not None else [])
+    d = Path(model_dir)
+    for name in ("generation_config.json", "config.json"):
+        f = d / name
+        if f.is_file():
+            e = json.loads(f.read_text()).get("eos_token_id")
+            ids.update(int(i) for i in (e if isinstance(e, list) else [e]) if i is not None)
+            break  # transformers takes config.json's only when there is no generation_config.json
     return sorted(ids)
 
 
