@@ -12,6 +12,7 @@ EXIT_USAGE = 2
 
 
 def _cmd_init(args) -> int:
+    from .hf.fields import get
     from .hf.init import init_model
     from .hf.presets import make_config, param_count
     from .units import fmt_bytes
@@ -25,7 +26,7 @@ def _cmd_init(args) -> int:
                      overwrite=args.overwrite)
     n = param_count(config)
     print(f"created {out}: {config.model_type}, {n / 1e6:,.1f}M parameters, "
-          f"{config.num_hidden_layers} layers, hidden {config.hidden_size}; "
+          f"{get(config, 'layers')} layers, hidden {get(config, 'hidden')}; "
           f"training state ~{fmt_bytes(16 * n)} (bf16 weights + fp32 master + Adam moments)")
     return 0
 
@@ -209,7 +210,7 @@ def _add_plan_verbs(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .hf.presets import ARCH_CONFIGS, PRESETS
+    from .hf.presets import FAMILIES, NATIVE_PRESETS, PRESETS
     from .train.finetune import FinetuneConfig
 
     p = argparse.ArgumentParser(prog="tierlm", description=(
@@ -219,8 +220,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     q = sub.add_parser("init", help="create a random-initialised Hugging Face model directory")
     q.add_argument("out", help="directory to create")
-    q.add_argument("--arch", choices=sorted(ARCH_CONFIGS), help="architecture (a small model unless --preset)")
-    q.add_argument("--preset", choices=sorted(PRESETS), help="the shapes of a published model")
+    q.add_argument("--arch", metavar="FAMILY", help=f"model family, a small model unless --preset: "
+                   f"{', '.join(FAMILIES)}, or any other decoder-only family transformers builds")
+    q.add_argument("--preset", choices=sorted(PRESETS) + sorted(NATIVE_PRESETS),
+                   help="the shapes of a published model")
     for name in ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab", "max_positions"):
         q.add_argument("--" + name.replace("_", "-"), type=int, default=None, help=f"override {name}")
     q.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default=None)

@@ -2,7 +2,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tierlm.hf.presets import ARCHS, PRESETS, make_config, param_count
+from tierlm.hf.fields import get
+from tierlm.hf.presets import ARCHS, FAMILIES, NATIVE_PRESETS, PRESETS, make_config, param_count
 
 # model.num_parameters() of the published checkpoints
 PUBLISHED = {
@@ -115,8 +116,12 @@ def test_tiny_defaults_and_dropout():
 
 
 def test_errors_list_valid_names():
-    with pytest.raises(ValueError, match="llama, qwen2, mistral, gpt2"):
+    with pytest.raises(ValueError, match="tested families: llama, mistral, qwen2, qwen3"):
+        make_config("no-such-family")
+    with pytest.raises(ValueError, match="encoder"):
         make_config("bert")
+    with pytest.raises(ValueError, match="multimodal.*gemma3_text"):
+        make_config("gemma3")
     with pytest.raises(ValueError, match="qwen2.5-0.5b"):
         make_config(preset="llama-9b")
     with pytest.raises(ValueError, match="give an arch"):
@@ -133,3 +138,33 @@ def test_errors_list_valid_names():
         make_config("gpt2", overrides={"kv_heads": 1})
     with pytest.raises(ValueError, match="dtype"):
         make_config("llama", overrides={"dtype": "int3"})
+
+
+# Published sizes from the model cards (billions, as rounded there), the counts the shapes must give.
+CARDS = {"qwen3-0.6b": 0.596, "qwen3-1.7b": 1.72, "qwen3-4b": 4.02, "qwen3-8b": 8.19, "gemma-2-2b": 2.61,
+         "gemma-2-9b": 9.24, "gemma-3-1b": 1.0, "phi-3-mini": 3.82, "phi-4": 14.66, "olmo-2-1b": 1.48,
+         "smollm2-135m": 0.1345}
+
+
+@pytest.mark.parametrize("name", sorted(NATIVE_PRESETS))
+def test_native_presets_build_with_published_sizes(name):
+    c = make_config(preset=name)
+    n = param_count(c)
+    assert n == _meta_count(c)
+    if name in CARDS:
+        assert abs(n / 1e9 - CARDS[name]) / CARDS[name] < 0.03, n
+    small = make_config(preset=name, overrides={"layers": 1, "hidden": 64, "vocab": 256})
+    assert (get(small, "layers"), get(small, "hidden"), get(small, "vocab")) == (1, 64, 256)
+    assert small.model_type == c.model_type and param_count(small) == _meta_count(small)
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_every_family_has_a_tiny_model_and_takes_overrides(arch):
+    c = make_config(arch)
+    assert c.model_type == arch and get(c, "hidden") == 64 and get(c, "layers") == 2
+    assert param_count(c) == _meta_count(c)
+    big = make_config(arch, overrides={"layers": 3, "hidden": 128, "heads": 8})
+    assert (get(big, "layers"), get(big, "hidden"), get(big, "heads")) == (3, 128, 8)
+    with torch.device("meta"):
+        AutoModelForCausalLM.from_config(big)  # consistent shapes: the model builds
+    assert not any(v for k, v in big.to_dict().items() if isinstance(v, float) and "dropout" in k)

@@ -65,6 +65,9 @@ def family_problem(cfg: dict) -> str | None:
         return (f"model_type {mt!r} is an encoder (bidirectional) model; tierlm fine-tunes and serves "
                 "decoder-only causal language models")
     text = cfg.get("text_config")
+    if text is None and mt in auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        default_text = getattr(CONFIG_MAPPING[mt](), "text_config", None)
+        text = {"model_type": getattr(default_text, "model_type", None)} if default_text is not None else None
     if isinstance(text, dict) or mt in auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
         way = ""
         if isinstance(text, dict) and text.get("model_type"):

@@ -66,24 +66,24 @@ class ModelShape:
 
 def _config_for(model: str):
     """An HF config from a model directory, a config.json path, an init preset or a plan shape."""
-    from ..hf.presets import PRESETS, make_config
+    from ..hf.presets import NATIVE_PRESETS, PRESETS, make_config, preset_names
 
     p = Path(model)
     if p.is_dir() or p.name == "config.json":
         cfg_file = p / "config.json" if p.is_dir() else p
         if not cfg_file.is_file():
             raise ValueError(f"{model}: no config.json there; give a Hugging Face model directory or a preset "
-                             f"({', '.join(sorted(PRESETS) + sorted(PLAN_SHAPES))})")
+                             f"({', '.join(preset_names() + sorted(PLAN_SHAPES))})")
         from transformers import AutoConfig
         return AutoConfig.from_pretrained(cfg_file.parent), str(cfg_file)
     key = model.lower()
-    if key in PRESETS:
-        return make_config(None, key, {}), PRESETS[key].source
+    if key in PRESETS or key in NATIVE_PRESETS:
+        return make_config(None, key, {}), (PRESETS.get(key) or NATIVE_PRESETS[key]).source
     if key in PLAN_SHAPES:
         arch, source, over = PLAN_SHAPES[key]
         return make_config(arch, None, over), source
     raise ValueError(f"model {model!r}: not a directory with config.json, nor a preset; presets: "
-                     f"{', '.join(sorted(PRESETS) + sorted(PLAN_SHAPES))}")
+                     f"{', '.join(preset_names() + sorted(PLAN_SHAPES))}")
 
 
 def model_shape(model: str) -> ModelShape:
