@@ -276,3 +276,127 @@ def test_generation_config_without_eos(tmp_path, tiny):
         assert got == ref[:early + 1]  # stops at either id, which it keeps
     finally:
         eng.close()
+
+
+# ---- 6. chat templates in tokenizer_config.json or in chat_template.jinja ------------------------
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def chat_dirs(tiny, tmp_path_factory):
+    """The same model with its template in chat_template.jinja (what transformers 5 saves, and
+    `tierlm init`) and in tokenizer_config.json's "chat_template" (older uploads)."""
+    root = tmp_path_factory.mktemp("chat")
+    jinja, config = root / "jinja", root / "config"
+    shutil.copytree(tiny, jinja)
+    shutil.copytree(tiny, config)
+    assert (jinja / "chat_template.jinja").is_file()
+    assert "chat_template" not in json.loads((jinja / "tokenizer_config.json").read_text())
+    cfg = json.loads((config / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = (config / "chat_template.jinja").read_text()
+    (config / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (config / "chat_template.jinja").unlink()
+    return {"jinja": jinja, "config": config}
+
+
+def test_transformers_reads_the_template_from_either_file(chat_dirs, tmp_path):
+    from tierlm.hf.tokenizer import CHATML_TEMPLATE
+    for d in chat_dirs.values():
+        assert AutoTokenizer.from_pretrained(d).chat_template == CHATML_TEMPLATE
+    # both there: this transformers takes the .jinja file's
+    both = shutil.copytree(chat_dirs["config"], tmp_path / "both")
+    (both / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    assert AutoTokenizer.from_pretrained(both).chat_template == "{{ messages[0]['content'] }}"
+
+
+def test_chat_prompt_and_chat_data_from_either_file(chat_dirs, tmp_path):
+    from tierlm.hf.checks import load_tokenizer
+    from tierlm.infer.run import _chat_ids
+    from tierlm.train.data import load_dataset
+
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"messages": MESSAGES + [{"role": "assistant", "content": "hello"}]}) + "\n")
+    got = {}
+    for kind, d in chat_dirs.items():
+        tok = load_tokenizer(d)
+        ids = _chat_ids(tok, MESSAGES)
+        ds = load_dataset(data, tok, 64)
+        got[kind] = ids, ds[0][0].tolist(), ds[0][1].tolist()
+    ids = got["jinja"][0]
+    tok = load_tokenizer(chat_dirs["jinja"])
+    assert tok.decode(ids) == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+                               "<|im_start|>assistant\n")
+    assert got["config"] == got["jinja"]
+
+
+def test_tierlm_chat_and_the_chat_endpoint_use_either_file(chat_dirs, tmp_path):
+    import asyncio
+    import io
+
+    from tierlm.cli import build_parser
+    from tierlm.hf.checks import load_tokenizer
+    from tierlm.infer.batcher import Batcher, eos_ids_of
+    from tierlm.infer.run import _chat_ids, chat_cmd
+    from tierlm.infer.server import ChatBody, make_app
+
+    for kind, d in chat_dirs.items():
+        args = build_parser().parse_args(["chat", str(d), "--weights", "fp32", "--cpu-mem", "1GiB",
+                                          "--nvme", str(tmp_path / f"store-{kind}"), "--max-new-tokens", "3",
+                                          "--max-seq-len", "64", "--system", "Be brief."])
+        out, err = io.StringIO(), io.StringIO()
+        assert chat_cmd(args, inp=io.StringIO("hi\n/exit\n"), out=out, err=err) == 0
+        assert "has no chat template" not in err.getvalue() and "token" in err.getvalue()
+
+    eng = InferenceEngine(chat_dirs["jinja"], InferConfig(dtype="fp32", cpu_mem="1GiB", max_seq_len=64,
+                                                          nvme_dir=str(tmp_path / "serve")), library_rss=0)
+    try:
+        for kind, d in chat_dirs.items():
+            tok = load_tokenizer(d)
+            batcher = Batcher(eng, tok, eos_ids_of(tok, d))
+            batcher.start()
+            try:
+                app = make_app(batcher, tok, "m")
+                endpoint = next(r.endpoint for r in app.routes if getattr(r, "path", "") == "/v1/chat/completions")
+                r = asyncio.run(endpoint(ChatBody(messages=MESSAGES, max_tokens=3, temperature=0)))
+            finally:
+                batcher.stop()
+            assert r["object"] == "chat.completion", kind
+            assert r["usage"]["prompt_tokens"] == len(_chat_ids(tok, MESSAGES)), kind
+    finally:
+        eng.close()
+
+
+# ---- 7. what Engine.save_pretrained writes beside the weights ------------------------------------
+def test_saved_directory_keeps_tokenizer_templates_and_generation_config(chat_dirs, tmp_path):
+    """The template travels in whichever file the source has it (chat_template.jinja, named extras in
+    additional_chat_templates/, tokenizer_config.json), with generation_config.json; transformers
+    loads the saved directory as model and tokenizer."""
+    src = shutil.copytree(chat_dirs["jinja"], tmp_path / "src")
+    tok = AutoTokenizer.from_pretrained(src)
+    tok.chat_template = {"default": tok.chat_template, "tool_use": "TOOLS {{ messages[0]['content'] }}"}
+    tok.save_pretrained(src)
+    assert (src / "additional_chat_templates" / "tool_use.jinja").is_file()
+    ids = torch.tensor([[1, 87, 85, 71, 2, 201]])
+    outs = {}
+    for kind, d in (("jinja", src), ("config", chat_dirs["config"])):
+        eng = Engine.from_pretrained(d, EngineConfig(nvme_dir=str(tmp_path / f"nvme-{kind}"), cpu_mem="1GiB"))
+        try:
+            with torch.no_grad():
+                ours = eng.forward(ids).logits
+            saved = eng.save_pretrained(tmp_path / f"saved-{kind}")
+        finally:
+            eng.close()
+        outs[kind] = saved
+        for f in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+            assert (saved / f).read_bytes() == (d / f).read_bytes(), f
+        assert (saved / "chat_template.jinja").is_file() == (kind == "jinja")
+        hf = AutoModelForCausalLM.from_pretrained(saved)
+        with torch.no_grad():
+            assert torch.equal(hf(input_ids=ids).logits, ours)
+        assert hf.generation_config.eos_token_id == json.loads((d / "generation_config.json").read_text())["eos_token_id"]
+        want, got = AutoTokenizer.from_pretrained(d), AutoTokenizer.from_pretrained(saved)
+        assert got.chat_template == want.chat_template
+        assert got.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False) == \
+            want.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+        assert got("hi there").input_ids == want("hi there").input_ids
+    assert AutoTokenizer.from_pretrained(outs["jinja"]).chat_template["tool_use"].startswith("TOOLS")

@@ -14,6 +14,15 @@ import torch
 from . import budget as B
 from .layout import key
 
+# What a model directory holds beside the weights and config.json that a saved model needs to be
+# used as the original was: the tokenizer in any of its formats (tokenizer.json/.model, vocab and
+# merges, sentencepiece, added tokens, Mistral's tekken.json), the generation settings (eos ids),
+# and the chat template, in tokenizer_config.json or, as transformers 5 saves it, in
+# chat_template.jinja, with named extra templates in additional_chat_templates/.
+_COPIED_PREFIXES = ("tokenizer", "special_tokens_map", "added_tokens", "vocab", "merges", "spiece",
+                    "sentencepiece", "tekken", "generation_config", "chat_template")
+_COPIED_DIRS = ("additional_chat_templates",)
+
 
 class Exports:
     def release_step_memory(self) -> None:
@@ -67,9 +76,10 @@ class Exports:
         cfg.dtype = dtype
         cfg.save_pretrained(out)
         src = tokenizer_from or getattr(self, "model_dir", None)
-        if src:
+        if src and Path(src).resolve() != out.resolve():  # saving over the source: the files are there
             for f in Path(src).iterdir():
-                if f.name.startswith(("tokenizer", "special_tokens_map", "vocab", "merges",
-                                      "generation_config", "chat_template")):
+                if f.is_file() and f.name.startswith(_COPIED_PREFIXES):
                     shutil.copy2(f, out / f.name)
+                elif f.is_dir() and f.name in _COPIED_DIRS:
+                    shutil.copytree(f, out / f.name, dirs_exist_ok=True)
         return out
