@@ -307,6 +307,19 @@ def test_transformers_reads_the_template_from_either_file(chat_dirs, tmp_path):
     both = shutil.copytree(chat_dirs["config"], tmp_path / "both")
     (both / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
     assert AutoTokenizer.from_pretrained(both).chat_template == "{{ messages[0]['content'] }}"
+    # named templates, as a list in tokenizer_config.json (older tool-use uploads): "default" is used
+    named = shutil.copytree(chat_dirs["config"], tmp_path / "named")
+    cfg = json.loads((named / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = [{"name": "default", "template": cfg["chat_template"]},
+                            {"name": "tool_use", "template": "TOOLS"}]
+    (named / "tokenizer_config.json").write_text(json.dumps(cfg))
+    from tierlm.infer.run import _chat_ids
+    assert _chat_ids(AutoTokenizer.from_pretrained(named), MESSAGES) == \
+        _chat_ids(AutoTokenizer.from_pretrained(chat_dirs["jinja"]), MESSAGES)
+    none = shutil.copytree(chat_dirs["jinja"], tmp_path / "none")
+    (none / "chat_template.jinja").unlink()
+    with pytest.raises(ValueError, match="no chat template.*plain prompt"):
+        _chat_ids(AutoTokenizer.from_pretrained(none), MESSAGES)
 
 
 def test_chat_prompt_and_chat_data_from_either_file(chat_dirs, tmp_path):

@@ -96,6 +96,19 @@ def make_tokenizer(out_dir: str | os.PathLike, text_files: list[str] | None = No
     return tok
 
 
+def chat_ids(tok, messages: list[dict]) -> list[int]:
+    """The prompt ids of a conversation with the generation prompt, by the tokenizer's chat template
+    (transformers reads it from chat_template.jinja, where transformers 5 saves it, or from
+    tokenizer_config.json's "chat_template", where older uploads have it; named templates are a dict
+    and "default" is used). ValueError where there is none; the template's own errors pass through."""
+    if not getattr(tok, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat template (neither chat_template.jinja nor "
+                         "tokenizer_config.json's 'chat_template')")
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    # transformers 5 returns a BatchEncoding here, 4.x a list of ids
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
 def special_token_ids(tok) -> dict[str, int]:
     """bos/eos/pad ids plus the ChatML end-of-turn id, as config / generation_config want them."""
     return {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,

@@ -48,11 +48,13 @@ def load(model_dir, cfg: InferConfig, tok=None):
 
 
 def _chat_ids(tok, messages) -> list[int]:
-    if not getattr(tok, "chat_template", None):
-        raise ValueError("this model's tokenizer has no chat template (tokenizer_config.json "
-                         "'chat_template'); use `tierlm generate` with a plain prompt")
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    from ..hf.tokenizer import chat_ids
+    try:
+        return chat_ids(tok, messages)
+    except ValueError as e:
+        if getattr(tok, "chat_template", None):
+            raise
+        raise ValueError(f"{e}; use `tierlm generate` with a plain prompt") from None
 
 
 def generate_cmd(args, out=sys.stdout, err=sys.stderr) -> dict:

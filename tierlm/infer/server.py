@@ -217,16 +217,17 @@ def make_app(batcher, tokenizer, model_name: str):
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody):
+        from ..hf.tokenizer import chat_ids
+
         p = params_of(body)
         if not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
         msgs = [{"role": "system" if m.role == "developer" else m.role, "content": _text_of(m.content)}
                 for m in body.messages]
         try:
-            ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+            ids = chat_ids(tokenizer, msgs)
         except Exception as e:  # the template's own checks (roles, order) are the user's input errors
             raise APIError(400, f"messages: the chat template rejected them: {e}", "messages") from None
-        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         return await run(ids, p, True, body)
 
     return app
