@@ -136,17 +136,21 @@ def test_untied_head_is_read_from_the_file(tmp_path):
     _agree(d, tmp_path)
 
 
-def test_tied_head_present_in_the_file_anyway(tmp_path):
-    """Some hub uploads of tied models carry lm_head.weight too (a copy of the embedding): it loads,
-    the embedding is the weight, and a save leaves the copy out again (the family's layout)."""
+@pytest.mark.parametrize("only", [False, True])
+def test_tied_head_present_in_the_file_anyway(tmp_path, only):
+    """Some hub uploads of tied models carry lm_head.weight too (a copy of the embedding), a few only
+    it (no embedding): it loads as transformers loads it, as the tied weight, and a save writes
+    the family's layout again (the embedding, no head)."""
     d = _save(_build("qwen2", tie_word_embeddings=True, initializer_range=0.2), tmp_path / "m", shard=None)
-    _edit(d, lambda t: {**t, "lm_head.weight": t["model.embed_tokens.weight"].clone()})
-    assert "lm_head.weight" in _keys(d)
+    embed = "model.embed_tokens.weight"
+    _edit(d, lambda t: {**{k: v for k, v in t.items() if not (only and k == embed)},
+                        "lm_head.weight": t[embed].clone()})
+    assert "lm_head.weight" in _keys(d) and (embed in _keys(d)) != only
     ref = _hf_logits(d)
     out, saved = _train_logits(d, tmp_path, save=tmp_path / "saved")
     assert torch.equal(out, ref)
     _close(_infer_logits(d, tmp_path), ref, 1e-5)
-    assert "lm_head.weight" not in _keys(saved)
+    assert "lm_head.weight" not in _keys(saved) and embed in _keys(saved)
     assert torch.equal(_hf_logits(saved), ref)
 
 

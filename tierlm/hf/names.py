@@ -33,7 +33,19 @@ def model_to_checkpoint(model, checkpoint: Iterable[str], wanted: Iterable[str],
     renames, converters = _transforms(model)
     wanted = set(wanted)
     prefix = getattr(model, "base_model_prefix", "") or ""
+    # A tied weight has one canonical name (the first, as named_parameters() gives it: the
+    # embedding) and others (the head). Files normally hold the canonical one; some hold only the
+    # head's copy, which transformers also loads as the tied weight, so it is taken where the
+    # canonical name is missing.
+    first: dict[int, str] = {}
+    alias: dict[str, str] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            alias[n] = first[id(p)]
+        else:
+            first[id(p)] = n
     out: dict[str, str] = {}
+    by_alias: dict[str, str] = {}
     for ck in checkpoint:
         if converters and _converted(apply_renamings(ck, renames), converters):
             raise ValueError(f"{where}: tensor {ck!r} must be merged with others into one parameter of "
@@ -41,10 +53,14 @@ def model_to_checkpoint(model, checkpoint: Iterable[str], wanted: Iterable[str],
                              "yet; save the model once with transformers (from_pretrained, then "
                              "save_pretrained) to write it in the stacked layout")
         name = apply_renamings(ck, renames)
-        if name not in wanted and prefix and f"{prefix}.{name}" in wanted:
+        if name not in wanted and name not in alias and prefix and f"{prefix}.{name}" in wanted | alias.keys():
             name = f"{prefix}.{name}"  # saved from the base model alone
         if name in wanted and name not in out:
             out[name] = ck
+        elif alias.get(name) in wanted:
+            by_alias.setdefault(alias[name], ck)
+    for name, ck in by_alias.items():
+        out.setdefault(name, ck)
     return out
 
 
