@@ -93,12 +93,16 @@ def _close(a, b, tol):
 
 
 # ---- 1. sharded files in each dtype -------------------------------------------------------------
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, "mixed"])
 def test_sharded_checkpoint_in_each_dtype_loads_like_transformers(tmp_path, dtype):
-    d = _save(_build("llama", initializer_range=0.2), tmp_path / "m", dtype)
+    """mixed: bf16 weights with fp32 norms, as some uploads keep them."""
+    d = _save(_build("llama", initializer_range=0.2), tmp_path / "m", torch.bfloat16 if dtype == "mixed" else dtype)
+    if dtype == "mixed":
+        _edit(d, lambda t: {k: v.float() if "norm" in k else v for k, v in t.items()})
     assert (d / INDEX_NAME).is_file() and len(set(_keys(d).values())) > 2
     with SafetensorsDir(d) as st:
-        assert {st.info(n)[0] for n in st.names()} == {dtype}
+        assert {st.info(n)[0] for n in st.names()} == \
+            ({torch.bfloat16, torch.float32} if dtype == "mixed" else {dtype})
     # fp32 compute: both engines upcast the file's values exactly, as transformers does with dtype=fp32
     ref = _hf_logits(d, torch.float32)
     assert torch.equal(_train_logits(d, tmp_path)[0], ref)
