@@ -28,7 +28,7 @@ from ..storage.aligned import round_up
 from ..units import fmt_bytes, parse_bytes
 from . import packed as packed_attention
 from .gemv import use_gemv
-from .kvcache import SlotKVCache, cache_kwarg, kv_bytes, kv_geometry
+from .kvcache import SlotKVCache, cache_kwarg, kv_bytes
 from .lean import LeanDecoder
 from .quant import int4_layout
 from .weights import LayerStream, PieceStore, fingerprint, install_resident, plan_pieces
@@ -144,6 +144,24 @@ def plan_placement(cfg: InferConfig, baseline: int, fixed: int, layer_bytes: int
     return Placement(cfg.cpu_mem, baseline, fixed, kv, scratch, layer_bytes, layers, int(resident), window)
 
 
+def _check_kv_attention(model, layers: int) -> None:
+    """Refuse a model whose decoder layers do not all attend over a KV cache: the engine keeps one
+    cache slot per layer and sequence, and nothing else (a state-space layer's recurrent state, an
+    RNN's, has no place in it). A layer attends where it holds one of transformers' attention
+    modules that knows its layer index (what it hands the cache's `update`)."""
+    from ..engine.model import find_layers
+
+    _, mods = find_layers(model)
+    without = [i for i, layer in enumerate(mods) if not packed_attention.attention_modules(layer)]
+    if without:
+        which = "none of its layers" if len(without) == layers else \
+            f"its layers {', '.join(map(str, without[:8]))}{' ...' if len(without) > 8 else ''}"
+        raise ValueError(
+            f"{type(model).__name__}: {which} attend over a KV cache (a state-space or recurrent model, "
+            f"such as Mamba or RWKV, or a hybrid of them); tierlm's inference runs models whose every "
+            f"decoder layer is attention with a KV cache")
+
+
 class InferenceEngine:
     def __init__(self, model_dir, cfg: InferConfig, library_rss: int | None = None):
         from transformers import AutoConfig
@@ -156,7 +174,10 @@ class InferenceEngine:
         self.model_dir, self.cfg = Path(model_dir), cfg
         self.dtype = DTYPES[cfg.dtype]
         config = AutoConfig.from_pretrained(model_dir)
-        config._attn_implementation = "sdpa"  # the 4-D masks below are boolean (True: attend)
+        # built with the one implementation every model accepts (Gemma2 refuses SDPA: it cannot
+        # soft-cap); packed.install then names the attention the steps run (masks: boolean, True
+        # attends)
+        config._attn_implementation = "eager"
         self.config = config
         limit = getattr(config, "max_position_embeddings", None) or 2048
         self.max_len = cfg.max_seq_len or min(limit, 2048)
@@ -164,6 +185,7 @@ class InferenceEngine:
             raise ValueError(f"--max-seq-len {self.max_len} exceeds the model's {limit} positions")
         self.model = empty_model(config).eval()
         self.blocks, _ = discover_blocks(self.model)
+        _check_kv_attention(self.model, sum(b.kind == "layer" for b in self.blocks))
         self.tp = None
         if cfg.tp > 1:  # this process keeps 1/tp of every layer's heads and MLP width
             from ..dist.tp import TensorParallel, init
@@ -235,21 +257,39 @@ class InferenceEngine:
         self.load_s = time.perf_counter() - t0
         self.streamed_bytes = sum(self.stream.layer_bytes.values()) if self.stream else 0
         self.cache = SlotKVCache(cache_config, cfg.max_batch, self.max_len, self.dtype)
-        packed_attention.install(self.model, config, self.cache)
+        self._packs = packed_attention.install(self.model, config, self.cache)
         self.base = self.model.base_model
         self._cache_kw = cache_kwarg(self.base)
         self.head = self.model.get_output_embeddings()
+        # the logits through the model's own forward where it can keep chosen positions only: what
+        # a family does after its head (Gemma2's final soft-capping, Granite's logits scaling) is
+        # its own code, so sampling at a temperature sees the logits transformers computes
+        import inspect
+        self._keeps = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        self._lm_cache_kw = cache_kwarg(self.model)
         self._window, self._sliding = self._sliding_window()
         self.lean = LeanDecoder.build(self) if cfg.lean else None
         B.trim()
 
     def _sliding_window(self) -> tuple[int | None, bool]:
-        c = self.config
-        types = getattr(c, "layer_types", None) or []
-        if "sliding_attention" in types:
-            return c.sliding_window, True
-        if c.model_type == "mistral" and getattr(c, "sliding_window", None):
+        """(window, per-layer masks) the way transformers' mask creation decides
+        (masking_utils.create_masks_for_generate): with `layer_types`, a mask per type (sliding
+        where a type says so); else a `sliding_window` set means every layer slides."""
+        c = self.config.get_text_config()
+        types = getattr(c, "layer_types", None)
+        if types is not None:
+            other = set(types) - {"full_attention", "sliding_attention"}
+            if other:
+                raise ValueError(f"{c.model_type}: layers of type {', '.join(sorted(other))} need attention masks "
+                                 f"tierlm's inference does not make (it makes full and sliding-window ones)")
+            if "sliding_attention" in types:
+                return c.sliding_window, True
+            return None, False
+        if getattr(c, "sliding_window", None) is not None:
             return c.sliding_window, False
+        if getattr(c, "attention_chunk_size", None) is not None:
+            raise ValueError(f"{c.model_type}: chunked attention (attention_chunk_size) needs attention masks "
+                             f"tierlm's inference does not make")
         return None, False
 
     # ---- compute ------------------------------------------------------------------------
@@ -263,7 +303,7 @@ class InferenceEngine:
         q = max(lens)
         # rows of different lengths run packed (tierlm.infer.packed): padding them would compute
         # rows x q tokens where sum(lens) are real
-        packed = self.cfg.packed and len(tokens) > 1 and sum(lens) < len(tokens) * q
+        packed = self.cfg.packed and self._packs and len(tokens) > 1 and sum(lens) < len(tokens) * q
         if packed:
             ids = torch.tensor([sum(tokens, [])], dtype=torch.long)
         else:
@@ -273,20 +313,31 @@ class InferenceEngine:
             self.stream.prefetch_after(None)
         if q == 1 and self.lean is not None:
             return self.lean.logits(ids, pos, mask, self.cache)
+        if packed:
+            at = torch.tensor(lens).cumsum(0) - 1   # each row's last token in the packed row
+        else:
+            at = torch.tensor(lens) - 1             # row b's last real token
         try:
+            if self._keeps:
+                # the positions some row ends at; row b's logits are those of its own
+                keep, which = torch.unique(at, return_inverse=True)
+                out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                                 logits_to_keep=keep, **{self._lm_cache_kw: self.cache})
+                logits = out.logits[0] if packed else out.logits[torch.arange(len(tokens)), which]
+                return logits.float()
             out = self.base(input_ids=ids, attention_mask=mask, position_ids=pos,
                             use_cache=True, **{self._cache_kw: self.cache})
         finally:
             self.cache.segments = None  # a later forward without begin_step (perplexity) is not packed
-        if packed:
-            last = out.last_hidden_state[0, torch.tensor(lens).cumsum(0) - 1]
-        else:
-            last = out.last_hidden_state[torch.arange(len(tokens)), torch.tensor(lens) - 1]
+        h = out.last_hidden_state
+        last = h[0, at] if packed else h[torch.arange(len(tokens)), at]
         return self.head(last).float()
 
     @torch.no_grad()
     def logits_all(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits at every position of [B, T] ids without the cache (perplexity)."""
+        if self._keeps:  # the model's own forward, whatever it does after its head
+            return self.model(input_ids=input_ids, use_cache=False).logits.float()
         h = self.base(input_ids=input_ids, use_cache=False).last_hidden_state
         return self.head(h).float()
 
@@ -325,12 +376,25 @@ class InferenceEngine:
     def ssd_bytes_read(self) -> int:
         return self.store.store.stats.snapshot()["bytes_read"] if self.store else 0
 
+    def decode_path(self) -> str:
+        """Which code runs a decode step, and why not tierlm's own where it does not."""
+        if self.lean is not None:
+            if self.lean.fused is not None:
+                return "decode: native (tierlm's fused kernels)"
+            return "decode: native (tierlm's lean decoder, a kernel call per product)"
+        if not self.cfg.lean:
+            why = "the native path is switched off (lean=False)"
+        else:
+            refusal = getattr(LeanDecoder, "refusal", None)
+            why = refusal(self) if refusal is not None else None
+            why = why or f"tierlm's native decoder does not cover {self.config.model_type}"
+        return f"decode: generic (transformers' modules: {why})"
+
     def describe(self) -> str:
-        _, kvh, hd = kv_geometry(self.config)
         w = self.cfg.quant or self.cfg.dtype
         tp = f"tensor-parallel rank {self.tp.rank} of {self.tp.world} (1/{self.tp.world} of each layer); " \
             if self.tp else ""
-        return f"{self.config.model_type}, weights {w}: {tp}{self.placement.describe()}"
+        return f"{self.config.model_type}, weights {w}: {tp}{self.placement.describe()}; {self.decode_path()}"
 
     def close(self) -> None:
         if self.tp:
