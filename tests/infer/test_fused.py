@@ -7,7 +7,7 @@ from tierlm.infer import native
 from tierlm.infer.engine import InferConfig, InferenceEngine
 from tierlm.infer.fused import FusedLayer, FusedStack
 
-from .test_lean import OVER, SPREAD
+from .test_lean import OVER, SPREAD, make_model
 from .tolerances import fp32_sum_tol
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"no kernels: {native.why_unavailable()}")
@@ -55,15 +55,20 @@ def _run(eng, rows=2, steps=8):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "gemma"])
 @pytest.mark.parametrize("resident", [None, 1])
-def test_fused_decode_equals_transformers_forward(arch, resident, make_model_dir, tmp_path, fused_calls):
+def test_fused_decode_equals_transformers_forward(arch, resident, tmp_path, fused_calls):
     """fp32 weights on the fused kernel against transformers' forward on the same engine: the
     rotary embedding, GQA grouping, per-row cache positions, sliding-window masks (mistral, and
-    qwen2's sliding and full layers), and streamed layers (resident=1)."""
-    d, model = make_model_dir(arch, **SPREAD, **OVER[arch])
+    qwen2's and qwen3's sliding and full layers), per-head q/k norms (qwen3), gemma's (1 + w)
+    norms, scaled embeddings and gelu, and streamed layers (resident=1)."""
+    d = tmp_path / f"{arch}-model"
+    model = make_model(arch, **SPREAD, **OVER[arch])
+    model.save_pretrained(d)
     ref = _run(_engine(d, tmp_path, lean=False, dtype="fp32", resident_layers=resident))
-    got = _run(_engine(d, tmp_path, dtype="fp32", resident_layers=resident))
+    eng = _engine(d, tmp_path, dtype="fp32", resident_layers=resident)
+    fused_calls.clear()  # (the lean path's self-check on a tiny copy, at build)
+    got = _run(eng)
     layers = model.config.num_hidden_layers
     assert len(fused_calls) == 8 * layers  # every decode step, every layer, on the fused kernel
     # fp32 sums in another order than PyTorch's (tolerances.fp32_sum_tol) of the widest product's K
@@ -82,8 +87,7 @@ def _err(a, ref):
 def _bf16_model(arch, d):
     """A bf16 model whose widths are multiples of 64 (int4 groups of 64 round x to 8 bits a group),
     with biases where the architecture has them (qwen2's q, k, v) set to something to get wrong."""
-    from tests.conftest import tiny_model
-    model = tiny_model(arch, intermediate_size=128, **SPREAD, **OVER[arch])
+    model = make_model(arch, intermediate_size=128, **SPREAD, **OVER[arch])
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):
@@ -118,14 +122,14 @@ def _weights(prods, signed=False):
     return w if signed else (w.abs(), torch.cat(rounded).double().abs())
 
 
-def _layer_tolerance(seen, prods, att_fused=None):
+def _layer_tolerance(seen, prods, att_fused=None, act_fn=torch.nn.functional.silu):
     """How far the fused layer's output may be from the per-product layer's, from the formats.
     The two run the same product loops on inputs that differ by fp32 rounding (attention and silu in
     C against torch's). Where a product rounds its x (tolerances.x_step), an input within those ulp
     of a rounding boundary lands one step away in one of the two: the output moves by that step
     times the input's effect on it, which is computed here in float64 from the per-product layer's
     own values (o and down are linear: the largest |W'| times the step; a step of one of gate/up's
-    inputs, each in turn, through silu(g) * u and down). FLIPS such moves are allowed: an input
+    inputs, each in turn, through act(g) * u and down). FLIPS such moves are allowed: an input
     flips with the chance of a few ulp against a step (2^-24 * 127 for 8 bits), so two in a layer
     are already rare. Beside them, fp32 sums in another order (tolerances.fp32_sum_tol). With a
     bf16 cache the per-product attention runs in bf16 (q and output rounded to bf16) where the
@@ -146,9 +150,9 @@ def _layer_tolerance(seen, prods, att_fused=None):
 
     def mlp(xn):  # float64, xn [..., H] already normalised
         gu_ = xn @ wgu_s.T
-        return torch.nn.functional.silu(gu_[..., :inter]) * gu_[..., inter:] @ wd_s.T
+        return act_fn(gu_[..., :inter]) * gu_[..., inter:] @ wd_s.T
 
-    xn = xmid * torch.rsqrt(xmid.pow(2).mean(-1, keepdim=True) + ln2.variance_epsilon) * ln2.weight.double()
+    xn = xmid * torch.rsqrt(xmid.pow(2).mean(-1, keepdim=True) + ln2.eps) * ln2.scale().double()
     def step(x, prods):  # each stage's int4 group its own
         return x_step(kind, x.float(), getattr(prods.mods[0], "group", 0), light, isa)
     s_gu = step(xn, gu)
@@ -167,18 +171,18 @@ def _layer_tolerance(seen, prods, att_fused=None):
 
         def tail(a):
             xm = x0 + a @ wo_s.T
-            return xm + mlp(xm * torch.rsqrt(xm.pow(2).mean(-1, keepdim=True) + ln2.variance_epsilon)
-                            * ln2.weight.double())
+            return xm + mlp(xm * torch.rsqrt(xm.pow(2).mean(-1, keepdim=True) + ln2.eps) * ln2.scale().double())
         attention = (tail(att_fused.double()) - tail(att)).abs().max().item()
     return FLIPS * flips + sums + 2 * attention
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases, a sliding and a full layer
+# qwen2: q/k/v biases, a sliding and a full layer; qwen3: q/k norms; gemma: (1 + w) norms, gelu
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma"])
 @pytest.mark.parametrize("weights,dtype", FORMATS)
 @pytest.mark.parametrize("rows", [1, 3])
 def test_fused_layer_equals_the_per_product_layer(arch, weights, dtype, rows, tmp_path):
     """Each layer from the same x and cache: the fused call against lean's per-product layer (the
-    same product loops; torch ops for norms, rotary, SDPA, silu): outputs and the keys and values
+    same product loops; torch ops for norms, rotary, SDPA, the activation): outputs and the keys and values
     written. Rows at different positions (3 rows: one padded slot position apart)."""
     from tierlm.infer import lean
     from tierlm.infer.fused import StepArgs
@@ -214,6 +218,9 @@ def test_fused_layer_equals_the_per_product_layer(arch, weights, dtype, rows, tm
             if dtype == "bf16":  # the attention as the fused layer computes it: fp32 on the bf16 cache
                 hd, kvh, y = layer.self_attn.head_dim, c.k[i].shape[1], seen["qkv"][1]
                 qk = y[:, :y.shape[1] - kvh * hd].view(rows, -1, hd)
+                qn, kn = lv.norms[i][2:]
+                if qn is not None:
+                    qk = torch.cat((qn(qk[:, :-kvh]), kn(qk[:, -kvh:])), 1)
                 q = (qk * cos + torch.roll(qk, half, -1) * folded)[:, :-kvh].reshape(rows, kvh, -1, hd)
                 att_fused = torch.nn.functional.scaled_dot_product_attention(
                     q, *(t[:rows, :, :m.shape[-1]].float() for t in (want_k, want_v)), attn_mask=m,
@@ -229,18 +236,22 @@ def test_fused_layer_equals_the_per_product_layer(arch, weights, dtype, rows, tm
             lv.fused[i](got, args, sliding, c.k[i], c.v[i])
             # _layer_tolerance: rounding steps of x, fp32 sums, bf16 attention; a wrong rotation,
             # mask or bias errs by about the output's own size
-            tol = _layer_tolerance(seen, (qkv, o, gu, down), att_fused)
+            tol = _layer_tolerance(seen, (qkv, o, gu, down), att_fused, layer.mlp.act_fn)
             err = (got - want).abs().max().item()
             assert err <= tol, (i, err, tol)
             assert tol < 0.1 * want.abs().max().item(), (i, tol)  # and the bound can catch those
-            torch.testing.assert_close(c.k[i], want_k, rtol=0, atol=0)
+            if lv.norms[i][2] is None:
+                torch.testing.assert_close(c.k[i], want_k, rtol=0, atol=0)
+            else:  # the per-head norm's sum in C's order against torch's: keys a few ulp apart
+                ulp = 2.0 ** (-7 if c.k[i].dtype == torch.bfloat16 else -21)
+                torch.testing.assert_close(c.k[i], want_k, rtol=ulp, atol=ulp * want_k.abs().max().item())
             torch.testing.assert_close(c.v[i], want_v, rtol=0, atol=0)
             assert not torch.equal(want_k, k0)  # the new keys were written
     finally:
         eng.close()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma"])
 def test_fused_decode_on_quantised_weights_runs_every_layer(arch, tmp_path, fused_calls):
     """Through the engine: every decode step's layers go to the fused kernel for int8, int4 and
     bf16 weights, one row and two. int8 in an fp32 engine agrees with the per-product path to fp32
@@ -255,8 +266,9 @@ def test_fused_decode_on_quantised_weights_runs_every_layer(arch, tmp_path, fuse
     for rows in (1, 2):
         ref = _run(_engine(d, tmp_path, lean=False, dtype="fp32", rows=rows), rows)
         for weights, dtype in FORMATS:
-            fused_calls.clear()
-            fused = _run(_engine(d, tmp_path, weights=weights, dtype=dtype, rows=rows), rows)
+            eng = _engine(d, tmp_path, weights=weights, dtype=dtype, rows=rows)
+            fused_calls.clear()  # (the lean path's self-check on a tiny copy, at build)
+            fused = _run(eng, rows)
             if weights == "bf16" and rows > 1 and not fused_calls:
                 continue  # bf16 matrix products are fast on this CPU: two rows stay on PyTorch's
             assert len(fused_calls) == 8 * config.num_hidden_layers, (weights, rows)

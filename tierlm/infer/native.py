@@ -218,18 +218,29 @@ def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
 INT8, BF16, INT4, FP32 = 0, 1, 2, 3
 
 
-def _norm_args(norm: tuple[torch.Tensor, float] | None):
-    """(pointer, is bf16, eps, the tensor to keep alive) of an RMSNorm weight for the kernel."""
+NORM_BF16, NORM_ONE_PLUS = 1, 2  # kernels/gemv.h's TL_NORM_*
+
+
+def norm_flags(weight: torch.Tensor, one_plus: bool = False) -> int:
+    """The kernels' flags for an RMSNorm weight (fp32 or bf16): its dtype, and whether the norm
+    scales by (1 + weight) (Gemma's) rather than by the weight."""
+    return (NORM_BF16 if weight.dtype == torch.bfloat16 else 0) | (NORM_ONE_PLUS if one_plus else 0)
+
+
+def _norm_args(norm: tuple | None):
+    """(pointer, flags, eps, the tensor to keep alive) of an RMSNorm (weight, eps[, one_plus]) for
+    the kernel."""
     if norm is None:
         return None, 0, 0.0, None
-    t, eps = norm
+    t, eps = norm[0], norm[1]
+    one_plus = len(norm) > 2 and bool(norm[2])
     if t.dtype not in (torch.float32, torch.bfloat16) or not t.is_contiguous():
         t = t.float().contiguous()
-    return t.data_ptr(), int(t.dtype == torch.bfloat16), eps, t
+    return t.data_ptr(), norm_flags(t, one_plus), eps, t
 
 
 def products(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor] | None = None,
-             concat: bool = False, norm: tuple[torch.Tensor, float] | None = None, group: int = 0
+             concat: bool = False, norm: tuple | None = None, group: int = 0
              ) -> list[torch.Tensor] | torch.Tensor:
     """x [..., K] times each weight [N_j, K]^T, in one parallel region: int8 weights with fp32
     scales [N_j] (one per output row), else bf16 weights; with `group`, int4 weights [N_j, K/2]
@@ -238,7 +249,8 @@ def products(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Te
     side by side, written in place).
 
     With `norm` = (weight [K] fp32 or bf16, eps) the kernel first RMS-normalises each row and
-    scales it by the weight (a decoder layer's norm, at no torch op of its own). One row against
+    scales it by the weight (a decoder layer's norm, at no torch op of its own); with
+    (weight, eps, True) by 1 + weight (Gemma's norms). One row against
     int8 weights is rounded to 16 bits; every row against int4 weights to 8 bits a group (groups of
     a multiple of 64) or 16 bits (kernels/gemv.c)."""
     k = weights[0].shape[1] * (2 if group else 1)
@@ -258,11 +270,11 @@ def products(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Te
     else:
         ys = [torch.empty(m, s, dtype=torch.float32) for s in sizes]
         yp, ldy = [y.data_ptr() for y in ys], 0
-    nw, nw_bf16, eps, _keep = _norm_args(norm)
+    nw, nw_flags, eps, _keep = _norm_args(norm)
     ptr = ctypes.c_void_p * n
     sp = ptr(*[t.data_ptr() for t in ss]) if ss else None
     rc = library().tierlm_gemv_multi(kind, xf.data_ptr(), m, k, n, ptr(*[w.data_ptr() for w in ws]), sp,
-                                     ptr(*yp), (ctypes.c_int64 * n)(*sizes), ldy, nw, nw_bf16, eps,
+                                     ptr(*yp), (ctypes.c_int64 * n)(*sizes), ldy, nw, nw_flags, eps,
                                      torch.get_num_threads(), group)
     _check(rc, m, k, group)
     return out if concat else ys
@@ -287,7 +299,7 @@ class KeptCall:
         self._scales = None
 
     def __call__(self, x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor] | None = None,
-                 norm: tuple[torch.Tensor, float] | None = None, group: int = 0) -> torch.Tensor:
+                 norm: tuple | None = None, group: int = 0) -> torch.Tensor:
         # int4's (scale, lo) pairs are as large as a sixteenth of the weights: used where they
         # are (fp32 already), so they are part of the key
         key = tuple(w.data_ptr() for w in weights) + (tuple(t.data_ptr() for t in scales) if group else ())
@@ -316,10 +328,10 @@ class KeptCall:
         m = xf.shape[0]
         out = torch.empty(m, self._total, dtype=torch.float32)
         base = out.data_ptr()
-        nw, nw_bf16, eps, _keep = _norm_args(norm)
+        nw, nw_flags, eps, _keep = _norm_args(norm)
         rc = library().tierlm_gemv_multi(self._kind, xf.data_ptr(), m, k, len(weights), self._w, self._s,
                                          self._ptrs(*[base + o for o in self._offs]), self._n, self._total,
-                                         nw, nw_bf16, eps, torch.get_num_threads(), group)
+                                         nw, nw_flags, eps, torch.get_num_threads(), group)
         _check(rc, m, k, group)
         return out
 

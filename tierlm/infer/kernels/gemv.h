@@ -47,8 +47,18 @@ TARGET_AVX2 static inline __m256 load_bf16(const uint16_t *p) {
 }
 #endif
 
+/* An RMSNorm weight's flags: stored as bf16 (else fp32); the norm scales by (1 + weight), as
+   Gemma's do (computed in fp32, as transformers' GemmaRMSNorm does), else by the weight. */
+#define TL_NORM_BF16 1
+#define TL_NORM_ONE_PLUS 2
+
+static inline float tl_norm_w(const void *nw, int flags, int64_t k) {
+    float w = flags & TL_NORM_BF16 ? bf16_to_f32(((const uint16_t *)nw)[k]) : ((const float *)nw)[k];
+    return flags & TL_NORM_ONE_PLUS ? 1.f + w : w;
+}
+
 int tl_use_avx2(void);
-void tl_prep_rows(const float *x, int64_t M, int64_t K, const void *nw, int nw_bf16, float eps, float *out);
+void tl_prep_rows(const float *x, int64_t M, int64_t K, const void *nw, int nw_flags, float eps, float *out);
 int tl_use_bf16dp(void);
 int tl_use_vnni(void);
 int tl_rounds_x(int kind, int64_t M);

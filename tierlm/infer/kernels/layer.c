@@ -1,6 +1,7 @@
-/* A whole decoder layer's decode step (llama, mistral, qwen2; every row brings one token) in one
-   parallel region: RMSNorm, q/k/v, rotary embedding, the KV cache write, attention, o, residual,
-   RMSNorm, gate/up, silu(gate) * up, down, residual.
+/* A whole decoder layer's decode step (llama, mistral, qwen2, qwen3, gemma; every row brings one
+   token) in one parallel region: RMSNorm, q/k/v, per-head q and k RMSNorms where the layer has
+   them (qwen3), rotary embedding, the KV cache write, attention, o, residual, RMSNorm, gate/up,
+   act(gate) * up (silu, or gemma's tanh-approximated gelu), down, residual.
 
    Why one region: a decode step made 89 kernel calls (TinyLlama), each its own OpenMP fork and
    join, with 6-9 ms of torch ops a token between them (norm glue, rotary, SDPA on a few dozen
@@ -17,14 +18,22 @@
 
 
 typedef struct {
-    int64_t kind, hidden, heads, kv_heads, head_dim, inter, ln_bf16;
+    int64_t kind, hidden, heads, kv_heads, head_dim, inter, ln_flags;  /* ln_flags: TL_NORM_* of ln1, ln2 */
     int64_t group[4];   /* int4: the groups of q/k/v, o, gate/up and down (each its inputs') */
     double eps, scaling;
     const void *w[7];   /* q, k, v, o, gate, up, down: [N, K] row-major (int4: [N, K/2]) */
     const float *s[7];  /* their int8 scales [N] or int4 (scale, lo) pairs; NULL for bf16/fp32 */
     const float *bias;  /* the q, k and v biases side by side (fp32), or NULL */
     const void *ln1, *ln2;
+    int64_t act;        /* TL_ACT_SILU or TL_ACT_GELU_TANH */
+    int64_t qk_norm;    /* 0: none; else TL_NORM_* | TL_QK_NORM of qn and kn, RMSNorms over each head */
+    double qk_eps;
+    const void *qn, *kn;  /* [head_dim] */
 } tierlm_layer_w;
+
+#define TL_ACT_SILU 0
+#define TL_ACT_GELU_TANH 1
+#define TL_QK_NORM 4
 
 typedef struct {
     int64_t rows, kv_len, kv_bf16, slot_stride, head_stride, threads;
@@ -90,6 +99,15 @@ static void share(const tierlm_layer_w *lw, int stage, const prepped *p, int64_t
                   int avx2) {
     tl_rows_shared((int)lw->kind, p->x, p->xq, p->xs, p->xsum, lw->group[stage], M, K, nmat, lw->w + first,
                    lw->s + first, y, N, ldy, tt, T, sp, avx2);
+}
+
+/* gelu_tanh's constants, as PyTorch's: sqrt(2 / pi) and the cube's weight */
+#define GELU_BETA 0.7978845608028654f
+#define GELU_KAPPA 0.044715f
+
+/* the exponent of act's sigmoid form: act(g) = g / (1 + exp(act_arg(g))) */
+static inline float act_arg(int act, float g) {
+    return act == TL_ACT_GELU_TANH ? -2.f * GELU_BETA * (g + GELU_KAPPA * g * g * g) : -g;
 }
 
 /* ---- attention ------------------------------------------------------------------------ */
@@ -185,16 +203,21 @@ TARGET_AVX2 static float exp_sum_avx2(float *s, int64_t n, float mx) {
     return t;
 }
 
-/* silu(g) * u = g * u / (1 + exp(-g)) */
-TARGET_AVX2 static void silu_mul_avx2(const float *g, const float *u, float *o, int64_t n) {
+/* silu(g) * u = g * u / (1 + exp(-g)); gelu_tanh(g) * u = g * u / (1 + exp(-2 t)) with
+   t = sqrt(2 / pi) * (g + 0.044715 g^3), since 0.5 * (1 + tanh(t)) = sigmoid(2 t) */
+TARGET_AVX2 static void act_mul_avx2(int act, const float *g, const float *u, float *o, int64_t n) {
     int64_t i = 0;
     __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+    __m256 c1 = _mm256_set1_ps(-2.f * GELU_BETA), c3 = _mm256_set1_ps(-2.f * GELU_BETA * GELU_KAPPA);
     for (; i + 8 <= n; i += 8) {
         __m256 gv = _mm256_loadu_ps(g + i);
-        __m256 e = exp8(_mm256_sub_ps(zero, gv));
+        __m256 z = act == TL_ACT_GELU_TANH
+            ? _mm256_fmadd_ps(_mm256_mul_ps(_mm256_mul_ps(gv, gv), gv), c3, _mm256_mul_ps(gv, c1))
+            : _mm256_sub_ps(zero, gv);
+        __m256 e = exp8(z);
         _mm256_storeu_ps(o + i, _mm256_div_ps(_mm256_mul_ps(gv, _mm256_loadu_ps(u + i)), _mm256_add_ps(one, e)));
     }
-    for (; i < n; i++) o[i] = g[i] * u[i] / (1.f + expf(-g[i]));
+    for (; i < n; i++) o[i] = g[i] * u[i] / (1.f + expf(act_arg(act, g[i])));
 }
 #endif
 
@@ -204,15 +227,23 @@ static float dot_scalar(const float *q, const void *k, int bf16, int64_t n) {
     return a;
 }
 
-static void silu_mul(const float *g, const float *u, float *o, int64_t n, int avx2) {
+static void act_mul(int act, const float *g, const float *u, float *o, int64_t n, int avx2) {
 #if HAVE_X86
     if (avx2) {
-        silu_mul_avx2(g, u, o, n);
+        act_mul_avx2(act, g, u, o, n);
         return;
     }
 #endif
-    for (int64_t i = 0; i < n; i++) o[i] = g[i] * u[i] / (1.f + expf(-g[i]));
+    for (int64_t i = 0; i < n; i++) o[i] = g[i] * u[i] / (1.f + expf(act_arg(act, g[i])));
     (void)avx2;
+}
+
+/* x <- RMSNorm(x) over one head (a qwen3 q or k head; flags TL_NORM_*) */
+static void head_norm(float *x, const void *w, int flags, float eps, int64_t hd) {
+    float ss = 0.f;
+    for (int64_t i = 0; i < hd; i++) ss += x[i] * x[i];
+    float r = 1.f / sqrtf(ss / (float)hd + eps);
+    for (int64_t i = 0; i < hd; i++) x[i] = x[i] * r * tl_norm_w(w, flags, i);
 }
 
 /* x <- x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[half:], x[:half]) */
@@ -241,6 +272,12 @@ static void attend(const tierlm_layer_w *lw, const tierlm_step *st, float *qkv, 
             k[i] += b[nq + h * hd + i];
             v[i] += b[nq + nkv + h * hd + i];
         }
+    }
+    if (lw->qk_norm) {
+        int fl = (int)lw->qk_norm;
+        float qe = (float)lw->qk_eps;
+        for (int64_t g = 0; g < gq; g++) head_norm(q0 + g * hd, lw->qn, fl, qe, hd);
+        head_norm(k, lw->kn, fl, qe, hd);
     }
     for (int64_t g = 0; g < gq; g++) rotate(q0 + g * hd, cs, sn, hd);
     rotate(k, cs, sn, hd);
@@ -345,7 +382,7 @@ int tierlm_layer_decode(const tierlm_layer_w *lw, const tierlm_step *st, float *
         int64_t me = omp_get_thread_num(), nt = omp_get_num_threads();
 #pragma omp single
         {
-            tl_prep_rows(x, M, H, lw->ln1, (int)lw->ln_bf16, eps, xn);
+            tl_prep_rows(x, M, H, lw->ln1, (int)lw->ln_flags, eps, xn);
             prep(lw, 0, xn, M, H, xq, xs, &p);
             tl_spans_reset(sp, n_qkv, 3, nt);
         }
@@ -365,7 +402,7 @@ int tierlm_layer_decode(const tierlm_layer_w *lw, const tierlm_step *st, float *
 #pragma omp single
         {
             for (int64_t i = 0; i < M * H; i++) x[i] += y[i];
-            tl_prep_rows(x, M, H, lw->ln2, (int)lw->ln_bf16, eps, xn);
+            tl_prep_rows(x, M, H, lw->ln2, (int)lw->ln_flags, eps, xn);
             prep(lw, 2, xn, M, H, xq, xs, &p);
             tl_spans_reset(sp, n_gu, 2, nt);
         }
@@ -375,7 +412,7 @@ int tierlm_layer_decode(const tierlm_layer_w *lw, const tierlm_step *st, float *
         for (int64_t tt = 0; tt < nt; tt++)
             for (int64_t m = 0; m < M; m++) {
                 int64_t a = I * tt / nt, b = I * (tt + 1) / nt;
-                silu_mul(gu + m * 2 * I + a, gu + m * 2 * I + I + a, act + m * I + a, b - a, avx2);
+                act_mul((int)lw->act, gu + m * 2 * I + a, gu + m * 2 * I + I + a, act + m * I + a, b - a, avx2);
             }
 #pragma omp single
         {
