@@ -166,3 +166,70 @@ def test_many_rows_take_the_modules_path_and_agree(tmp_path):
         finally:
             eng.close()
     torch.testing.assert_close(out[True], out[False], rtol=0.05, atol=0.05 * out[False].abs().max().item())
+
+
+NATIVE_FAMILIES = {"llama", "mistral", "qwen2", "qwen3", "gemma"}
+
+
+def test_each_family_runs_lean_or_says_why_not():
+    """Every family of tests/families.py: the llama-like ones whose maths the lean step computes
+    pass, the rest are refused with a reason, whether their modules show it (gemma2's norms after
+    blocks, phi3's fused projections, olmo's LayerNorms) or only their numbers do (granite's
+    multipliers live in the layer's and model's forward: the self-check on a tiny copy)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.families import FAMILIES, family_config
+    from tierlm.infer import lean
+    for family in FAMILIES:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(family_config(family)).eval()
+        why = lean.model_refusal(model)
+        if family in NATIVE_FAMILIES:
+            assert why is None, (family, why)
+        else:
+            assert isinstance(why, str) and why, family
+    granite = AutoModelForCausalLM.from_config(family_config("granite"))
+    assert lean.structure_refusal(granite) is None  # a llama by its modules ...
+    assert "differ" in lean.model_refusal(granite)  # ... but not by its numbers
+
+
+def test_the_self_check_catches_maths_the_modules_do_not_show(monkeypatch):
+    """A norm taken for the other formula (weight for Gemma's 1 + weight) still looks right by the
+    modules; the self-check's logits refuse it."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.families import family_config
+    from tierlm.infer import fused, lean
+    real = lean.norm_of
+
+    def swapped(mod, n):
+        got = real(mod, n)
+        return None if got is None else fused.Norm(got.mod, got.eps, not got.one_plus)
+    model = AutoModelForCausalLM.from_config(family_config("gemma")).eval()
+    assert lean.model_refusal(model) is None
+    monkeypatch.setattr(lean, "_CHECKS", {})
+    monkeypatch.setattr(lean, "norm_of", swapped)
+    assert lean.structure_refusal(model) is None
+    assert "differ" in lean.model_refusal(model)
+
+
+def test_an_engine_on_granite_keeps_transformers_forward_and_says_why(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from tests.families import family_config
+    from tierlm.infer.lean import LeanDecoder
+    d = tmp_path / "granite"
+    AutoModelForCausalLM.from_config(family_config("granite")).save_pretrained(d)
+    eng = _engine(d, tmp_path, True)
+    try:
+        assert eng.lean is None
+        assert "differ" in LeanDecoder.refusal(eng)
+    finally:
+        eng.close()
+    d = tmp_path / "llama-model"
+    make_model("llama").save_pretrained(d)
+    eng = _engine(d, tmp_path, True)
+    try:
+        assert eng.lean is not None and LeanDecoder.refusal(eng) is None
+    finally:
+        eng.close()

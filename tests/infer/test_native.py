@@ -224,7 +224,8 @@ def test_several_matrices_in_one_call_equal_one_call_each(rows):
 
 @needs_kernels
 @pytest.mark.parametrize("rows", [1, 3])
-def test_the_norm_folded_into_the_call_is_an_rmsnorm(rows):
+@pytest.mark.parametrize("one_plus", [False, True])  # llama's norms scale by the weight, gemma's by 1 + weight
+def test_the_norm_folded_into_the_call_is_an_rmsnorm(rows, one_plus):
     x = torch.randn(rows, 300) * 3
     q, s = int8_weight(40, 300)
     w = torch.randn(40, 300).bfloat16()
@@ -233,17 +234,18 @@ def test_the_norm_folded_into_the_call_is_an_rmsnorm(rows):
     for nw in (torch.randn(300), torch.randn(300).bfloat16()):
         # the norm in C against torch's: x differs by fp32 rounding, where x is then rounded
         # (tolerances.x_step) an input may land a step away
-        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * nw.float()
+        scale = nw.float() + 1 if one_plus else nw.float()
+        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * scale
         mag = normed.abs() @ w.float().abs().T
-        check_rounded(native.products(x, [w], norm=(nw, 1e-5))[0], native.gemv_bf16(normed, w), 300, mag,
+        check_rounded(native.products(x, [w], norm=(nw, 1e-5, one_plus))[0], native.gemv_bf16(normed, w), 300, mag,
                       x_step("bf16", normed, 0, light, isa), w.float().abs().max().item())
-        got, ref = native.products(x, [q], [s], norm=(nw, 1e-5))[0], native.gemv_int8(normed, q, s)
+        got, ref = native.products(x, [q], [s], norm=(nw, 1e-5, one_plus))[0], native.gemv_int8(normed, q, s)
         check_rounded(got, ref, 300, normed.abs() @ w8.T, x_step("int8", normed, 0, light, isa), w8.max().item())
         qw, sl, q4 = int4_weight(40, 320, 32)
         x4 = torch.randn(rows, 320) * 3
         n4 = nw.repeat(2)[:320]
-        normed = x4 * torch.rsqrt(x4.pow(2).mean(-1, keepdim=True) + 1e-5) * n4.float()
-        check_rounded(native.products(x4, [qw], [sl], norm=(n4, 1e-5), group=32)[0],
+        normed = x4 * torch.rsqrt(x4.pow(2).mean(-1, keepdim=True) + 1e-5) * (n4.float() + 1 if one_plus else n4.float())
+        check_rounded(native.products(x4, [qw], [sl], norm=(n4, 1e-5, one_plus), group=32)[0],
                       native.gemv_int4(normed, qw, sl, 32), 320, int4_magnitude(normed, sl, q4, 32),
                       x_step("int4", normed, 32, light, isa),
                       (q4.view(40, -1, 32) * sl[..., :1].abs()).max().item())

@@ -27,8 +27,22 @@ Where our kernels take a layer's weights and rows, the whole layer is one C call
 (fused.py: the same products, no torch ops between them); the per-product `_layer` below runs
 otherwise, and with `InferConfig(fused=False)`.
 
-Supported: llama, mistral, qwen2 (q/k/v/o projections, RMSNorms before attention and MLP, a gated
-MLP). Anything else (gpt2, tensor parallelism, q/k norms) gets None from `LeanDecoder.build`.
+Supported: llama-like layers (q/k/v/o projections, RMSNorms before attention and MLP, a gated
+MLP): llama, mistral, qwen2, and
+- qwen3's per-head q and k RMSNorms (after the projections, before the rotation);
+- gemma's norms, which scale by 1 + weight in fp32 (the kernels take a flag, native.NORM_ONE_PLUS),
+  its embeddings scaled by sqrt(hidden) (transformers' embedding module does it, in the embedding
+  dtype, so `self.embed` here does too) and its tanh-approximated gelu (the MLP's own act_fn; in
+  the fused layer, kernels/layer.c's).
+What a family computes is found from its modules, not from a list of model types: the norms'
+formula and the activation by running them on probes (fused.norm_of, fused.activation), q/k norms
+by their presence. Families that look like llama by their modules but compute something else
+(granite's multipliers, an embedding scaled in the model's forward) are caught by a self-check at
+build: a tiny copy of the model's config (its classes and options) with random fp32 weights,
+whose logits of each decode step on this path must equal transformers' forward to fp32 noise
+(`self_check`; the fused C layer is checked the same way, and kept off where it differs). Anything
+else (gemma2's and olmo2's norms after blocks, phi3's fused projections, gpt2, tensor
+parallelism) gets None from `LeanDecoder.build`, and `LeanDecoder.refusal` says why.
 """
 from __future__ import annotations
 
@@ -139,6 +153,12 @@ def structure_refusal(model) -> str | None:
     return None
 
 
+def model_refusal(model) -> str | None:
+    """Why this model's decode steps cannot run on the lean path, or None: its modules
+    (structure_refusal), then their maths against transformers' on a tiny copy (self_check)."""
+    return structure_refusal(model) or self_check(model)[0]
+
+
 _CHECKS: dict = {}
 
 
@@ -242,8 +262,7 @@ class LeanDecoder:
         transformers' on a tiny copy (self_check)."""
         if engine.tp is not None:
             return "tensor parallelism"
-        why = structure_refusal(engine.model)
-        return why or self_check(engine.model)[0]
+        return model_refusal(engine.model)
 
     @classmethod
     def build(cls, engine) -> "LeanDecoder | None":
