@@ -154,12 +154,12 @@ def _check_kv_attention(model, layers: int) -> None:
     _, mods = find_layers(model)
     without = [i for i, layer in enumerate(mods) if not packed_attention.attention_modules(layer)]
     if without:
-        which = "none of its layers" if len(without) == layers else \
+        which = "its layers" if len(without) == layers else \
             f"its layers {', '.join(map(str, without[:8]))}{' ...' if len(without) > 8 else ''}"
         raise ValueError(
-            f"{type(model).__name__}: {which} attend over a KV cache (a state-space or recurrent model, "
-            f"such as Mamba or RWKV, or a hybrid of them); tierlm's inference runs models whose every "
-            f"decoder layer is attention with a KV cache")
+            f"{type(model).__name__}: {which} keep no KV cache (no attention module that knows its layer: "
+            f"a state-space or recurrent model, such as Mamba or RWKV, or a hybrid of them); tierlm's "
+            f"inference runs models whose every decoder layer is attention over a KV cache")
 
 
 class InferenceEngine:
