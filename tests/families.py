@@ -48,3 +48,12 @@ def family_config(family: str, **over):
     kw = dict(FAMILIES[family])
     kw.update(over)
     return AutoConfig.for_model(family, **kw)
+
+
+# initializer_range at which each tiny random model's greedy continuation varies (so a wrong token
+# shows): wide for most; Gemma 2/3's scaled embeddings and soft-capping repeat the last token there.
+GREEDY_INIT = {"gemma2": 0.02, "gemma3_text": 0.02}
+
+
+def greedy_init(family: str) -> float:
+    return GREEDY_INIT.get(family, 0.3)

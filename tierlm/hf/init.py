@@ -16,6 +16,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, GenerationConfig
 from transformers import initialization as hf_init
 
+from tierlm.hf.names import checkpoint_name
 from tierlm.hf.presets import dtype_name
 from tierlm.hf.safetensors_io import SafetensorsWriter
 from tierlm.hf.tokenizer import make_tokenizer, special_token_ids
@@ -69,13 +70,13 @@ def _init_piece(model, piece: nn.Module) -> None:
             model._init_weights(sub)
 
 
-def _write_piece(model, piece: nn.Module, prefix: str, saved: dict, writer: SafetensorsWriter) -> None:
+def _write_piece(model, piece: nn.Module, prefix: str, saved: dict, files: dict, writer: SafetensorsWriter) -> None:
     # A function of its own so no loop variable keeps the last tensor alive after the piece is freed.
     piece.to_empty(device="cpu")
     _init_piece(model, piece)
     for k, t in piece.state_dict(prefix=prefix).items():
         if k in saved:
-            writer.write(k, t)
+            writer.write(files[k], t)
     piece.to_empty(device="meta")
 
 
@@ -117,7 +118,9 @@ def init_model(out_dir: str | os.PathLike, config, seed: int = 0, dtype: str | t
     model.to(dtype)  # on meta: free, and to_empty() below then allocates each piece in this dtype
     model.eval()
     saved = _saved_tensors(model)
-    writer = SafetensorsWriter(out, [(n, t.dtype, t.shape) for n, t in saved.items()], max_shard_bytes)
+    # the family's own file names (GPT-NeoX's head is `embed_out` in its files), as save_pretrained writes
+    files = {n: checkpoint_name(model, n) for n in saved}
+    writer = SafetensorsWriter(out, [(files[n], t.dtype, t.shape) for n, t in saved.items()], max_shard_bytes)
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
@@ -126,7 +129,7 @@ def init_model(out_dir: str | os.PathLike, config, seed: int = 0, dtype: str | t
                 keys = [prefix + k for k in piece.state_dict(keep_vars=True)]
                 if not any(k in saved for k in keys):
                     continue  # e.g. a tied lm_head: its weight is the embedding, already written
-                _write_piece(model, piece, prefix, saved, writer)
+                _write_piece(model, piece, prefix, saved, files, writer)
     except BaseException:
         writer.abort()
         raise

@@ -94,7 +94,10 @@ def model_shape(model: str) -> ModelShape:
     config, source = _config_for(model)
     with torch.device("meta"):  # parameters and buffers take no memory
         m = AutoModelForCausalLM.from_config(config)
-    n = config.num_hidden_layers
+    from ..hf.fields import get, head_dim as head_dim_of
+    n = get(config, "layers")
+    layers_name = next(name for name, mod in m.named_modules()
+                       if isinstance(mod, torch.nn.ModuleList) and len(mod) == n)
     per_layer = [0] * n
     embed = head = 0
     seen: set[int] = set()
@@ -103,25 +106,23 @@ def model_shape(model: str) -> ModelShape:
         if id(p) in seen:
             continue
         seen.add(id(p))
-        hit = re.search(r"\.(?:layers|h)\.(\d+)\.", name)
-        if hit and int(hit.group(1)) < n:
+        hit = re.match(re.escape(layers_name) + r"\.(\d+)\.", name)
+        if hit:
             per_layer[int(hit.group(1))] += p.numel()
         elif id(p) in embeddings:
             embed += p.numel()
         else:
             head += p.numel()
+    # a gated MLP (SwiGLU, GeGLU) multiplies three matrices, whatever the family calls them
+    gated = any("gate" in name for name, _ in m.get_submodule(layers_name)[0].named_modules())
     del m
     if len(set(per_layer)) != 1:
         raise ValueError(f"{model}: decoder layers of different sizes are not planned yet ({sorted(set(per_layer))})")
-    hidden = getattr(config, "hidden_size", None) or config.n_embd
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
-    inter = (getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden)
-    gated = getattr(config, "hidden_act", "gelu") in ("silu", "swish") or config.model_type in (
-        "llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2")
+    hidden, heads = get(config, "hidden"), get(config, "heads")
+    inter = get(config, "intermediate") or 4 * hidden
     return ModelShape(
         name=Path(model).name if Path(model).exists() else model.lower(), model_type=config.model_type,
         source=source, params=sum(per_layer) + embed + head, embed_params=embed, head_params=head,
         layer_params=per_layer[0], layers=n, hidden=hidden, intermediate=inter, heads=heads,
-        kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim,
+        kv_heads=get(config, "kv_heads") or heads, head_dim=head_dim_of(config),
         vocab=config.vocab_size, gated_mlp=gated)
