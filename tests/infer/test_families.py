@@ -94,3 +94,20 @@ def test_models_without_a_kv_cache_are_refused(arch, kw, tmp_path):
     AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **kw)).save_pretrained(tmp_path / "m")
     with pytest.raises(ValueError, match="keep no KV cache .*state-space or recurrent"):
         InferenceEngine(tmp_path / "m", InferConfig(dtype="fp32", nvme_dir=str(tmp_path / "n")), library_rss=0)
+
+
+def test_attention_writing_fewer_kv_heads_than_its_config_says(tmp_path):
+    """Falcon's multi-query attention writes one key/value head where its config says four: the
+    cache holds what the attention writes (batched rows read every head of it)."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    cfg = family_config("falcon", initializer_range=0.3, new_decoder_architecture=False, multi_query=True)
+    model = AutoModelForCausalLM.from_config(cfg).float().eval()
+    model.save_pretrained(tmp_path / "m")
+    refs = [_reference(model, p, NEW) for p in PROMPTS]
+    eng = _engine(tmp_path / "m", tmp_path, max_batch=3, max_seq_len=40)
+    try:
+        assert _greedy(eng, PROMPTS, NEW) == refs
+        assert eng.cache.k[0].shape[1] == 1
+    finally:
+        eng.close()

@@ -107,6 +107,8 @@ class SlotKVCache:
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         b, h, q, d = key.shape
         kc, vc = self.k[layer_idx], self.v[layer_idx]
+        if h != kc.shape[1]:
+            kc, vc = self._fit_heads(layer_idx, h)
         if self._write_slot is not None:  # packed: token t goes to its row's slot
             slot, pos = self._write_slot, self._write_pos
             kc[slot, :, pos] = key[0].transpose(0, 1).to(kc.dtype)
@@ -125,6 +127,23 @@ class SlotKVCache:
         L = self._kv_len
         self.note_read(b, layer_idx)
         return kc[:b, :, :L], vc[:b, :, :L]
+
+    def _fit_heads(self, layer_idx: int, heads: int):
+        """The config's KV head count is not always what the attention writes: Falcon's multi-query
+        attention (new_decoder_architecture off) writes one head where its config says as many as
+        the queries. Fewer heads than planned: this layer's cache shrinks to them (on its first
+        write; the budget planned the larger one). More would not fit the budget."""
+        kc = self.k[layer_idx]
+        if heads > kc.shape[1]:
+            raise RuntimeError(f"layer {layer_idx}'s attention writes {heads} key/value heads but the KV cache "
+                               f"was planned for {kc.shape[1]} from the model's config (a tierlm bug: please "
+                               f"report it with the model's config.json)")
+        shape = (kc.shape[0], heads) + tuple(kc.shape[2:])
+        old = 2 * kc.numel() * kc.element_size()
+        self.k[layer_idx] = torch.zeros(shape, dtype=kc.dtype)
+        self.v[layer_idx] = torch.zeros(shape, dtype=kc.dtype)
+        self.nbytes -= old - 2 * self.k[layer_idx].numel() * kc.element_size()
+        return self.k[layer_idx], self.v[layer_idx]
 
     def note_read(self, rows: int, layer_idx: int, layers: int = 1) -> None:
         """Count the KV bytes a layer's attention reads this step (for the bandwidth report); with
