@@ -107,6 +107,8 @@ AXES = {
     "share": ("steal", "even"),
     # every layer in one C call a step (fused.FusedStack), or a call a layer
     "calls": ("stack", "layers"),
+    # decode steps on the path the engine chose (native where it applies), or transformers' modules
+    "path": ("default", "hf"),
 }
 
 
@@ -131,6 +133,10 @@ def _apply(eng, axis: str, value: str, state: dict) -> None:
             sep = _separate(eng)
             state["block"], state["separate"] = eng.reinstall(sep), sep
         eng.reinstall(state[value])
+    elif axis == "path":
+        if "default" not in state:
+            state["default"] = eng.lean
+        eng.lean = state["default"] if value == "default" else None
     elif axis == "calls" and eng.lean is not None:
         if "stack" not in state:
             state["stack"] = eng.lean.stack

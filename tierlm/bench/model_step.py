@@ -16,6 +16,8 @@ from pathlib import Path
 import psutil
 import torch
 
+from ..hf.fields import put
+
 from . import measure
 
 
@@ -74,7 +76,7 @@ def bench_model_step(config, tokens: int, seq: int, dtype: torch.dtype, repeats:
     rows_want = max(1, tokens // seq)
     per_row = B.layer_activation_bytes(config, seq, dtype) + B.logits_bytes(config, seq, dtype)
     cfg = copy.deepcopy(config)
-    cfg.num_hidden_layers = 1
+    put(cfg, "layers", 1)  # any family's field; a layer pattern (layer_types) cut to match
     with torch.device("meta"):
         n = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
     elem = torch.empty((), dtype=dtype).element_size()
@@ -207,7 +209,7 @@ def bench_engine_step(config, tokens: int, seq: int, dtype: torch.dtype, directo
     from ..engine.optim_types import AdamWConfig
 
     cfg = copy.deepcopy(config)
-    cfg.num_hidden_layers = layers
+    put(cfg, "layers", layers)
     with torch.device("meta"):
         n = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
     if n > MODEL_MAX_PARAMS:
