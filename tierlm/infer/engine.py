@@ -184,6 +184,8 @@ class InferenceEngine:
         if self.max_len > limit:
             raise ValueError(f"--max-seq-len {self.max_len} exceeds the model's {limit} positions")
         self.model = empty_model(config).eval()
+        # what the library baseline's warm-up forward runs until packed.install names the steps'
+        config._attn_implementation = "sdpa" if getattr(self.model, "_supports_sdpa", False) else "eager"
         self.blocks, _ = discover_blocks(self.model)
         _check_kv_attention(self.model, sum(b.kind == "layer" for b in self.blocks))
         self.tp = None
