@@ -51,3 +51,18 @@ def test_trains_exactly_and_saves_loadable_model(make_model_dir, tmp_path, arch,
     else:
         # transformers' bf16 load also casts the rotary buffers to bf16, so logits differ by rounding
         torch.testing.assert_close(theirs.float(), ours.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("family, module", [("bloom", "word_embeddings_layernorm"), ("opt", "project_in")])
+def test_weights_used_before_the_layers_are_refused_before_anything_is_written(family, module, tmp_path):
+    """BLOOM's embedding LayerNorm and OPT's project_in run before the first layer and are needed
+    again at the end of backward: refused at construction with the modules named (before, the
+    step failed deep in backward), and no store is created."""
+    from tierlm.hf.presets import make_config
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(make_config(family))
+    d = tmp_path / "m"
+    model.save_pretrained(d)
+    with pytest.raises(ValueError, match=f"{module}.*run before the decoder layers"):
+        Engine.from_pretrained(d, EngineConfig(nvme_dir=str(tmp_path / "nvme"), cpu_mem="1GiB", precision="fp32"))
+    assert not (tmp_path / "nvme").exists()

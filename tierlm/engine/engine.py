@@ -33,7 +33,7 @@ from .head_loss import causal_lm_loss, chunk_tokens
 from .heap import HeapGuard
 from .io_settings import io_depth, read_ahead, shard_size
 from .layout import key, make_param_info
-from .model import discover_blocks, empty_model, module_param_slots
+from .model import discover_blocks, empty_model, module_param_slots, weights_before_layers
 from .next_rows import NextRows
 from .optimizer import AdamWConfig, OutOfCoreAdamW, StepResult
 from .device import Uploads, move_buffers, synchronize, to_host
@@ -109,6 +109,10 @@ class Engine(DurableState, Exports):
             raise ValueError("data parallelism (--nproc, torchrun) computes on the CPU for now: pass --device cpu")
         self.training = True
         self.model = model
+        early = weights_before_layers(model.config)
+        if early:
+            raise ValueError(f"{model.config.model_type}: {', '.join(early)} run before the decoder layers and are "
+                             "not embeddings; the fine-tuning engine does not stream such weights yet")
         move_buffers(model, self.device)
         self.blocks, params = discover_blocks(model)
         self.names = list(params)  # canonical order: model.parameters()

@@ -69,6 +69,42 @@ def find_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
     raise ValueError(f"cannot find the {n} decoder layers of {type(model).__name__}")
 
 
+def weights_before_layers(config) -> list[str]:
+    """Modules other than embeddings whose weights a forward uses before the first decoder layer
+    (BLOOM's embedding LayerNorm, OPT's project_in), found by running a one-layer tiny copy of the
+    family (hf.fields.shrunk) with hooks. The engine streams an embedding there (its backward
+    needs no weight) and holds the head from its forward to its backward; weights used first and
+    needed again at the very end of backward fit neither."""
+    import torch
+
+    from transformers import AutoModelForCausalLM
+
+    from ..hf.fields import shrunk
+
+    tiny = shrunk(config, layers=1)
+    with torch.random.fork_rng(devices=[]):
+        m = AutoModelForCausalLM.from_config(tiny)
+    _, layers = find_layers(m)
+    seen, early = {"layers": False}, []
+
+    def note(mod, name):
+        if not seen["layers"] and any(p is not None for p in mod._parameters.values()) \
+                and not isinstance(mod, nn.Embedding):
+            early.append(name)
+
+    layer_mods = {id(x) for x in layers.modules()}
+    handles = [layers[0].register_forward_pre_hook(lambda *_: seen.update(layers=True))]
+    handles += [mod.register_forward_pre_hook(lambda mod, _a, n=name: note(mod, n))
+                for name, mod in m.named_modules() if id(mod) not in layer_mods]
+    try:
+        with torch.no_grad():
+            m(input_ids=torch.zeros(1, 4, dtype=torch.long), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return early
+
+
 def discover_blocks(model: nn.Module) -> tuple[list[Block], dict[str, nn.Parameter]]:
     """Group the model's parameters into embed / layer / head blocks in forward order.
 

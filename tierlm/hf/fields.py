@@ -63,6 +63,8 @@ def shrunk(config, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: 
         put(c, "intermediate", intermediate)
     if get(config, "head_dim") is not None:
         put(c, "head_dim", hidden // heads)
+    if getattr(c, "rotary_dim", None):  # GPT-J, CodeGen: rotary on the first rotary_dim of each head
+        c.rotary_dim = min(c.rotary_dim, hidden // heads)
     put(c, "vocab", vocab)
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # published ids fall outside a small vocab
         v = getattr(c, key, None)
