@@ -167,9 +167,10 @@ def self_check(model) -> tuple[str | None, bool]:
     or None; whether the fused C layer does too). Run on a tiny copy of the model's config (its
     classes and options: multipliers, soft-capping, norms, embedding scale; fields.shrunk) with
     random fp32 weights: the logits of each decode step, one token a step through the KV cache,
-    against transformers' forward over the whole sequence. This catches what the module names do
-    not show: granite's multipliers, a norm that is applied elsewhere, an embedding scaled
-    outside the embedding module. Kept per config."""
+    against the causal LM's own forward over the whole sequence (its head, and what follows the
+    head, too). This catches what the module names do not show: granite's multipliers, a norm
+    applied elsewhere, an embedding scaled outside the embedding module, logits scaled or
+    soft-capped after the head. Kept per config."""
     import json
 
     from ..hf.fields import shrunk
@@ -207,8 +208,8 @@ def _self_check(cls, cfg) -> tuple[str | None, bool]:
     why = structure_refusal(tiny)
     if why:
         return why, False
-    with torch.no_grad():
-        ref = tiny.get_output_embeddings()(tiny.base_model(input_ids=ids, use_cache=False).last_hidden_state)[0]
+    with torch.no_grad():  # the model's own logits: what a family does after its head (scaling, soft-capping) too
+        ref = tiny(input_ids=ids, use_cache=False).logits[0].float()
     scale = ref.abs().max().item()
     results = []
     for fused in (False, True):
