@@ -111,3 +111,26 @@ def test_attention_writing_fewer_kv_heads_than_its_config_says(tmp_path):
         assert eng.cache.k[0].shape[1] == 1
     finally:
         eng.close()
+
+
+def test_a_variant_the_generic_path_cannot_run_is_refused(tmp_path):
+    """Falcon-RW's ALiBi builds its position biases from a 2-D padding mask, which the engine's
+    4-D masks are not: the engine's check on a small copy refuses it by name."""
+    from transformers import AutoModelForCausalLM
+    cfg = family_config("falcon", alibi=True, new_decoder_architecture=False, multi_query=True)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "m")
+    with pytest.raises(ValueError, match=r"falcon \(FalconForCausalLM\): tierlm's inference cannot run this model"):
+        InferenceEngine(tmp_path / "m", InferConfig(dtype="fp32", nvme_dir=str(tmp_path / "n")), library_rss=0)
+
+
+def test_the_check_sees_a_wrong_mask(monkeypatch):
+    """The small copy's check compares logits, so a path that, say, forgot a sliding window (as
+    the engine once did for Starcoder2) is caught."""
+    from tierlm.engine.model import empty_model
+    from tierlm.infer import generic
+    model = empty_model(family_config("starcoder2"))
+    monkeypatch.setattr(generic, "_CHECKS", {})
+    assert generic.check(model) is None
+    monkeypatch.setattr(generic, "_CHECKS", {})
+    monkeypatch.setattr(generic, "sliding_window", lambda config: (None, False))
+    assert "differ from transformers'" in generic.check(model)

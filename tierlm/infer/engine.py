@@ -27,8 +27,9 @@ from ..storage import BudgetError, HostBufferPool
 from ..storage.aligned import round_up
 from ..units import fmt_bytes, parse_bytes
 from . import packed as packed_attention
+from .generic import GenericStep, check as generic_check
 from .gemv import use_gemv
-from .kvcache import SlotKVCache, cache_kwarg, kv_bytes
+from .kvcache import SlotKVCache, kv_bytes
 from .lean import LeanDecoder
 from .quant import int4_layout
 from .weights import LayerStream, PieceStore, fingerprint, install_resident, plan_pieces
@@ -188,6 +189,10 @@ class InferenceEngine:
         config._attn_implementation = "sdpa" if getattr(self.model, "_supports_sdpa", False) else "eager"
         self.blocks, _ = discover_blocks(self.model)
         _check_kv_attention(self.model, sum(b.kind == "layer" for b in self.blocks))
+        why = generic_check(self.model)
+        if why:
+            raise ValueError(f"{config.model_type} ({type(self.model).__name__}): tierlm's inference cannot run "
+                             f"this model: {why}")
         self.tp = None
         if cfg.tp > 1:  # this process keeps 1/tp of every layer's heads and MLP width
             from ..dist.tp import TensorParallel, init
@@ -259,40 +264,11 @@ class InferenceEngine:
         self.load_s = time.perf_counter() - t0
         self.streamed_bytes = sum(self.stream.layer_bytes.values()) if self.stream else 0
         self.cache = SlotKVCache(cache_config, cfg.max_batch, self.max_len, self.dtype)
-        self._packs = packed_attention.install(self.model, config, self.cache)
-        self.base = self.model.base_model
-        self._cache_kw = cache_kwarg(self.base)
-        self.head = self.model.get_output_embeddings()
-        # the logits through the model's own forward where it can keep chosen positions only: what
-        # a family does after its head (Gemma2's final soft-capping, Granite's logits scaling) is
-        # its own code, so sampling at a temperature sees the logits transformers computes
-        import inspect
-        self._keeps = "logits_to_keep" in inspect.signature(self.model.forward).parameters
-        self._lm_cache_kw = cache_kwarg(self.model)
-        self._window, self._sliding = self._sliding_window()
+        self.generic = GenericStep(self.model, config, self.cache, packed=cfg.packed)
+        self.base, self.head = self.generic.base, self.generic.head
+        self._window, self._sliding = self.generic.window, self.generic.sliding
         self.lean = LeanDecoder.build(self) if cfg.lean else None
         B.trim()
-
-    def _sliding_window(self) -> tuple[int | None, bool]:
-        """(window, per-layer masks) the way transformers' mask creation decides
-        (masking_utils.create_masks_for_generate): with `layer_types`, a mask per type (sliding
-        where a type says so); else a `sliding_window` set means every layer slides."""
-        c = self.config.get_text_config()
-        types = getattr(c, "layer_types", None)
-        if types is not None:
-            other = set(types) - {"full_attention", "sliding_attention"}
-            if other:
-                raise ValueError(f"{c.model_type}: layers of type {', '.join(sorted(other))} need attention masks "
-                                 f"tierlm's inference does not make (it makes full and sliding-window ones)")
-            if "sliding_attention" in types:
-                return c.sliding_window, True
-            return None, False
-        if getattr(c, "sliding_window", None) is not None:
-            return c.sliding_window, False
-        if getattr(c, "attention_chunk_size", None) is not None:
-            raise ValueError(f"{c.model_type}: chunked attention (attention_chunk_size) needs attention masks "
-                             f"tierlm's inference does not make")
-        return None, False
 
     # ---- compute ------------------------------------------------------------------------
     @torch.no_grad()
@@ -301,47 +277,17 @@ class InferenceEngine:
         fp32 logits of each row's last token, [rows, vocab]."""
         if self.tp:
             self.tp.lead_step(tokens, starts)  # rank 0 tells the other shards what to compute
-        lens = [len(t) for t in tokens]
-        q = max(lens)
-        # rows of different lengths run packed (tierlm.infer.packed): padding them would compute
-        # rows x q tokens where sum(lens) are real
-        packed = self.cfg.packed and self._packs and len(tokens) > 1 and sum(lens) < len(tokens) * q
-        if packed:
-            ids = torch.tensor([sum(tokens, [])], dtype=torch.long)
-        else:
-            ids = torch.tensor([t + [t[-1]] * (q - len(t)) for t in tokens], dtype=torch.long)
-        pos, mask = self.cache.begin_step(starts, lens, self._window, self._sliding, packed=packed)
+        ids, pos, mask, packed = self.generic.prepare(tokens, starts)
         if self.stream:
             self.stream.prefetch_after(None)
-        if q == 1 and self.lean is not None:
+        if ids.shape[1] == 1 and self.lean is not None:
             return self.lean.logits(ids, pos, mask, self.cache)
-        if packed:
-            at = torch.tensor(lens).cumsum(0) - 1   # each row's last token in the packed row
-        else:
-            at = torch.tensor(lens) - 1             # row b's last real token
-        try:
-            if self._keeps:
-                # the positions some row ends at; row b's logits are those of its own
-                keep, which = torch.unique(at, return_inverse=True)
-                out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
-                                 logits_to_keep=keep, **{self._lm_cache_kw: self.cache})
-                logits = out.logits[0] if packed else out.logits[torch.arange(len(tokens)), which]
-                return logits.float()
-            out = self.base(input_ids=ids, attention_mask=mask, position_ids=pos,
-                            use_cache=True, **{self._cache_kw: self.cache})
-        finally:
-            self.cache.segments = None  # a later forward without begin_step (perplexity) is not packed
-        h = out.last_hidden_state
-        last = h[0, at] if packed else h[torch.arange(len(tokens)), at]
-        return self.head(last).float()
+        return self.generic.logits(ids, pos, mask, packed, [len(t) for t in tokens])
 
     @torch.no_grad()
     def logits_all(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits at every position of [B, T] ids without the cache (perplexity)."""
-        if self._keeps:  # the model's own forward, whatever it does after its head
-            return self.model(input_ids=input_ids, use_cache=False).logits.float()
-        h = self.base(input_ids=input_ids, use_cache=False).last_hidden_state
-        return self.head(h).float()
+        return self.generic.logits_all(input_ids)
 
     def move_slot(self, src: int, dst: int, length: int) -> None:
         if self.tp:
