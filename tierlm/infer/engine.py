@@ -103,7 +103,8 @@ class Placement:
                 f"{fmt_bytes(self.window)} + KV cache {fmt_bytes(self.kv)} + compute {fmt_bytes(self.scratch)}")
 
 
-def scratch_bytes(config, cfg: InferConfig, max_len: int, dtype: torch.dtype) -> int:
+def scratch_bytes(config, cfg: InferConfig, max_len: int, dtype: torch.dtype, eager: bool = False,
+                  packs: bool = True) -> int:
     """Transient memory of one forward of `step_tokens` tokens (an upper estimate): a layer's
     activations in fp32, attention scores over the whole cache, the logits, the kernels' caches,
     and the fused decode layer's buffers."""
@@ -111,12 +112,15 @@ def scratch_bytes(config, cfg: InferConfig, max_len: int, dtype: torch.dtype) ->
     inter = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * h
     heads = config.num_attention_heads
     # a step feeds at most step_tokens of prompts beside one token of every other row; padded
-    # (packed=False), every row is as long as the longest prompt chunk
-    tokens = cfg.step_tokens + cfg.max_batch if cfg.packed else cfg.step_tokens * cfg.max_batch
+    # (packed=False, or a model whose attention runs padded rows: packed.install), every row is as
+    # long as the longest prompt chunk
+    tokens = cfg.step_tokens + cfg.max_batch if cfg.packed and packs else cfg.step_tokens * cfg.max_batch
     act = tokens * (12 * h + 4 * inter) * 4
     if cfg.quant == "int4":  # a prefill dequantises one matrix to fp32 at a time
         act += 4 * inter * h
     scores = tokens * heads * (max_len + 1) * 4
+    if eager:  # the model's eager attention (packed.py): the scores, soft-capped, their fp32 softmax, its cast
+        scores *= 3
     logits = cfg.max_batch * config.vocab_size * 4 * 3
     # the fused decode layer's buffers (kernels/layer.c), kept between steps: a row's x, q/k/v,
     # attention, gate/up, silu and their integer roundings, and each thread's scores
@@ -218,7 +222,9 @@ class InferenceEngine:
         baseline = max(B.current_rss() - self.library_rss, 0)
         kv = kv_bytes(cache_config, cfg.max_batch, self.max_len, self.dtype)
         self.placement = plan_placement(cfg, baseline, fixed, lbytes, len(layer_idx), kv,
-                                        scratch_bytes(config, cfg, self.max_len, self.dtype))
+                                        scratch_bytes(config, cfg, self.max_len, self.dtype,
+                                                      eager=not getattr(self.model, "_supports_sdpa", True),
+                                                      packs=packed_attention.packs(self.model)))
         resident = set(layer_idx[: self.placement.resident])
         streamed = [i for i in layer_idx if i not in resident]
 

@@ -95,12 +95,17 @@ def rows_attention(module, query, key, value, attention_mask, **kwargs):
     return torch.cat(outs, dim=1), None
 
 
+def packs(model) -> bool:
+    """Whether steps of this model can run packed: its attention dispatches by name."""
+    return all(dispatches_by_name(m) for m in attention_modules(model))
+
+
 def install(model, config, cache) -> bool:
     """Route the model's attention through `rows_attention`, which reads `cache.segments`; returns
     whether steps may be packed (False: the model's attention does not dispatch by name, and runs
     its own SDPA branch on padded rows)."""
     mods = attention_modules(model)
-    if not all(dispatches_by_name(m) for m in mods):
+    if not packs(model):
         for c in {id(config): config, id(model.config): model.config}.values():
             c._attn_implementation = "sdpa"
         return False
