@@ -7,7 +7,9 @@ stream through a window of (prefetch + 1) layers. transformers' own modeling cod
 forward, so attention, rotary embeddings and every architecture's details are theirs; a step
 is one forward over every sequence in the batch, so each streamed layer is read once per step
 whatever the batch size. Rows of different lengths (a prompt chunk beside decoding rows) run
-packed, without padding (`packed.py`); decode steps of llama-family models run on `lean.py`.
+packed, without padding (`packed.py`); the step through transformers' modules, and its check on a
+small copy of the model at load, are `generic.py`; decode steps of the families tierlm's own
+kernels cover run on `lean.py` (`describe()` says which path decodes, and why).
 
     eng = InferenceEngine("models/tiny", InferConfig(cpu_mem="2GiB", max_batch=4))
     logits = eng.step([[1, 2, 3], [7]], starts=[0, 0])   # rows are KV-cache slots 0 and 1
