@@ -234,8 +234,7 @@ def test_the_norm_folded_into_the_call_is_an_rmsnorm(rows, one_plus):
     for nw in (torch.randn(300), torch.randn(300).bfloat16()):
         # the norm in C against torch's: x differs by fp32 rounding, where x is then rounded
         # (tolerances.x_step) an input may land a step away
-        scale = nw.float() + 1 if one_plus else nw.float()
-        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * scale
+        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * (nw.float() + one_plus)
         mag = normed.abs() @ w.float().abs().T
         check_rounded(native.products(x, [w], norm=(nw, 1e-5, one_plus))[0], native.gemv_bf16(normed, w), 300, mag,
                       x_step("bf16", normed, 0, light, isa), w.float().abs().max().item())
@@ -244,7 +243,7 @@ def test_the_norm_folded_into_the_call_is_an_rmsnorm(rows, one_plus):
         qw, sl, q4 = int4_weight(40, 320, 32)
         x4 = torch.randn(rows, 320) * 3
         n4 = nw.repeat(2)[:320]
-        normed = x4 * torch.rsqrt(x4.pow(2).mean(-1, keepdim=True) + 1e-5) * (n4.float() + 1 if one_plus else n4.float())
+        normed = x4 * torch.rsqrt(x4.pow(2).mean(-1, keepdim=True) + 1e-5) * (n4.float() + one_plus)
         check_rounded(native.products(x4, [qw], [sl], norm=(n4, 1e-5, one_plus), group=32)[0],
                       native.gemv_int4(normed, qw, sl, 32), 320, int4_magnitude(normed, sl, q4, 32),
                       x_step("int4", normed, 32, light, isa),

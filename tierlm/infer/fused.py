@@ -2,9 +2,10 @@
 
 The lean path (lean.py) makes four kernel calls a layer and ~15 torch ops between them; here the
 whole layer (norms, products, per-head q/k norms, rotary embedding, KV cache write, attention,
-silu or tanh-approximated gelu, residuals) is one parallel region, its threads meeting at barriers. It takes the same weights the lean path's
-products take (int8, our int4 layout, bf16; fp32 too) and gives the same products; attention is
-computed in fp32 over the cache as stored.
+silu or tanh-approximated gelu, residuals) is one parallel region, its threads meeting at
+barriers. It takes the same weights the lean path's products take (int8, our int4 layout, bf16;
+fp32 too) and gives the same products; attention is computed in fp32 over the cache as stored.
+Which norms and activation a layer has is probed from its modules (`norm_of`, `activation`).
 
 Arguments are kept between calls: pointers used in place (weights, int4 scales, norm weights) are
 the key, rebuilt when a streamed layer lands in another buffer; int8 scales and q/k/v biases are

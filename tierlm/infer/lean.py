@@ -140,7 +140,7 @@ def structure_refusal(model) -> str | None:
         a_parts, m_parts = {n for n, _ in attn.named_children()}, {n for n, _ in mlp.named_children()}
         if not (ATTN_PARTS <= a_parts <= ATTN_PARTS | QK_NORMS) or (a_parts & QK_NORMS and not QK_NORMS <= a_parts):
             return f"{type(attn).__name__} has {', '.join(sorted(a_parts))}: not q/k/v/o projections (and q/k norms)"
-        if not {"gate_proj", "up_proj", "down_proj"} <= m_parts <= MLP_PARTS or not callable(getattr(mlp, "act_fn", None)):
+        if not MLP_PARTS - {"act_fn"} <= m_parts <= MLP_PARTS or not callable(getattr(mlp, "act_fn", None)):
             return f"{type(mlp).__name__} has {', '.join(sorted(m_parts))}: not a gated MLP"
         if list(layer._parameters) or list(attn._parameters) or list(mlp._parameters):
             return f"{type(layer).__name__} has parameters outside its modules"
