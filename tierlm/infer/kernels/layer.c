@@ -255,16 +255,16 @@ static void rotate(float *x, const float *cs, const float *sn, int64_t hd) {
     for (int64_t j = half; j < hd; j++) x[j] = t[j] * cs[j] + t[j - half] * sn[j];
 }
 
-/* Row m's KV head h: bias and rotation of its query heads and key, the key and value written to
-   the cache, then each query head's attention over the row's kv_len positions into att. */
-static void attend(const tierlm_layer_w *lw, const tierlm_step *st, float *qkv, int64_t m, int64_t h,
-                   void *kc, void *vc, float *att, float *sc, int avx2) {
+/* Row m's KV head h: bias, q/k norms and rotation of its query heads and key, the key and value
+   written to the cache (before any of the row's query heads attends: `attend`). */
+static void place(const tierlm_layer_w *lw, const tierlm_step *st, float *qkv, int64_t m, int64_t h,
+                  void *kc, void *vc) {
     int64_t hd = lw->head_dim, nq = lw->heads * hd, nkv = lw->kv_heads * hd, gq = lw->heads / lw->kv_heads;
-    int64_t L = st->kv_len, esz = st->kv_bf16 ? 2 : 4;
+    int64_t esz = st->kv_bf16 ? 2 : 4;
     int bf16 = (int)st->kv_bf16;
     float *row = qkv + m * (nq + 2 * nkv);
     float *q0 = row + h * gq * hd, *k = row + nq + h * hd, *v = row + nq + nkv + h * hd;
-    const float *cs = st->cos + m * hd, *sn = st->sin + m * hd, *mask = st->mask + m * L;
+    const float *cs = st->cos + m * hd, *sn = st->sin + m * hd;
     if (lw->bias) {
         const float *b = lw->bias;
         for (int64_t i = 0; i < gq * hd; i++) q0[i] += b[h * gq * hd + i];
@@ -293,11 +293,22 @@ static void attend(const tierlm_layer_w *lw, const tierlm_step *st, float *qkv, 
         memcpy(kdst, k, (size_t)hd * 4);
         memcpy(vdst, v, (size_t)hd * 4);
     }
+}
+
+/* Row m's query head qh (placed): its attention over the row's kv_len positions into att. One
+   query head a work item, not one KV head: with fewer KV heads than threads (gemma's one, or
+   8 on a 16-core machine) the rest of the threads would wait. */
+static void attend(const tierlm_layer_w *lw, const tierlm_step *st, const float *qkv, int64_t m, int64_t qh,
+                   const void *kc, const void *vc, float *att, float *sc, int avx2) {
+    int64_t hd = lw->head_dim, nq = lw->heads * hd, nkv = lw->kv_heads * hd, gq = lw->heads / lw->kv_heads;
+    int64_t L = st->kv_len, esz = st->kv_bf16 ? 2 : 4, h = qh / gq;
+    int bf16 = (int)st->kv_bf16;
+    const float *q = qkv + m * (nq + 2 * nkv) + qh * hd, *mask = st->mask + m * L;
+    int64_t base = m * st->slot_stride + h * st->head_stride;
     const char *kbase = (const char *)kc + base * esz, *vbase = (const char *)vc + base * esz;
     float scale = (float)lw->scaling;
     int vec = avx2 && hd % 8 == 0;
-    for (int64_t g = 0; g < gq; g++) {
-        const float *q = q0 + g * hd;
+    {
         float mx = -INFINITY;
         int64_t j0 = 0;
 #if HAVE_X86
@@ -325,9 +336,9 @@ static void attend(const tierlm_layer_w *lw, const tierlm_step *st, float *qkv, 
             sc[j] = d * scale + mask[j];
             mx = sc[j] > mx ? sc[j] : mx;
         }
-        float *o = att + m * nq + (h * gq + g) * hd;
+        float *o = att + m * nq + qh * hd;
         memset(o, 0, (size_t)hd * sizeof(float));
-        if (mx == -INFINITY) continue;  /* a row that sees nothing (none in a decode step) */
+        if (mx == -INFINITY) return;  /* a row that sees nothing (none in a decode step) */
         float tot = 0.f;
 #if HAVE_X86
         if (avx2) tot = exp_sum_avx2(sc, L, mx);
@@ -338,7 +349,7 @@ static void attend(const tierlm_layer_w *lw, const tierlm_step *st, float *qkv, 
         if (vec) {
             for (int64_t j = 0; j < L; j++) sc[j] /= tot;
             wsum_avx2(sc, L, vbase, hd * esz, bf16, hd, o);
-            continue;
+            return;
         }
 #endif
         for (int64_t j = 0; j < L; j++) {
@@ -358,7 +369,7 @@ static void attend(const tierlm_layer_w *lw, const tierlm_step *st, float *qkv, 
 int tierlm_layer_decode(const tierlm_layer_w *lw, const tierlm_step *st, float *x, void *kc, void *vc,
                         float *scratch) {
     int64_t M = st->rows, H = lw->hidden, hd = lw->head_dim, I = lw->inter, T = st->threads;
-    int64_t nq = lw->heads * hd, nkv = lw->kv_heads * hd, kvh = lw->kv_heads;
+    int64_t nq = lw->heads * hd, nkv = lw->kv_heads * hd, kvh = lw->kv_heads, nh = lw->heads;
     int kind = (int)lw->kind, avx2 = tl_use_avx2();
     int64_t ins[4] = {H, nq, H, I};
     for (int i = 0; kind == 2 && i < 4; i++)
@@ -391,7 +402,11 @@ int tierlm_layer_decode(const tierlm_layer_w *lw, const tierlm_step *st, float *
 #pragma omp for schedule(static)
         for (int64_t tt = 0; tt < nt; tt++)
             for (int64_t it = M * kvh * tt / nt; it < M * kvh * (tt + 1) / nt; it++)
-                attend(lw, st, qkv, it / kvh, it % kvh, kc, vc, att, sc + tt * up16(st->kv_len), avx2);
+                place(lw, st, qkv, it / kvh, it % kvh, kc, vc);
+#pragma omp for schedule(static)
+        for (int64_t tt = 0; tt < nt; tt++)
+            for (int64_t it = M * nh * tt / nt; it < M * nh * (tt + 1) / nt; it++)
+                attend(lw, st, qkv, it / nh, it % nh, kc, vc, att, sc + tt * up16(st->kv_len), avx2);
 #pragma omp single
         {
             prep(lw, 1, att, M, nq, xq, xs, &p);
