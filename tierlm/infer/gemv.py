@@ -68,10 +68,22 @@ class GemvLinear(nn.Linear):
 
 def use_gemv(model: nn.Module) -> int:
     """Route every plain nn.Linear of `model` through GemvLinear; returns how many. The class is
-    swapped in place, so parameters, hooks and the loader's installed tensors are untouched."""
+    swapped in place, so parameters, hooks and the loader's installed tensors are untouched.
+
+    A subclass without a bias is swapped too: a family's own Linear that only changes how the
+    product is written (Falcon's `input @ weight.T`, which exists to round before a bias) computes
+    the same map, and ran on torch's many-row kernel at one row (a Falcon-shaped model decoded at
+    38% of memory bandwidth). One that computes something else is caught by the inference engine's
+    check at load (generic.check swaps the tiny copy's modules the same way)."""
     n = 0
     for mod in model.modules():
-        if type(mod) is nn.Linear:
+        if type(mod) is nn.Linear or (isinstance(mod, nn.Linear) and not isinstance(mod, GemvLinear)
+                                      and mod.bias is None and _plain_init(type(mod))):
             mod.__class__ = GemvLinear
             n += 1
     return n
+
+
+def _plain_init(cls) -> bool:
+    """A subclass that adds no parameters or submodules of its own (its __init__ is nn.Linear's)."""
+    return cls.__init__ is nn.Linear.__init__

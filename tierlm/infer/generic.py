@@ -20,6 +20,7 @@ import json
 import torch
 
 from . import packed as packed_attention
+from .gemv import use_gemv
 from .kvcache import SlotKVCache, cache_kwarg
 
 CHECK_TOL = 1e-3  # of the largest logit; fp32 agrees to ~1e-6 where the path is right
@@ -140,6 +141,7 @@ def _check(cls, cfg) -> str | None:
         except Exception:  # noqa: BLE001 -- a class transformers cannot run small is not checked
             return None
     ref = torch.stack(ref)  # [rows, 2 (after the prompt, after one more token), vocab]
+    use_gemv(tiny)  # the engine's linear modules, as it runs them (gemv.use_gemv swaps some subclasses)
     step = GenericStep(tiny, cfg, SlotKVCache(cfg, len(seqs), n + 1, torch.float32))
     try:
         first = step([t[:-1] for t in ids], [0] * len(seqs))
