@@ -23,6 +23,19 @@ def test_decode_probe_times_each_format_on_the_engines_path(monkeypatch):
         assert r["decode_path"] == "per-product" and not calls
 
 
+def test_decode_probe_of_a_model_refuses_a_family_that_decodes_on_the_generic_path():
+    """The probe times LeanDecoder; on a family it does not compute (Granite's multipliers pass
+    its module check and fail its self-check) it would time a step with part of the maths left out."""
+    import pytest
+
+    from tierlm.hf.presets import make_config
+    with pytest.raises(ValueError, match="granite decodes on the generic path"):
+        bench_decode(("bf16",), total_bytes=1 << 20, repeats=1,
+                     config=make_config("granite", overrides={"embedding_multiplier": 12.0}))
+    r = bench_decode(("bf16",), total_bytes=1 << 20, repeats=1, config=make_config("qwen3"))
+    assert r["decode_gbps"]["bf16"] > 0
+
+
 def test_layer_probe_interleaves_its_rounds_across_shapes(monkeypatch):
     # A slow spell of a few seconds must not cover every timing of one shape: round r of every
     # shape runs before round r + 1 of any.

@@ -14,6 +14,7 @@ from pathlib import Path
 import psutil
 import torch
 
+from ..hf.fields import put
 from ..storage import HostBufferPool, TensorStore
 from ..storage.aligned import aligned_empty
 
@@ -372,7 +373,7 @@ def bench_decode(formats=DECODE_FORMATS, hidden: int = 2048, total_bytes: int = 
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from ..infer.kvcache import SlotKVCache
-    from ..infer.lean import LeanDecoder
+    from ..infer.lean import LeanDecoder, model_refusal
     from ..infer.quant import QLinear, replace_linears
 
     inter = hidden * 8 // 3 // 64 * 64
@@ -383,9 +384,14 @@ def bench_decode(formats=DECODE_FORMATS, hidden: int = 2048, total_bytes: int = 
             # and shapes; a small vocabulary, since the head is not what is timed here
             from transformers import AutoModelForCausalLM
             cfg = copy.deepcopy(config)
-            cfg.num_hidden_layers, cfg.vocab_size, cfg.max_position_embeddings = 1, 256, 64
+            put(cfg, "layers", 1)
+            cfg.vocab_size, cfg.max_position_embeddings = 256, 64
             torch.manual_seed(0)
             model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).eval()
+            why = model_refusal(model)
+            if why:  # timing LeanDecoder on it would leave part of its maths out
+                raise ValueError(f"{config.model_type} decodes on the generic path ({why}); this probe times "
+                                 "the native one")
         else:
             cfg = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_attention_heads=hidden // 64,
                               num_key_value_heads=max(1, hidden // 256), num_hidden_layers=1, vocab_size=256,
