@@ -408,7 +408,7 @@ def bench_decode(formats=DECODE_FORMATS, hidden: int = 2048, total_bytes: int = 
                                [m.weight] if isinstance(m, torch.nn.Linear) else []))
         n = max(2, total_bytes // nbytes)
         model.model.layers = torch.nn.ModuleList([layer] + [copy.deepcopy(layer) for _ in range(n - 1)])
-        model.config.num_hidden_layers = n
+        put(model.config, "layers", n)  # layer_types (Qwen3, Gemma 3) repeated to match
         dec = LeanDecoder(model, torch.bfloat16, None, {})
         cache = SlotKVCache(model.config, 1, 64, torch.bfloat16)
         pos, mask = cache.begin_step([32], [1])
