@@ -189,7 +189,7 @@ def test_bad_model_input(ref, tmp_path, case, capsys):
         cfg = json.loads((m / "config.json").read_text())
         cfg["model_type"] = "bert"
         (m / "config.json").write_text(json.dumps(cfg))
-        want = "model_type 'bert' is not supported"
+        want = "model_type 'bert' is an encoder (bidirectional) model"
     elif case == "no-tokenizer":
         for f in m.glob("tokenizer*"):
             f.unlink()
