@@ -81,10 +81,13 @@ def weights_before_layers(config) -> list[str]:
 
     from ..hf.fields import shrunk
 
-    tiny = shrunk(config, layers=1)
-    with torch.random.fork_rng(devices=[]):
-        m = AutoModelForCausalLM.from_config(tiny)
-    _, layers = find_layers(m)
+    try:
+        tiny = shrunk(config, layers=1)
+        with torch.random.fork_rng(devices=[]):
+            m = AutoModelForCausalLM.from_config(tiny)
+        _, layers = find_layers(m)
+    except Exception:  # noqa: BLE001 -- no tiny copy of this family: nothing known, nothing refused
+        return []
     seen, early = {"layers": False}, []
 
     def note(mod, name):
@@ -99,6 +102,8 @@ def weights_before_layers(config) -> list[str]:
     try:
         with torch.no_grad():
             m(input_ids=torch.zeros(1, 4, dtype=torch.long), use_cache=False)
+    except Exception:  # noqa: BLE001 -- as above
+        return []
     finally:
         for h in handles:
             h.remove()
