@@ -60,14 +60,14 @@ class Exports:
 
     def save_pretrained(self, out_dir, dtype: torch.dtype | None = None, tokenizer_from=None) -> Path:
         """An HF model directory of the current weights, written tensor by tensor."""
-        from ..hf.names import checkpoint_name
+        from ..hf.names import checkpoint_names
         from ..hf.safetensors_io import SafetensorsWriter
 
         dtype = dtype or self.dtype
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         # the family's own tensor names (GPT-NeoX's head is `embed_out` in its files)
-        files = {n: checkpoint_name(self.model, n) for n in self.names}
+        files = checkpoint_names(self.model, self.names)
         specs = [(files[n], dtype, self.infos[n].shape) for n in self.names]
         with SafetensorsWriter(out, specs) as w:
             for n in self.names:

@@ -69,12 +69,23 @@ def find_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
     raise ValueError(f"cannot find the {n} decoder layers of {type(model).__name__}")
 
 
+_EARLY: dict[str, list[str]] = {}
+
+
 def weights_before_layers(config) -> list[str]:
     """Modules other than embeddings whose weights a forward uses before the first decoder layer
     (BLOOM's embedding LayerNorm, OPT's project_in), found by running a one-layer tiny copy of the
     family (hf.fields.shrunk) with hooks. The engine streams an embedding there (its backward
     needs no weight) and holds the head from its forward to its backward; weights used first and
-    needed again at the very end of backward fit neither."""
+    needed again at the very end of backward fit neither. Kept per config: every engine a process
+    builds for the same model asks."""
+    key = config.to_json_string()
+    if key not in _EARLY:
+        _EARLY[key] = _trace_early(config)
+    return list(_EARLY[key])
+
+
+def _trace_early(config) -> list[str]:
     import torch
 
     from transformers import AutoModelForCausalLM

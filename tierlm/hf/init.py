@@ -16,7 +16,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, GenerationConfig
 from transformers import initialization as hf_init
 
-from tierlm.hf.names import checkpoint_name
+from tierlm.hf.names import checkpoint_names
 from tierlm.hf.presets import dtype_name
 from tierlm.hf.safetensors_io import SafetensorsWriter
 from tierlm.hf.tokenizer import make_tokenizer, special_token_ids
@@ -119,7 +119,7 @@ def init_model(out_dir: str | os.PathLike, config, seed: int = 0, dtype: str | t
     model.eval()
     saved = _saved_tensors(model)
     # the family's own file names (GPT-NeoX's head is `embed_out` in its files), as save_pretrained writes
-    files = {n: checkpoint_name(model, n) for n in saved}
+    files = checkpoint_names(model, saved)
     writer = SafetensorsWriter(out, [(files[n], t.dtype, t.shape) for n, t in saved.items()], max_shard_bytes)
     try:
         with torch.random.fork_rng(devices=[]):

@@ -44,16 +44,16 @@ def model_to_checkpoint(model, checkpoint: Iterable[str], wanted: Iterable[str],
             alias[n] = first[id(p)]
         else:
             first[id(p)] = n
+    known = wanted | alias.keys()
     out: dict[str, str] = {}
     by_alias: dict[str, str] = {}
     for ck in checkpoint:
         if converters and _converted(apply_renamings(ck, renames), converters):
             raise ValueError(f"{where}: tensor {ck!r} must be merged with others into one parameter of "
                              f"{type(model).__name__} (per-expert weights stacked), which tierlm does not do "
-                             "yet; save the model once with transformers (from_pretrained, then "
-                             "save_pretrained) to write it in the stacked layout")
+                             "yet")
         name = apply_renamings(ck, renames)
-        if name not in wanted and name not in alias and prefix and f"{prefix}.{name}" in wanted | alias.keys():
+        if name not in wanted and name not in alias and prefix and f"{prefix}.{name}" in known:
             name = f"{prefix}.{name}"  # saved from the base model alone
         if name in wanted and name not in out:
             out[name] = ck
@@ -64,8 +64,10 @@ def model_to_checkpoint(model, checkpoint: Iterable[str], wanted: Iterable[str],
     return out
 
 
-def checkpoint_name(model, name: str) -> str:
-    """The family's own file name for parameter `name` (what save_pretrained writes)."""
+def checkpoint_names(model, names: Iterable[str]) -> dict[str, str]:
+    """{parameter name: the family's own file name} (what save_pretrained writes), the mapping
+    built once for all of them."""
     from transformers.core_model_loading import apply_renamings
     renames, _ = _transforms(model)
-    return apply_renamings(name, [r.reverse_transform() for r in reversed(renames)])
+    back = [r.reverse_transform() for r in reversed(renames)]
+    return {n: apply_renamings(n, back) for n in names}
