@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from tierlm.engine.commit import list_manifests, read_manifest
+from tierlm.storage.commit import list_manifests, read_manifest
 from tierlm.engine.engine import Engine, EngineConfig
 from tierlm.engine.optimizer import AdamWConfig
 

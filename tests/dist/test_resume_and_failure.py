@@ -6,7 +6,7 @@ import time
 import pytest
 from safetensors.torch import load_file
 
-from tierlm.engine.commit import list_manifests, read_manifest
+from tierlm.storage.commit import list_manifests, read_manifest
 
 from ..train.reliability_utils import make_inputs
 from .util import tierlm_cli

@@ -303,7 +303,7 @@ def test_every_knob_combination_equals_the_reference(make_model_dir, tmp_path, k
 def test_deferred_commit_gives_the_same_bits_and_lands_before_the_next_write(make_model_dir, tmp_path):
     """The step's last writes and manifest land during the next forward; nothing changes in the
     results, and the manifest of step N is durable before step N+1 writes anything."""
-    from tierlm.engine import commit as C
+    from tierlm.storage import commit as C
 
     model_dir, _ = make_model_dir("qwen2")
     data = batches(4)
@@ -362,7 +362,7 @@ def test_small_tensors_packed_or_not_give_the_same_bits_in_fewer_requests(make_m
     """Small tensors live in RAM and reach the disk in one pack file a commit (storage/packed.py);
     with packing off each has files of its own, as before. Both equal torch.optim.AdamW, with
     accumulation and a clip redo (which reads the saved gradients and the old slot back)."""
-    from tierlm.engine.commit import list_manifests, read_manifest
+    from tierlm.storage.commit import list_manifests, read_manifest
     model_dir, model = make_model_dir("qwen2")
     data = batches(4)
     kw = dict(lr=1e-2, wd=0.1, clip=0.5, accum=2, warmup=1, precision="bf16")

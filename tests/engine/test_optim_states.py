@@ -8,7 +8,7 @@ from torch.optim.adamw import adamw
 from tests.engine.test_exactness import assert_same, batches, reference_loop
 from tierlm.engine import state_quant as SQ
 from tierlm.engine.engine import Engine, EngineConfig
-from tierlm.engine.layout import ParamInfo
+from tierlm.storage.layout import ParamInfo
 from tierlm.engine.optim_types import total_state_bytes
 from tierlm.engine.optimizer import AdamWConfig, OptimizerError, OutOfCoreAdamW
 

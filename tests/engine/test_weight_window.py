@@ -85,7 +85,7 @@ def test_a_tied_heads_gradient_is_in_the_budget(make_model_dir, tmp_path):
 def test_prefetch_does_not_evict_weights_kept_for_the_next_forward(tmp_path):
     """After backward the first blocks' new weights stay; the next forward's read-ahead of later
     blocks must evict what that forward has used, not what it is about to use."""
-    from tierlm.engine.layout import make_param_info
+    from tierlm.storage.layout import make_param_info
     from tierlm.storage import HostBufferPool, TensorStore
 
     names = [f"p{i}" for i in range(5)]  # one parameter a block, 4 KiB each
@@ -121,7 +121,7 @@ def test_a_large_weight_lands_in_resident_pages_and_moves_what_was_read_ahead(tm
     """A tied embedding takes most of a small window. It gets one contiguous range of the pool's
     arena: the least recently used entries there are dropped, entries read ahead and not yet used
     are moved out of it (not dropped, which would read them again), and no fresh pages are taken."""
-    from tierlm.engine.layout import make_param_info
+    from tierlm.storage.layout import make_param_info
     from tierlm.storage import HostBufferPool, TensorStore
     from tierlm.storage import pool as pool_mod
 
@@ -162,7 +162,7 @@ def test_new_weights_of_a_block_still_computing_are_stashed_until_it_lets_go(tmp
     keeps computing with the old values) that replaces the entry when the block releases it (so
     stashes never pile up over a backward); without room for one, or without `stash`, the entry
     is read back as before."""
-    from tierlm.engine.layout import make_param_info
+    from tierlm.storage.layout import make_param_info
     from tierlm.storage import HostBufferPool, TensorStore
 
     infos = {n: make_param_info(n, (1024,)) for n in ("a", "b")}

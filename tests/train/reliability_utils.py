@@ -2,7 +2,7 @@
 import json
 from pathlib import Path
 
-from tierlm.engine.commit import list_manifests, read_manifest
+from tierlm.storage.commit import list_manifests, read_manifest
 from tierlm.hf.init import init_model
 from tierlm.hf.presets import make_config
 from tierlm.storage.records import record_bytes

@@ -8,7 +8,7 @@ import pytest
 
 import tierlm.faults as faults
 from tierlm.cli import main
-from tierlm.engine.commit import list_manifests, read_manifest
+from tierlm.storage.commit import list_manifests, read_manifest
 from tierlm.storage.records import record_file
 from tierlm.train.rundir import RunLock
 

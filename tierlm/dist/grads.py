@@ -15,7 +15,7 @@ import threading
 import torch
 import torch.distributed as td
 
-from ..engine.layout import key
+from ..storage.layout import key
 
 
 class GradReducer:

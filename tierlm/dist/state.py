@@ -15,8 +15,8 @@ import os
 import re
 from pathlib import Path
 
-from ..engine import commit as C
-from ..engine.layout import key
+from ..storage import commit as C
+from ..storage.layout import key
 from ..storage.records import record_bytes
 
 PENDING_RE = re.compile(r"^reshard-(\d{8})\.json$")

@@ -115,7 +115,7 @@ def shard_elems_for(budget: int, want: int | None = None) -> int:
     """Optimizer shard size: `want` elements (default 4M), or less where one shard's buffers (fp32
     master, m, v, gradient, working weights: 18 bytes an element) would pass a twentieth of the
     budget; a multiple of 2048."""
-    from .layout import DEFAULT_SHARD_ELEMS
+    from ..storage.layout import DEFAULT_SHARD_ELEMS
 
     n = budget // 20 // 18 // 2048 * 2048
     return max(2048, min((want or DEFAULT_SHARD_ELEMS) // 2048 * 2048, n))

@@ -10,7 +10,7 @@ from ..storage.aligned import round_up
 from ..units import fmt_bytes
 from . import budget as B
 from . import state_quant as SQ
-from .layout import nbytes
+from ..storage.layout import nbytes
 from .optim_types import shard_buffer_bytes
 
 

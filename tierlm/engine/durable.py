@@ -15,8 +15,8 @@ import torch
 from ..faults import fault
 from ..storage import CorruptionError, StorageError
 from ..storage.packed import pack_name
-from . import commit as C
-from .layout import key
+from ..storage import commit as C
+from ..storage.layout import key
 
 _MANAGED = ("act", "w0", "w1", "master0", "master1", "m0", "m1", "v0", "v1", "grad", "gacc", "packs", "checkpoints")
 

@@ -32,7 +32,7 @@ from .block_fn import ParamRefHooks, wrap_layer
 from .head_loss import causal_lm_loss, chunk_tokens
 from .heap import HeapGuard
 from .io_settings import io_depth, read_ahead, shard_size
-from .layout import key, make_param_info
+from ..storage.layout import key, make_param_info
 from .model import discover_blocks, empty_model, module_param_slots, weights_before_layers
 from .next_rows import NextRows
 from .optimizer import AdamWConfig, OutOfCoreAdamW, StepResult

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from . import budget as B
-from .layout import key
+from ..storage.layout import key
 
 # What a model directory holds beside the weights and config.json that a saved model needs to be
 # used as the original was: the tokenizer in any of its formats (tokenizer.json/.model, vocab and

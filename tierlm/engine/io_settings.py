@@ -49,7 +49,7 @@ def shard_size(asked: int | None, root: Path, budget: int, resume: bool, grad_ac
     if asked is not None:
         return asked, "set"
     if resume:
-        from . import commit as C
+        from ..storage import commit as C
         for m in C.list_manifests(root) + C.list_checkpoints(root):
             try:
                 committed = C.read_manifest(m).get("fingerprint", {}).get("shard_elems")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .layout import ParamInfo
+from ..storage.layout import ParamInfo
 
 
 class _Lookup(torch.autograd.Function):

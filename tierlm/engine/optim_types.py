@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from . import state_quant as SQ
-from .layout import ParamInfo
+from ..storage.layout import ParamInfo
 
 
 @dataclass

@@ -34,7 +34,7 @@ from ..storage.aligned import round_up
 from . import state_quant as SQ
 from .cache_policy import last_that_fit
 from .grad_norm import grad_norm
-from .layout import ParamInfo, key, nbytes
+from ..storage.layout import ParamInfo, key, nbytes
 from .optim_types import EARLY, AdamWConfig, OptimizerError, StepResult
 from .optim_types import ShardItem as _Item
 from .optim_norms import NormsMixin

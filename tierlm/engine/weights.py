@@ -21,7 +21,7 @@ import torch
 
 from ..storage import Buffer, BudgetError, HostBufferPool, TensorStore
 from ..units import fmt_bytes
-from .layout import ParamInfo, nbytes
+from ..storage.layout import ParamInfo, nbytes
 
 
 class _Entry:

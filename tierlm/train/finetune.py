@@ -107,7 +107,7 @@ def _saved_precision(cfg: FinetuneConfig) -> str | None:
     """A resumed run keeps the precision its state was made in (the state's fingerprint has it)."""
     if cfg.resume != "auto":
         return None
-    from ..engine.commit import list_manifests, read_manifest
+    from ..storage.commit import list_manifests, read_manifest
     for root in (Path(cfg.nvme), Path(cfg.nvme) / "rank0"):
         for m in list_manifests(root):
             try:

@@ -22,9 +22,9 @@ import shutil
 from pathlib import Path
 
 from ..faults import fault
-from ..storage import CorruptionError, StorageError
-from ..storage.packed import pack_name, prune_packs
-from ..storage.records import record_file
+from .store import CorruptionError, StorageError
+from .packed import pack_name, prune_packs
+from .records import record_file
 
 MANIFEST_RE = re.compile(r"^manifest-(\d{8})\.json$")
 
