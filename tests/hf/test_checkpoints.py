@@ -249,7 +249,7 @@ def test_generation_config_without_eos(tmp_path, tiny):
     from tierlm.cli import main
     from tierlm.hf.checks import load_tokenizer
     from tierlm.infer.batcher import eos_ids_of
-    from tierlm.infer.generate import generate, generate_ids
+    from tierlm.infer.sampling import generate, generate_ids
 
     d = tmp_path / "tiny"
     shutil.copytree(tiny, d)

@@ -335,7 +335,7 @@ def _run(cfg: FinetuneConfig, out: Path, dist=None) -> dict:
         summary["precision"] = cfg.precision
         summary["precision_reason"] = getattr(cfg, "precision_reason", f"--precision {cfg.precision}")
         if cfg.sample_prompt:
-            from ..infer.generate import generate
+            from ..infer.sampling import generate
             summary["sample"] = generate(engine, tokenizer, cfg.sample_prompt, cfg.sample_tokens,
                                          cfg.sample_temperature, seed=cfg.seed)
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
