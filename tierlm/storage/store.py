@@ -7,8 +7,6 @@ CorruptionError naming it, it never turns into wrong weights.
 """
 from __future__ import annotations
 
-import errno
-import json
 import os
 import threading
 import time
@@ -17,49 +15,15 @@ from pathlib import Path
 
 import torch
 
-from ..faults import fault
 from .aligned import as_bytes, is_aligned, round_up, supports_direct_io
+from .file_io import pread, save_json, write_file
+from .io_queue import after, submit
 from .packed import Packed
 from .pool import Buffer, HostBufferPool
 from .records import CorruptionError, Record, StorageError, _dtype, _dtype_name, crc_of, verify
 
 
 CRC_AWAY = 1 << 20  # bytes from which a checksum runs beside the I/O (TensorStore._beside)
-
-
-def _settle(out: Future, f: Future) -> None:
-    """Settle `out` as `f` did; a Future result (work handed on) is followed."""
-    exc = f.exception()
-    if exc is not None:
-        out.set_exception(exc)
-        return
-    r = f.result()
-    if isinstance(r, Future):
-        r.add_done_callback(lambda g: _settle(out, g))
-    else:
-        out.set_result(r)
-
-
-def _pread(path: Path, where: str, mv: memoryview, offset: int, flags: int = 0) -> int:
-    """Read up to len(mv) bytes of `path` from `offset` (fewer at its end); errors name `where`."""
-    try:
-        fd = os.open(path, os.O_RDONLY | flags)
-    except FileNotFoundError as e:
-        raise CorruptionError(f"{where}: state file is missing") from e
-    except OSError as e:
-        raise StorageError(f"{where}: cannot open for reading: {e.strerror}") from e
-    got = 0
-    try:
-        while got < len(mv):
-            n = os.preadv(fd, [mv[got:]], offset + got)
-            if n <= 0:
-                break
-            got += n
-    except OSError as e:
-        raise StorageError(f"{where}: read failed: {e.strerror or e}") from e
-    finally:
-        os.close(fd)
-    return got
 
 
 class Loaded:
@@ -204,32 +168,7 @@ class TensorStore:
     def _after(self, key: str, deps: list[Future], fn, *args, executor=None) -> Future:
         """fn(*args) on the I/O threads (the read queue unless told) once every future in `deps`
         is done (failed or not)."""
-        executor = executor or self._exec
-        if not deps:
-            return self._submit(executor, fn, *args)
-        out: Future = Future()
-        left = [len(deps)]
-        lock = threading.Lock()
-        # A done future keeps its callbacks: `start` must not keep the job (a tensor to write) alive
-        # for as long as a dependency is referenced (the swapper writes a key every step).
-        job = [fn, args]
-
-        def start(_):
-            with lock:
-                left[0] -= 1
-                if left[0]:
-                    return
-            run, run_args = job
-            job.clear()
-            try:
-                inner = executor.submit(run, *run_args)
-            except RuntimeError as e:  # the store was closed meanwhile
-                out.set_exception(StorageError(f"{self.path(key)}: store closed before the I/O ran ({e})"))
-                return
-            inner.add_done_callback(lambda f: _settle(out, f))
-        for d in deps:
-            d.add_done_callback(start)
-        return out
+        return after(executor or self._exec, deps, self.path(key), fn, *args)
 
     def _put(self, key: str, tensor: torch.Tensor) -> Record:
         rec = self.packed.put(key, tensor)
@@ -262,7 +201,7 @@ class TensorStore:
             mv = as_bytes(raw)
         crc = self._beside(nbytes, crc_of, raw)  # while the bytes go out
         try:
-            self._write_bytes(path, mv, nbytes, direct, durable)
+            write_file(path, mv, nbytes, direct, durable, self.in_place)
         except BaseException:
             if isinstance(crc, Future):
                 crc.exception()  # the caller may reuse the tensor once this returns
@@ -275,58 +214,6 @@ class TensorStore:
         if self.on_event:
             self.on_event("ssd_write", key, t0, time.perf_counter(), nbytes)
         return rec
-
-    def _write_bytes(self, path: Path, mv: memoryview, nbytes: int, direct: bool, durable: bool) -> None:
-        fd, target = self._open_for_write(path, nbytes, direct)
-        try:
-            try:
-                fault("store.write")
-                length = len(mv)
-                done = 0
-                while done < length:
-                    n = os.pwrite(fd, mv[done:], done)
-                    if n <= 0:
-                        raise OSError(errno.EIO, "short write")
-                    done += n
-                if durable:
-                    fault("store.fsync")
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            if target != path:
-                os.replace(target, path)
-        except OSError as e:
-            if target != path:
-                try:
-                    os.unlink(target)
-                except OSError:
-                    pass
-            what = "the disk is full" if e.errno == errno.ENOSPC else (e.strerror or str(e))
-            raise StorageError(f"{path}: write failed: {what}") from e
-
-    def _open_for_write(self, path: Path, nbytes: int, direct: bool) -> tuple[int, Path]:
-        """(fd, the path written): the file itself when it can be overwritten in place, else a
-        temporary name beside it."""
-        odirect = os.O_DIRECT if direct else 0
-        if self.in_place:
-            try:
-                fd = os.open(path, os.O_WRONLY | odirect)
-            except OSError:
-                fd = None
-            if fd is not None:
-                st = os.fstat(fd)
-                # A direct write leaves the file its last block whole (round_up(nbytes) bytes): a
-                # truncate back to nbytes after every write took 5 ms mean, 18 ms p90, on ext4
-                # (Qwen2.5-0.5B's ~500 small writes a step), and the record says where data ends.
-                if st.st_nlink == 1 and nbytes <= st.st_size <= round_up(nbytes):
-                    return fd, path
-                os.close(fd)
-        tmp = path.with_name(path.name + ".partial")
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | odirect, 0o644), tmp
-        except OSError as e:
-            raise StorageError(f"{path}: cannot open for writing: {e.strerror}") from e
 
     # ---- reads -------------------------------------------------------------------------
     def read(self, key: str) -> "Future[Loaded]":
@@ -349,7 +236,7 @@ class TensorStore:
             if self.packed.get_into(key, out):
                 fut.set_result(Loaded(out, buf))
                 return fut
-            inner = self._track_read(key, self._submit(self._exec, self._read, key, rec, out, True))
+            inner = self._track_read(key, submit(self._exec, self._read, key, rec, out, True))
 
         def done(f):
             exc = f.exception()
@@ -379,7 +266,7 @@ class TensorStore:
                 fut.set_result(out)
                 return fut
             # tracked, so that a write asked for later waits until this read is done
-            return self._track_read(key, self._submit(self._exec, self._read, key, rec, out, owns_padding))
+            return self._track_read(key, submit(self._exec, self._read, key, rec, out, owns_padding))
 
     def _check_into(self, key: str, out: torch.Tensor) -> Record:
         rec = self.record(key)
@@ -407,7 +294,7 @@ class TensorStore:
         direct = (self.direct and rec.nbytes > 0 and is_aligned(out, padded)
                   and (owns_padding or rec.nbytes == padded))
         mv = memoryview(torch.as_strided(raw, (padded,), (1,)).numpy()) if direct else as_bytes(raw)
-        got = _pread(path, str(path), mv, 0, os.O_DIRECT if direct else 0)
+        got = pread(path, str(path), mv, 0, os.O_DIRECT if direct else 0)
         if got < rec.nbytes:
             raise CorruptionError(f"{path}: truncated: {got} of {rec.nbytes} bytes present")
         self.stats.add(read=rec.nbytes)
@@ -420,7 +307,7 @@ class TensorStore:
         """A small tensor from its pack (read once after a resume; RAM serves it from then on)."""
         where = f"{self.root / rec.pack} (holding {key})"
         raw = out.reshape(-1).view(torch.uint8)
-        got = _pread(self.root / rec.pack, where, as_bytes(raw), rec.offset)
+        got = pread(self.root / rec.pack, where, as_bytes(raw), rec.offset)
         if got < rec.nbytes:
             raise CorruptionError(f"{where}: truncated: {got} of {rec.nbytes} bytes present")
         verify(raw, where, rec, out)
@@ -468,14 +355,6 @@ class TensorStore:
                 pass
         return fn(*args)
 
-    @staticmethod
-    def _submit(executor: ThreadPoolExecutor, fn, *args) -> Future:
-        """fn(*args) on `executor`; when fn hands its result on as a Future, the returned one
-        settles with that."""
-        out: Future = Future()
-        executor.submit(fn, *args).add_done_callback(lambda f: _settle(out, f))
-        return out
-
     # ---- manifest ----------------------------------------------------------------------
     def manifest(self) -> dict:
         with self._rec_lock:
@@ -488,18 +367,7 @@ class TensorStore:
 
     def save_manifest(self, path: str | os.PathLike) -> None:
         """Atomically: temp file, fsync, rename, fsync the directory."""
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump(self.manifest(), f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        dfd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        save_json(path, self.manifest())
 
     def close(self) -> None:
         self._wexec.shutdown(wait=True)
