@@ -34,7 +34,7 @@ def main() -> None:
 
     import tierlm
     from transformers import AutoTokenizer
-    from tierlm.engine import budget as B
+    from tierlm import rss
     from tierlm.engine.engine import Engine, EngineConfig
     from tierlm.engine.optimizer import AdamWConfig
 
@@ -58,7 +58,7 @@ def main() -> None:
             print(f"step {i + 1}: {dt:.2f} s, {(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) / 1e3:.0f}K "
                   f"faults, {(thp_faults() - h0) * 2 / 1024:.1f} GiB of huge pages, "
                   f"heap trims {getattr(getattr(eng, 'heap', None), 'trims', None)}, "
-                  f"peak RSS {B.peak_rss() / 2**20:.0f} MiB", flush=True)
+                  f"peak RSS {rss.peak_rss() / 2**20:.0f} MiB", flush=True)
     finally:
         eng.close()
 

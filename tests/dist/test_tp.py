@@ -97,7 +97,7 @@ def test_torchrun_generate_tp2_equals_one_process(tmp_path):
 
 def test_refused_when_the_split_does_not_divide_or_no_torchrun(make_model_dir, tmp_path):
     from tierlm.dist.tp import TensorParallel, init
-    from tierlm.engine.model import discover_blocks, empty_model
+    from tierlm.hf.structure import discover_blocks, empty_model
 
     model = empty_model(tiny_model("llama").config)
     blocks, _ = discover_blocks(model)

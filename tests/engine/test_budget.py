@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from tierlm.engine.budget import TRAINING_RESERVE, plan_split, window_size
+from tierlm.plan.budget import TRAINING_RESERVE, plan_split, window_size
 from tierlm.storage import BudgetError
 
 MB = 1 << 20
@@ -103,20 +103,20 @@ def test_kernel_warm_up_runs_one_layer_and_the_engines_head(arch, monkeypatch):
     """library_baseline's warm-up (run on a GPU: CUDA loads a kernel's module into host memory on
     first use) is a one-layer model of the real config at the real batch, its loss through the
     engine's chunked head where the engine would chunk; checked here on the CPU for each family."""
-    from tierlm.engine import budget as B
-    from tierlm.engine import head_loss
+    from tierlm.engine import baseline
+    from tierlm.plan import budget as B
 
     from ..conftest import tiny_config
 
-    monkeypatch.setattr(head_loss, "CHUNK_ABOVE", 0)
-    monkeypatch.setattr(head_loss, "MIN_CHUNK_TOKENS", 4)
-    monkeypatch.setattr(head_loss, "CHUNK_TARGET", 1)
+    monkeypatch.setattr(B, "CHUNK_ABOVE", 0)
+    monkeypatch.setattr(B, "MIN_CHUNK_TOKENS", 4)
+    monkeypatch.setattr(B, "CHUNK_TARGET", 1)
     calls = []
-    real = head_loss.causal_lm_loss
-    monkeypatch.setattr(head_loss, "causal_lm_loss", lambda h, head, labels, chunk: calls.append(
+    real = baseline.causal_lm_loss
+    monkeypatch.setattr(baseline, "causal_lm_loss", lambda h, head, labels, chunk: calls.append(
         (tuple(h.shape), chunk)) or real(h, head, labels, chunk))
     cfg = tiny_config(arch, **({"n_layer": 3} if arch == "gpt2" else {"num_hidden_layers": 3}))
-    B.warm_kernels(cfg, torch.bfloat16, "cpu", (2, 16))
+    baseline.warm_kernels(cfg, torch.bfloat16, "cpu", (2, 16))
     assert calls == [((2, 16, 64), 4)]
     assert cfg.num_hidden_layers == 3  # the caller's config is not changed
 
@@ -158,7 +158,7 @@ def test_the_activation_estimate_holds_on_either_attention_path(dropout, dtype):
     """SDPA runs its fused CPU kernel (a logsumexp saved) unless dropout is on, where its math path
     saves the seq x seq scores of every head: the estimate counts the path the model will take, and
     is an upper bound of what autograd saves on both (measured here at 512 tokens)."""
-    from tierlm.engine.budget import flash_attention, layer_activation_bytes
+    from tierlm.plan.budget import flash_attention, layer_activation_bytes
     from tierlm.hf.presets import make_config
     cfg = make_config("llama", None, {"layers": 1, "hidden": 128, "heads": 4, "kv_heads": 2, "intermediate": 256,
                                       "vocab": 512, "max_positions": 512})
@@ -173,7 +173,7 @@ def test_the_activation_estimate_holds_on_either_attention_path(dropout, dtype):
 def test_kernel_scratch_is_counted_per_thread():
     """The kernels' per-thread buffers (the fused attention's blocks, the products' packing) grow
     with the thread count: a 64-thread machine holds 32 times what 2 threads do."""
-    from tierlm.engine.budget import kernel_scratch_bytes
+    from tierlm.plan.budget import kernel_scratch_bytes
     from tierlm.hf.presets import make_config
     cfg = make_config("llama", None, {"layers": 1, "hidden": 1024, "intermediate": 2816})
     two = kernel_scratch_bytes(cfg, 4096, torch.bfloat16, threads=2)

@@ -4,7 +4,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tierlm.engine.head_loss import CHUNK_ABOVE, MIN_CHUNK_TOKENS, causal_lm_loss, chunk_tokens
+from tierlm.engine.head_loss import causal_lm_loss
+from tierlm.plan.budget import CHUNK_ABOVE, MIN_CHUNK_TOKENS, chunk_tokens
 
 from .test_exactness import batches, run_engine, run_reference
 

@@ -69,7 +69,7 @@ def test_a_forward_before_step_is_refused(make_model_dir, tmp_path):
 def test_a_tied_heads_gradient_is_in_the_budget(make_model_dir, tmp_path):
     """Autograd holds the head's gradient of a tied embedding until the embedding's arrives: the
     split sets that much aside (qwen2 ties them, llama does not)."""
-    from tierlm.engine.budget import TRAINING_RESERVE
+    from tierlm.plan.budget import TRAINING_RESERVE
 
     splits = {}
     for arch in ("qwen2", "llama"):

@@ -130,7 +130,7 @@ def test_a_variant_the_generic_path_cannot_run_is_refused(tmp_path):
 def test_the_check_sees_a_wrong_mask(monkeypatch):
     """The small copy's check compares logits, so a path that, say, forgot a sliding window (as
     the engine once did for Starcoder2) is caught."""
-    from tierlm.engine.model import empty_model
+    from tierlm.hf.structure import empty_model
     from tierlm.infer import generic
     model = empty_model(family_config("starcoder2"))
     monkeypatch.setattr(generic, "_CHECKS", {})

@@ -3,7 +3,7 @@ fixed costs), and uses the engine's own activation estimate. Never timed."""
 import pytest
 import torch
 
-from tierlm.engine import budget as B
+from tierlm.plan import budget as B
 from tierlm.plan import cost as C
 from tierlm.plan.command import hardware_from_measurements
 from tierlm.plan.planner import Task, plan

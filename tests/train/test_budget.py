@@ -89,7 +89,7 @@ VOCAB_SHAPE = {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "intermedia
 def test_logits_larger_than_the_budget_run_in_chunks_under_it(tmp_path):
     """1024 tokens of a 32K vocabulary make 512 MiB of logits (compute dtype, fp32 upcast, softmax,
     gradient): the head and loss run a chunk at a time (tierlm.engine.head_loss) under 160 MiB."""
-    from tierlm.engine.budget import logits_bytes
+    from tierlm.plan.budget import logits_bytes
     budget = parse_bytes("160MiB")
     assert logits_bytes(make_config("llama", None, VOCAB_SHAPE), 1024, __import__("torch").float32) > 3 * budget
     libraries, summary = finetune_under(tmp_path, VOCAB_SHAPE, 3000, "160MiB", "--seq-len", "1024",

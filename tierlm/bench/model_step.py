@@ -68,10 +68,11 @@ def bench_model_step(config, tokens: int, seq: int, dtype: torch.dtype, repeats:
 
     from transformers import AutoModelForCausalLM
 
-    from ..engine import budget as B
-    from ..engine.head_loss import causal_lm_loss, chunk_tokens
+    from ..plan import budget as B
+    from ..engine.head_loss import causal_lm_loss
+    from ..plan.budget import chunk_tokens
     from ..engine.heap import MIN_COMPUTE_SHARE, HeapGuard
-    from ..engine.model import find_layers
+    from ..hf.structure import find_layers
 
     rows_want = max(1, tokens // seq)
     per_row = B.layer_activation_bytes(config, seq, dtype) + B.logits_bytes(config, seq, dtype)

@@ -19,7 +19,7 @@ from pathlib import Path
 from ..storage import BudgetError, HostBufferPool, TensorStore
 from ..units import fmt_bytes
 from . import act_plan as P
-from . import budget as B
+from ..plan import budget as B
 from .activations import ActivationSwapper
 
 # What the planner assumes of the drive and memory where nothing measured them (the probe was

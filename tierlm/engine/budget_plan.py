@@ -8,7 +8,7 @@ import torch
 from ..storage import BudgetError
 from ..storage.aligned import round_up
 from ..units import fmt_bytes
-from . import budget as B
+from ..plan import budget as B
 from . import state_quant as SQ
 from ..storage.layout import nbytes
 from .optim_types import shard_buffer_bytes

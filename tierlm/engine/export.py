@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from . import budget as B
+from .. import rss
 from ..storage.layout import key
 
 # What a model directory holds beside the weights and config.json that a saved model needs to be
@@ -36,7 +36,7 @@ class Exports:
         for pool in (self.window_pool, self.opt_pool, self.cache_pool):
             if pool is not None:
                 pool.trim()
-        B.trim()
+        rss.trim()
 
     def weights(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The current working weights of one parameter, read from the store (a copy)."""

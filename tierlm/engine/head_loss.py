@@ -10,7 +10,7 @@ from the end of forward rather than from the start of backward.
 
 The loss is HF's ForCausalLMLoss (labels shifted left by one, -100 ignored, mean over the counted
 tokens, fp32 softmax). Sums run in another order than one big product, so the result is equal to
-HF's within rounding, not bit for bit: the engine chunks only when the logits are large (CHUNK_ABOVE).
+HF's within rounding, not bit for bit: the engine chunks only when the logits are large (`tierlm.plan.budget.chunk_tokens`).
 """
 from __future__ import annotations
 
@@ -19,31 +19,6 @@ import torch.nn.functional as F
 from torch import nn
 
 IGNORE = -100
-CHUNK_ABOVE = 256 << 20     # logits (all four copies) at or below this: HF's own path, exact
-CHUNK_TARGET = 64 << 20     # a chunk's logits, all four copies, about this
-# ...but never fewer tokens: each chunk reads the whole head weight three times and adds into its
-# gradient, so small chunks are bound by memory. Qwen2.5-0.5B's head at 896 tokens, fp32, forward
-# and backward on a 2-vCPU EPYC, two runs of benchmarks/head_loss_chunks.py: HF's whole logits
-# 6.29 / 5.28 s; chunks of 27 tokens 13.00 / 11.76 s, 128 tokens 6.53 / 6.80 s, 256 tokens
-# 7.14 / 6.50 s, 448 tokens 6.06 / 5.39 s (128 and 256 within the noise: the smaller one is kept).
-MIN_CHUNK_TOKENS = 128
-
-
-def logits_bytes_per_token(vocab: int, dtype: torch.dtype) -> int:
-    """The compute-dtype logits, their fp32 upcast, the softmax and its gradient (budget.logits_bytes)."""
-    return vocab * (torch.empty((), dtype=dtype).element_size() + 12)
-
-
-def chunk_tokens(tokens: int, vocab: int, dtype: torch.dtype, forced: int | None = None) -> int | None:
-    """Tokens per chunk for a micro-batch of `tokens`, or None for HF's unchunked path.
-    forced: 0 = never chunk, N > 0 = N tokens a chunk (tests), None = by the rule above."""
-    if forced is not None:
-        return None if forced == 0 or forced >= tokens else forced
-    per = logits_bytes_per_token(vocab, dtype)
-    if tokens * per <= CHUNK_ABOVE:
-        return None
-    chunk = max(MIN_CHUNK_TOKENS, CHUNK_TARGET // per)
-    return None if chunk >= tokens else chunk
 
 
 class _HeadLoss(torch.autograd.Function):

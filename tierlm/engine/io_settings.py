@@ -45,7 +45,7 @@ def shard_size(asked: int | None, root: Path, budget: int, resume: bool, grad_ac
     one reference). With gradient accumulation a tensor split across shards has its norm combined
     from shard norms (optim_norms: equal to within rounding), so there the size comes from the
     budget alone."""
-    from . import budget as B
+    from ..plan import budget as B
     if asked is not None:
         return asked, "set"
     if resume:

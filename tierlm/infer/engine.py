@@ -23,7 +23,9 @@ from pathlib import Path
 
 import torch
 
-from ..engine import budget as B
+from .. import rss
+from ..hf.baseline import library_baseline
+from ..plan import budget as B
 from ..hf.names import model_to_checkpoint
 from ..storage import BudgetError, HostBufferPool
 from ..storage.aligned import round_up
@@ -156,7 +158,7 @@ def _check_kv_attention(model, layers: int) -> None:
     cache slot per layer and sequence, and nothing else (a state-space layer's recurrent state, an
     RNN's, has no place in it). A layer attends where it holds one of transformers' attention
     modules that knows its layer index (what it hands the cache's `update`)."""
-    from ..engine.model import find_layers
+    from ..hf.structure import find_layers
 
     _, mods = find_layers(model)
     without = [i for i, layer in enumerate(mods) if not packed_attention.attention_modules(layer)]
@@ -173,7 +175,7 @@ class InferenceEngine:
     def __init__(self, model_dir, cfg: InferConfig, library_rss: int | None = None):
         from transformers import AutoConfig
 
-        from ..engine.model import discover_blocks, empty_model
+        from ..hf.structure import discover_blocks, empty_model
         from ..hf.checks import check_model_dir
         from ..hf.safetensors_io import SafetensorsDir
 
@@ -219,9 +221,9 @@ class InferenceEngine:
         fixed = sum(round_up(p.nbytes) for b in self.blocks if b.kind != "layer" for p in self.pieces[b.index])
         lbytes = max(sum(round_up(p.nbytes) for p in self.pieces[i]) for i in layer_idx)
 
-        B.trim()
-        self.library_rss = library_rss if library_rss is not None else B.library_baseline(config, self.dtype)
-        baseline = max(B.current_rss() - self.library_rss, 0)
+        rss.trim()
+        self.library_rss = library_rss if library_rss is not None else library_baseline(config, self.dtype)
+        baseline = max(rss.current_rss() - self.library_rss, 0)
         kv = kv_bytes(cache_config, cfg.max_batch, self.max_len, self.dtype)
         self.placement = plan_placement(cfg, baseline, fixed, lbytes, len(layer_idx), kv,
                                         scratch_bytes(config, cfg, self.max_len, self.dtype,
@@ -276,7 +278,7 @@ class InferenceEngine:
         self.base, self.head = self.generic.base, self.generic.head
         self._window, self._sliding = self.generic.window, self.generic.sliding
         self.lean = LeanDecoder.build(self) if cfg.lean else None
-        B.trim()
+        rss.trim()
 
     # ---- compute ------------------------------------------------------------------------
     @torch.no_grad()

@@ -222,7 +222,7 @@ def layer_activation_bytes(s: ModelShape, tokens: int, fused_kernels: bool = Fal
     """Bytes one decoder layer saves for backward, computing in `dtype`.
 
     tierlm's engine (CPU, transformers' eager modeling code): the engine's own estimate,
-    `tierlm.engine.budget.layer_activation_bytes`, so the plan and the run's budget agree. It is what
+    `tierlm.plan.budget.layer_activation_bytes`, so the plan and the run's budget agree. It is what
     autograd really saves: measured with saved_tensors_hooks on a llama layer (hidden 1024,
     intermediate 2816, 8 KV heads), 45.4 KB a token against the engine's 47.1 KB; RMSNorm's fp32
     upcasts, the rotary outputs and the SiLU input are saved too.
@@ -235,7 +235,7 @@ def layer_activation_bytes(s: ModelShape, tokens: int, fused_kernels: bool = Fal
     if fused_kernels:
         elems = 4 * s.hidden + 2 * s.q_dim + 2 * s.kv_dim + (3 if s.gated_mlp else 2) * s.intermediate
         return torch.empty((), dtype=dtype).element_size() * elems * tokens
-    from ..engine.budget import layer_activation_bytes as engine_estimate
+    from .budget import layer_activation_bytes as engine_estimate
 
     return engine_estimate(hf_like_config(s), tokens, dtype)
 

@@ -307,8 +307,8 @@ def _finetune(p: Plan, s: ModelShape, hw: Hardware, task: Task, r: C.Rates) -> N
 
 
 def _engine_split(s: ModelShape, task: Task, T: int, act: int, p: Plan):
-    """The engine's budget split (`tierlm.engine.budget.plan_split`) for this model and --cpu-mem."""
-    from ..engine import budget as B
+    """The engine's budget split (`tierlm.plan.budget.plan_split`) for this model and --cpu-mem."""
+    from . import budget as B
     from ..storage import BudgetError
 
     block = max(s.layer_params, s.embed_params, s.head_params)

@@ -189,7 +189,8 @@ def _run(cfg: FinetuneConfig, out: Path, dist=None) -> dict:
     import torch
     from transformers import AutoConfig
 
-    from ..engine.budget import library_baseline
+    from ..engine.baseline import warm_kernels
+    from ..hf.baseline import library_baseline
     from ..engine.engine import Engine, EngineConfig
     from ..engine.optimizer import AdamWConfig
     from ..hf.checks import check_model_dir, load_tokenizer
@@ -207,8 +208,9 @@ def _run(cfg: FinetuneConfig, out: Path, dist=None) -> dict:
     if max_pos and cfg.seq_len > max_pos:
         raise ValueError(f"--seq-len {cfg.seq_len} is beyond the {max_pos} positions of {cfg.model}; "
                          f"use --seq-len {max_pos} or less")
-    library_rss = library_baseline(hf_config, torch.bfloat16 if cfg.precision == "bf16" else torch.float32,
-                                   cfg.device, (cfg.batch_size, cfg.seq_len))
+    dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
+    library_rss = library_baseline(hf_config, dtype, cfg.device, warm=lambda: warm_kernels(
+        hf_config, dtype, cfg.device, (cfg.batch_size, cfg.seq_len)))
     tokenizer = load_tokenizer(cfg.model)
     dataset = load_dataset(cfg.data, tokenizer, cfg.seq_len)
     batches = Batches(dataset, cfg.batch_size, seed=cfg.seed)

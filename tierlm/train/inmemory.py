@@ -23,7 +23,7 @@ import torch
 def run(cfg) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from ..engine.budget import peak_rss
+    from ..rss import peak_rss
     from ..hf.checks import load_tokenizer
     from .data import Batches, load_dataset
     from .schedule import lr_factor
@@ -37,7 +37,7 @@ def run(cfg) -> dict:
     device = torch.device(cfg.device)
     from transformers.utils import logging as hf_logging
 
-    from ..engine.model import causal_lm
+    from ..hf.structure import causal_lm
     from .progress import use_bar
     if not use_bar(sys.stderr):  # transformers' "Loading weights" bar: frames in a redirected log
         hf_logging.disable_progress_bar()

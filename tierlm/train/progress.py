@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..engine import budget as B
+from .. import rss
 from ..units import count, fmt_bytes, parse_bytes
 
 
@@ -66,11 +66,11 @@ class Progress:
         rd = io["bytes_read"] - io0["bytes_read"]
         wr = io["bytes_written"] - io0["bytes_written"]
         lib = self.engine.library_rss
-        rss = B.current_rss() - lib
-        peak = B.peak_rss() - lib
+        now = rss.current_rss() - lib
+        peak = rss.peak_rss() - lib
         row = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": res.grad_norm,
                "clip_coef": res.clip_coef, "skipped": not res.finite, "s_per_step": dt,
-               "tokens": tokens, "tokens_per_s": tokens / dt, "rss_bytes": rss, "peak_rss_bytes": peak, "library_rss_bytes": lib,
+               "tokens": tokens, "tokens_per_s": tokens / dt, "rss_bytes": now, "peak_rss_bytes": peak, "library_rss_bytes": lib,
                "budget_bytes": self.budget, "ssd_read_bytes": rd, "ssd_write_bytes": wr,
                "ssd_read_gbps": rd / dt / 1e9, "ssd_write_gbps": wr / dt / 1e9, "time": time.time()}
         self.rows.append(row)
@@ -80,7 +80,7 @@ class Progress:
         clip = f" clip {res.clip_coef:.2f}" if res.clip_coef < 1 else ""
         self.bar.write(
             f"step {step + 1}/{self.total} loss {loss:.4f} lr {lr:.2e} gnorm {res.grad_norm:.3f}{clip} | "
-            f"{dt:.2f} s/step {tokens / dt:,.0f} tok/s | RAM {fmt_bytes(rss)} (peak {fmt_bytes(peak)}) "
+            f"{dt:.2f} s/step {tokens / dt:,.0f} tok/s | RAM {fmt_bytes(now)} (peak {fmt_bytes(peak)}) "
             f"of {fmt_bytes(self.budget)} | SSD read {rd / dt / 1e9:.2f} GB/s "
             f"write {wr / dt / 1e9:.2f} GB/s{skipped}")
         self.bar.update(1)
@@ -90,7 +90,7 @@ class Progress:
         return {"steps": len(rows), "first_loss": rows[0]["loss"] if rows else None,
                 "last_loss": rows[-1]["loss"] if rows else None,
                 "mean_s_per_step": sum(r["s_per_step"] for r in rows) / max(len(rows), 1),
-                "peak_rss_bytes": B.peak_rss(), "library_rss_bytes": self.engine.library_rss,
+                "peak_rss_bytes": rss.peak_rss(), "library_rss_bytes": self.engine.library_rss,
                 "budget_bytes": self.budget, "peak_gpu_bytes": self.engine.stats()["peak_gpu"],
                 # freed memory kept for reuse between blocks (engine/heap.py), and how often it went back
                 "heap_kept": self.engine.heap.active, "heap_trims": self.engine.heap.trims,

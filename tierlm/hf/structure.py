@@ -90,7 +90,7 @@ def _trace_early(config) -> list[str]:
 
     from transformers import AutoModelForCausalLM
 
-    from ..hf.fields import shrunk
+    from .fields import shrunk
 
     try:
         tiny = shrunk(config, layers=1)

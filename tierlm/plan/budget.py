@@ -7,116 +7,47 @@ with what is needed and the flag that changes it.
 """
 from __future__ import annotations
 
-import ctypes
-import resource
 from dataclasses import dataclass
 from typing import NamedTuple
 
-import psutil
 import torch
 
 from ..storage import BudgetError
+from ..storage.layout import DEFAULT_SHARD_ELEMS
 from ..units import fmt_bytes
 
-
-def current_rss() -> int:
-    return psutil.Process().memory_info().rss
-
-
-def peak_rss() -> int:
-    """This process's peak RSS: the kernel's high-water mark of its memory map (VmHWM).
-
-    ru_maxrss would do, except that Linux carries it across exec: a process started from a large
-    parent (pytest with torch loaded) would report the parent's size as its own peak.
-    """
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+# The head and loss a chunk of tokens at a time (engine/head_loss.py): when, and how many.
+CHUNK_ABOVE = 256 << 20     # logits (all four copies) at or below this: HF's own path, exact
+CHUNK_TARGET = 64 << 20     # a chunk's logits, all four copies, about this
+# ...but never fewer tokens: each chunk reads the whole head weight three times and adds into its
+# gradient, so small chunks are bound by memory. Qwen2.5-0.5B's head at 896 tokens, fp32, forward
+# and backward on a 2-vCPU EPYC, two runs of benchmarks/head_loss_chunks.py: HF's whole logits
+# 6.29 / 5.28 s; chunks of 27 tokens 13.00 / 11.76 s, 128 tokens 6.53 / 6.80 s, 256 tokens
+# 7.14 / 6.50 s, 448 tokens 6.06 / 5.39 s (128 and 256 within the noise: the smaller one is kept).
+MIN_CHUNK_TOKENS = 128
 
 
-def trim() -> None:
-    """Hand freed heap memory back to the OS now (after tokenisation's transient peak)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+def logits_bytes_per_token(vocab: int, dtype: torch.dtype) -> int:
+    """The compute-dtype logits, their fp32 upcast, the softmax and its gradient (budget.logits_bytes)."""
+    return vocab * (dtype.itemsize + 12)
 
 
-def library_baseline(config, dtype: torch.dtype = torch.bfloat16, device=None,
-                     batch: tuple[int, int] | None = None) -> int:
-    """RSS of the libraries alone: torch, transformers, this architecture's model code, and the
-    code pages of the kernels it runs (a tiny model of the same architecture runs one forward and
-    backward in `dtype` to touch them; on `device`, so a GPU's driver context and libraries are
-    counted too). `--cpu-mem` counts everything beyond this; none of it grows with the model.
-
-    batch: (sequences, tokens each) of a micro-batch. On a GPU, CUDA loads each kernel's module into
-    host memory on its first use, and which kernels run depends on the shapes: one decoder layer of
-    the real width, and the head's loss as the engine computes it, run at that batch first, so
-    that what a step loads is counted here and not against `--cpu-mem`."""
-    from ..hf.fields import shrunk
-    from .model import causal_lm, empty_model  # noqa: F401  (our own modules, imported before measuring)
-
-    tiny = shrunk(config)
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    state = torch.random.get_rng_state()
-    device = torch.device(device or "cpu")
-    m = causal_lm(AutoModelForCausalLM.from_config(tiny)).to(dtype).to(device)
-    ids = torch.randint(0, tiny.vocab_size, (1, 8)).to(device)
-    m(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-    del m
-    if device.type == "cuda" and batch is not None:
-        warm_kernels(config, dtype, device, batch)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-    torch.random.set_rng_state(state)
-    trim()
-    return current_rss()
-
-
-def warm_kernels(config, dtype: torch.dtype, device, batch: tuple[int, int]) -> None:
-    """One forward and backward of a one-layer model of `config` on `device` (made there: nothing of
-    it in host memory) at `batch`, the loss through the engine's head (head_loss), so that the
-    kernels a step of this shape selects are loaded."""
-    import copy
-
-    from transformers import AutoModelForCausalLM
-
-    from .head_loss import causal_lm_loss, chunk_tokens
-    from .model import causal_lm
-    one = copy.deepcopy(config)
-    one.num_hidden_layers = 1
-    device = torch.device(device)
-    cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    with torch.device(device):
-        m = causal_lm(AutoModelForCausalLM.from_config(one)).to(dtype)
-    n, seq = batch
-    ids = torch.randint(0, one.vocab_size, (n, seq), device=device)
-    chunk = chunk_tokens(n * seq, one.vocab_size, dtype)
-    if chunk is None:
-        loss = m(input_ids=ids, labels=ids, use_cache=False).loss
-    else:
-        hidden = m.base_model(input_ids=ids, use_cache=False).last_hidden_state
-        loss = causal_lm_loss(hidden, m.get_output_embeddings(), ids, chunk)
-    loss.backward()
-    del m, loss
-    if cuda_rng is not None:
-        torch.cuda.set_rng_state(cuda_rng, device)
+def chunk_tokens(tokens: int, vocab: int, dtype: torch.dtype, forced: int | None = None) -> int | None:
+    """Tokens per chunk for a micro-batch of `tokens`, or None for HF's unchunked path.
+    forced: 0 = never chunk, N > 0 = N tokens a chunk (tests), None = by the rule above."""
+    if forced is not None:
+        return None if forced == 0 or forced >= tokens else forced
+    per = logits_bytes_per_token(vocab, dtype)
+    if tokens * per <= CHUNK_ABOVE:
+        return None
+    chunk = max(MIN_CHUNK_TOKENS, CHUNK_TARGET // per)
+    return None if chunk >= tokens else chunk
 
 
 def shard_elems_for(budget: int, want: int | None = None) -> int:
     """Optimizer shard size: `want` elements (default 4M), or less where one shard's buffers (fp32
     master, m, v, gradient, working weights: 18 bytes an element) would pass a twentieth of the
     budget; a multiple of 2048."""
-    from ..storage.layout import DEFAULT_SHARD_ELEMS
-
     n = budget // 20 // 18 // 2048 * 2048
     return max(2048, min((want or DEFAULT_SHARD_ELEMS) // 2048 * 2048, n))
 
@@ -195,7 +126,7 @@ def layer_activation_bytes(config, tokens: int, dtype: torch.dtype, seq: int | N
     kv = getattr(config, "num_key_value_heads", None) or heads
     kv_dim = h // heads * kv
     per_token = 10 * h + 4 * inter + 4 * kv_dim
-    out = tokens * per_token * torch.empty((), dtype=dtype).element_size()
+    out = tokens * per_token * dtype.itemsize
     if flash_attention(config):
         return out + 4 * heads * tokens
     return out + SCORE_SAVED_BYTES * heads * tokens * min(seq or tokens, tokens)
@@ -223,14 +154,14 @@ def kernel_scratch_bytes(config, seq: int, dtype: torch.dtype, threads: int | No
     if flash_attention(config):
         q_block = 256 if seq >= 768 else 64 if seq >= 192 else 32
         block = min(q_block, seq) * min(512, seq)
-        es = torch.empty((), dtype=dtype).element_size()
+        es = dtype.itemsize
         per += block * (2 * 4 + (2 * es if dtype in (torch.bfloat16, torch.float16) else 0))
     return threads * per
 
 
 def logits_bytes(config, tokens: int, dtype: torch.dtype) -> int:
     """Logits in the compute dtype, their fp32 upcast, log-softmax and its gradient."""
-    return tokens * config.vocab_size * (torch.empty((), dtype=dtype).element_size() + 12)
+    return tokens * config.vocab_size * (dtype.itemsize + 12)
 
 
 def head_loss_bytes(config, tokens: int, dtype: torch.dtype, chunkable: bool = True,
@@ -239,11 +170,10 @@ def head_loss_bytes(config, tokens: int, dtype: torch.dtype, chunkable: bool = T
     (`head_loss.chunk_tokens`), one chunk's logits and the head weight's gradient, which is made
     during forward (fp32 while it sums; a tied head's is the gradient the split already holds
     through backward, so it is not counted twice)."""
-    from .head_loss import chunk_tokens
     chunk = chunk_tokens(tokens, config.vocab_size, dtype, forced) if chunkable else None
     if chunk is None:
         return logits_bytes(config, tokens, dtype)
-    vh, es = config.vocab_size * config.hidden_size, torch.empty((), dtype=dtype).element_size()
+    vh, es = config.vocab_size * config.hidden_size, dtype.itemsize
     head_grad = 4 * vh + (es * vh if dtype != torch.float32 else 0)  # bf16: the fp32 sum and its copy
     if tied:
         head_grad -= es * vh
