@@ -173,8 +173,8 @@ def test_plain_text_file(tmp_path, tk):
 
 
 def test_long_text_file_is_one_document(tmp_path, tk, monkeypatch):
-    import tierlm.train.data as data
-    monkeypatch.setattr(data, "_TEXT_PIECE_CHARS", 20)
+    import tierlm.train.data_formats as formats
+    monkeypatch.setattr(formats, "_TEXT_PIECE_CHARS", 20)
     text = "".join(f"line {i} of the quick brown fox\n" for i in range(30))
     p = tmp_path / "long.txt"
     p.write_text(text)
