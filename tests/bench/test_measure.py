@@ -3,7 +3,7 @@ format; the layer probe times every shape in interleaved rounds; the I/O probe p
 in flight the engine keeps."""
 import torch
 
-from tierlm.bench import measure
+from tierlm.bench import compute_probes, io_probes, measure
 from tierlm.bench.measure import bench_decode
 from tierlm.infer import native
 from tierlm.infer.fused import FusedLayer, FusedStack
@@ -41,7 +41,7 @@ def test_layer_probe_interleaves_its_rounds_across_shapes(monkeypatch):
     # shape runs before round r + 1 of any.
     order = []
     real = measure.best_seconds
-    monkeypatch.setattr(measure, "best_seconds", lambda fn, repeats: order.append(fn) or real(fn, repeats))
+    monkeypatch.setattr(compute_probes, "best_seconds", lambda fn, repeats: order.append(fn) or real(fn, repeats))
     r = measure.bench_layer(torch.float32, repeats=3, widths=(128, 256), tokens=(256, 512))
     shapes = order[:4]
     assert len(set(shapes)) == 4 and order == shapes * 3
@@ -61,7 +61,7 @@ def test_queue_depth_is_the_fewest_requests_within_5_percent_of_the_best(monkeyp
         calls.append(inflight)
         r, w = rates[inflight][sum(1 for c in calls if c == inflight) - 1]
         return {"read_gbps": r, "write_gbps": w}
-    monkeypatch.setattr(measure, "bench_io", fake_io)
+    monkeypatch.setattr(io_probes, "bench_io", fake_io)
     res = measure.bench_queue_depth(tmp_path)
     assert calls == [2, 4, 8, 2, 4, 8]
     assert res["by_depth"]["2"] == {"read_gbps": 1.9, "write_gbps": 2.0}
@@ -85,7 +85,7 @@ def test_small_requests_decide_the_depth_where_large_ones_read_alike(monkeypatch
     def fake_io(directory, size_bytes, block_bytes, inflight):
         r, w = small[inflight] if block_bytes == measure.SMALL_BYTES else (2.7, 3.8)
         return {"read_gbps": r, "write_gbps": w}
-    monkeypatch.setattr(measure, "bench_io", fake_io)
+    monkeypatch.setattr(io_probes, "bench_io", fake_io)
     res = measure.bench_queue_depth(tmp_path)
     assert res["queue_depth"] == 8
     assert res["by_depth_small"]["2"] == {"read_gbps": 0.63, "write_gbps": 1.01}
@@ -107,7 +107,7 @@ def test_shard_size_is_the_smallest_request_within_5_percent_of_the_best(monkeyp
         calls.append((block_bytes, inflight))
         r, w = rates[block_bytes]
         return {"read_gbps": r, "write_gbps": w}
-    monkeypatch.setattr(measure, "bench_io", fake_io)
+    monkeypatch.setattr(io_probes, "bench_io", fake_io)
     res = measure.bench_block_size(tmp_path, inflight=4)
     assert calls == [(b, 4) for b in measure.BLOCKS] * 2  # interleaved rounds at the picked depth
     assert res["shard_bytes"] == 8 << 20  # 2.3 / 3.3 against the best 2.42 / 3.45
