@@ -39,7 +39,7 @@ MODELS = {"llama-48m": ["--arch", "llama", "--layers", "4", "--hidden", "1024", 
           "llama-208m": ["--arch", "llama", "--layers", "8", "--hidden", "1536", "--heads", "24",
                          "--kv-heads", "8", "--max-positions", "1024"]}
 # RAM enough to keep every optimizer shard resident (the state cache), so the SSD carries the
-# write-through state and the weights; see docs/planner.md for why not a partial cache.
+# write-through state and the weights; see docs/planner.md at a2b1c1e for why not a partial cache.
 CPU_MEM = {"llama-48m": "2GiB", "llama-208m": "6GiB"}
 # Decoding: every layer resident, or every layer streamed from the SSD (the budget leaves no room
 # for a resident one beside the window of three).
@@ -161,7 +161,7 @@ def main() -> None:
 
 def streamed_row(work: Path, name: str, new_tokens: int, bench: str | None, rep: int, reuse: bool) -> dict:
     """Streamed decoding is bound by the drive's read rate, which on a virtual disk moves several-fold
-    within an hour (docs/planner.md): `bench io` of the same drive runs right before and right after
+    within an hour (docs/planner.md at a2b1c1e): `bench io` of the same drive runs right before and right after
     the decode, and the plan uses the mean of the two read rates (the rest of the cache as measured)."""
     from tierlm.bench import cache
     from tierlm.plan.command import run_bench

@@ -15,7 +15,7 @@
    catches the fast state's rounds, told apart by the two plain reads around each.
 
    GB/s of weights read. The tiled loop reads row-major data in tile order: the bytes and the
-   access pattern are the tiled layout's, the sums are not (speed only). docs/inference.md. */
+   access pattern are the tiled layout's, the sums are not (speed only). docs/inference.md at a2b1c1e. */
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>

@@ -11,7 +11,7 @@ import resource as _resource
 # allocation, hence before importing torch; a no-op where THP is off). glibc gives every large
 # tensor fresh pages (_tame_malloc below), and faulting them in 4 KiB at a time took the compute
 # threads 11.6 of 85 CPU-s in a Qwen2.5-0.5B out-of-core step (4x448 tokens, fp32, 2 vCPUs); with
-# huge pages 6.8, and the step 52.0 -> 46.1-46.5 s at the same peak RSS (docs/benchmarks.md, H).
+# huge pages 6.8, and the step 52.0 -> 46.1-46.5 s at the same peak RSS (docs/benchmarks.md at a2b1c1e, H).
 _os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 # torch is not imported here: `tierlm --help` and the argument errors of every verb answer without
@@ -41,7 +41,7 @@ def _tame_malloc() -> bool:
 
     TIERLM_MALLOC=glibc leaves glibc's defaults: `bench train`'s in-memory run is plain PyTorch,
     and these settings cost it ~9% (fresh pages zeroed for every large tensor: Qwen2.5-0.5B 4x448
-    bf16, 25.6 against 28.0 s/step, docs/benchmarks.md a 2-vCPU Zen 4 VM)."""
+    bf16, 25.6 against 28.0 s/step, docs/benchmarks.md at a2b1c1e, a 2-vCPU Zen 4 VM)."""
     if _os.environ.get("TIERLM_MALLOC") == "glibc":
         return False
     import ctypes

@@ -1,5 +1,5 @@
 """Plans are deterministic, explain what does not fit, name the binding resource, and land near the
-published LoHan numbers (the check docs/planner.md reports)."""
+published LoHan numbers (the check docs/planning.md reports)."""
 import json
 
 import pytest

@@ -2,7 +2,7 @@
 
 `torch.linalg.vector_norm(g, dtype=torch.float32)` on a bf16 gradient upcasts all of it first: for
 TinyLlama's head (65.5M elements) a 250 MiB transient on the optimizer's thread (50-260 ms of it),
-which took a bf16 run under --cpu-mem 4GiB ~60 MiB past its budget (docs/benchmarks.md, a 2-vCPU Zen 4 VM). A gradient of more than CHUNK elements is reduced in CHUNK-element
+which took a bf16 run under --cpu-mem 4GiB ~60 MiB past its budget (docs/benchmarks.md at a2b1c1e, a 2-vCPU Zen 4 VM). A gradient of more than CHUNK elements is reduced in CHUNK-element
 pieces, then the pieces' norms. Up to CHUNK (every tensor of the tests' models) the bits are those
 of torch's `clip_grad_norm_` on an fp32 copy. Beyond it they differ, and are closer to the exact
 norm: torch's one fp32 reduction over 65.5M bf16 values of unit size gave 8054.2 where the exact
@@ -22,7 +22,7 @@ def _buffer() -> torch.Tensor:
     """This thread's CHUNK-element fp32 buffer, kept across calls. A buffer per call is fresh pages
     for every gradient (tierlm's malloc settings return them on free), zeroed by the kernel: 6.1 ms
     a call for a Qwen2.5-0.5B MLP gradient on a 2-vCPU Zen 4 VM, 0.8 ms with this buffer; 72 such calls a
-    step, on the compute's thread (docs/benchmarks.md, "The step is the drive's time for its
+    step, on the compute's thread (docs/benchmarks.md at a2b1c1e, "The step is the drive's time for its
     requests")."""
     buf = getattr(_local, "buf", None)
     if buf is None:

@@ -5,7 +5,7 @@ return them on free, so RSS tracks what is live. The price is paid by the comput
 every fresh page, and a step's transient tensors are mostly 64 KiB-32 MiB. Qwen2.5-0.5B at 4x448
 tokens in bf16 (2 vCPUs) faulted 1.27-1.37M small pages and 12 GiB of huge pages a step. With those
 allocations kept in the heap under this guard (and head_loss's reused buffers), 0.18-0.25M and
-4.8-5.8 GiB, and the step 26.8-28.8 -> 24.9-27.0 s (docs/benchmarks.md, "Fewer fresh pages a step").
+4.8-5.8 GiB, and the step 26.8-28.8 -> 24.9-27.0 s (docs/benchmarks.md at a2b1c1e, "Fewer fresh pages a step").
 
 Unbounded, the heap's holes held 1.3-2.3 GiB more and the run peaked over its --cpu-mem. So while an
 Engine trains, `check()` runs between blocks: past `limit` (the budget less one block's transient

@@ -68,7 +68,7 @@ class TiedHeadGrad:
         self._reading = False  # the head runs with its weight detached (between the two hooks)
         # The unchunked head's gradient, kept from step to step on the CPU: made fresh, it was 272 MB
         # of new pages for Qwen2.5-0.5B, zeroed by the kernel while the head's backward waited
-        # (docs/benchmarks.md, "The step is the drive's time for its requests"). On a GPU the caching
+        # (docs/benchmarks.md at a2b1c1e, "The step is the drive's time for its requests"). On a GPU the caching
         # allocator reuses the memory already.
         self.keep = not engine.on_gpu
         self._buf: torch.Tensor | None = None

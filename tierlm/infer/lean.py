@@ -2,7 +2,7 @@
 
 A decode step multiplies every weight by one row per sequence: ~2 GB for TinyLlama-1.1B in bf16,
 ~70 ms at this machine's memory speed. transformers' modeling code adds ~30 ms of small ops around
-the products (docs/inference.md, "Where decode time goes"): decoder-layer wrappers, kwargs
+the products (docs/inference.md at a2b1c1e, "Where decode time goes"): decoder-layer wrappers, kwargs
 plumbing, attention dispatch, a dtype conversion before and after every product. This module runs
 the decoder layer's arithmetic for steps where every row brings one token:
 

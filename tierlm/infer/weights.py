@@ -147,7 +147,7 @@ def install_resident(pieces: list[Piece], src) -> torch.Tensor:
     layer's products read one run of memory. TinyLlama-1.1B bf16 on a 2-vCPU Zen 4 VM, decode alternated on
     one engine against each tensor in an allocation of its own (benchmarks/infer_bench.py --layout,
     3 runs of 6 rounds): faster in 17 of 18 rounds at 1 thread (median +10%), 15 of 18 at 2 threads
-    (+3%; docs/inference.md)."""
+    (+3%; docs/inference.md at a2b1c1e)."""
     sizes = [round_up(p.nbytes) for p in pieces]
     buf = aligned_empty(sum(sizes))
     off = 0

@@ -335,9 +335,9 @@ def _engine_split(s: ModelShape, task: Task, T: int, act: int, p: Plan):
 
 
 # The engine's process baseline beyond the libraries (Python and transformers objects, the model's
-# module tree; 63 MiB in every run of docs/planner.md) and its default prefetch depth.
+# module tree; 63 MiB in every run of docs/planner.md at a2b1c1e) and its default prefetch depth.
 ENGINE_BASELINE = 64 << 20
-# The inference engine's process baseline beyond its libraries: 12 KiB in docs/planner.md's runs
+# The inference engine's process baseline beyond its libraries: 12 KiB in the runs of docs/planner.md at a2b1c1e
 # (its library baseline is read after the model skeleton is built).
 INFER_BASELINE = 0
 ENGINE_PREFETCH = 2
@@ -487,7 +487,7 @@ def _serve(p: Plan, s: ModelShape, hw: Hardware, task: Task, r: C.Rates) -> None
         # The measured decode step reads its weights from RAM (256 MiB, past the caches): that rate
         # is already the memory's for those bytes. Counting them again at bench io's copy rate (read
         # and write bytes, ~2/3 of a pure read stream) bound a 2-vCPU Zen 4 VM's in-RAM decode at 22.8 GB/s
-        # where it read 34 (docs/planner.md, a 2-vCPU Zen 4 VM).
+        # where it read 34 (docs/planner.md at a2b1c1e, a 2-vCPU Zen 4 VM).
         resident_read = in_ram if site == "cpu" and not r.gemv else 0
         res = {"compute": t_comp,
                "memory": (resident_read + from_ssd + (kv if kv_where == "ram" else 0)) / r.dram,

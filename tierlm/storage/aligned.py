@@ -78,7 +78,7 @@ def _huge_aligned(size: int, pin: bool) -> torch.Tensor:
     Direct I/O moves a buffer's pages to the device a segment per physically contiguous run, so on
     4 KiB pages a 16 MiB request becomes thousands of segments. From 2 MiB pages this virtio disk
     read 2.4-2.8 GB/s and wrote 4.0-4.5, from 4 KiB pages 1.75-1.84 and 2.8-3.1 (16 MiB requests, 4
-    in flight, same files, alternating; docs/benchmarks.md). PyTorch's own huge-page switch
+    in flight, same files, alternating; docs/benchmarks.md at a2b1c1e). PyTorch's own huge-page switch
     advises its allocations but does not align them: an 8 MiB buffer got 3 huge pages of 4. The
     slack before the buffer and past its last whole huge page is advised against, so that no huge
     page there faults in memory that the budget does not count."""

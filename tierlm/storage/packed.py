@@ -3,7 +3,7 @@
 A fine-tuning step of Qwen2.5-0.5B read and wrote 817 tensors under 64 KiB (the norms, the biases
 and their optimizer states: 1.6 MB together) each as a request of its own. Replaying the step's
 requests with and without them put their cost at 0.28 of the drive's 4.0 s: a request of a few
-hundred bytes costs the drive about what 0.5 MB does (docs/benchmarks.md, "Small tensors in one
+hundred bytes costs the drive about what 0.5 MB does (docs/benchmarks.md at a2b1c1e, "Small tensors in one
 pack"). So a store that packs keeps such a tensor's bytes in RAM when it is written (the write is
 a copy), serves its reads from there, and at each commit writes every current small tensor into one
 new file, `packs/<step>.bin`, whose name the manifest records with each tensor's offset and CRC32C.

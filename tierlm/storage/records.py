@@ -70,7 +70,7 @@ def record_bytes(root: Path, key: str, rec_json: list) -> bytes:
 # CRC32C (Castagnoli), the same values as every state written before: fastcrc folds with carry-less
 # multiplies (VPCLMULQDQ / PCLMULQDQ, PMULL on ARM), 27 against 12.8 GB/s for the crc32c package's
 # crc32 instructions over a 64 MiB buffer on a 2-vCPU Zen 4 VM, and releases the GIL from 16 KiB
-# (docs/benchmarks.md, "A faster CRC32C").
+# (docs/benchmarks.md at a2b1c1e, "A faster CRC32C").
 checksum = fastcrc.crc32.iscsi
 
 

@@ -6,7 +6,7 @@
    x is fp32 [M, K], y fp32 [M, N], w row-major [N, K]. Decoding reads every weight once per token
    for a handful of rows, so the loop is arranged to read each weight row once for all M rows and
    convert it once per group of up to 4 rows; PyTorch's int8 weight-only kernel is compute-bound at
-   one row on AVX2 CPUs (docs/inference.md). Threads take contiguous ranges of output rows
+   one row on AVX2 CPUs (docs/inference.md at a2b1c1e). Threads take contiguous ranges of output rows
    (OpenMP: the runtime PyTorch has already loaded, so one thread pool).
 
    Accumulation is fp32 in a fixed order for a given K, so results do not depend on the thread
@@ -19,7 +19,7 @@
    16 bits with one scale for the row (a relative error of 2^-16 of its largest element, far below
    the weights' own 2^-8) and each product is a vpmaddwd of 16 weight/x pairs, half the vector work
    of converting every weight to fp32 (a scratch comparison of the two loops on a 277 MB matrix,
-   2-vCPU EPYC, 2 threads: 28.2 against 25.2 GB/s of int8, a plain read 32.5; docs/inference.md). Integer sums are moved to fp32 every I16_BLOCK
+   2-vCPU EPYC, 2 threads: 28.2 against 25.2 GB/s of int8, a plain read 32.5; docs/inference.md at a2b1c1e). Integer sums are moved to fp32 every I16_BLOCK
    inputs, before they could overflow: a lane adds two products of |w| <= 128 and |x| <= 32767 per
    32 inputs, so 4096 inputs stay below 2^31.
 

@@ -6,7 +6,7 @@
    Why one region: a decode step made 89 kernel calls (TinyLlama), each its own OpenMP fork and
    join, with 6-9 ms of torch ops a token between them (norm glue, rotary, SDPA on a few dozen
    positions, residual adds); the step's products read ~20% slower than one call over the same
-   bytes (docs/inference.md). Here the threads meet at barriers instead, and the small work
+   bytes (docs/inference.md at a2b1c1e). Here the threads meet at barriers instead, and the small work
    between the products (a few thousand floats a row) runs on one of them while the other waits.
 
    The products are gemv.c's (tl_rows_range), so the weights' formats, rounding of x and results
