@@ -207,6 +207,34 @@ def test_each_user_page_is_linked_from_the_index():
     assert not missing, f"docs/README.md does not link {missing}"
 
 
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_between_pages_and_images_resolve():
+    """Every relative link names a file that exists (and a heading of it, after #); every image in
+    docs/ is shown by some page."""
+    problems, shown = [], set()
+    for f in doc_files():
+        text = re.sub(r"```.*?```", "", f.read_text(encoding="utf-8"), flags=re.S)
+        for m in re.finditer(r"\]\(([^)\s]+)\)", text):
+            target, _, anchor = m.group(1).partition("#")
+            if re.match(r"^[a-z]+:", target):
+                continue  # http:, mailto:
+            path = (f.parent / target).resolve() if target else f
+            shown.add(path)
+            if not path.exists():
+                problems.append(f"{f.relative_to(ROOT)}: {m.group(1)}: no such file")
+            elif anchor and path.suffix == ".md":
+                heads = {_slug(h) for h in re.findall(r"^#+ (.+)$", path.read_text(encoding="utf-8"), re.M)}
+                if anchor not in heads:
+                    problems.append(f"{f.relative_to(ROOT)}: {m.group(1)}: no such heading")
+    unshown = [p.name for p in (ROOT / "docs").glob("*.png") if p.resolve() not in shown]
+    assert not problems, "\n".join(problems)
+    assert not unshown, f"images no page shows: {unshown}"
+
+
 @pytest.mark.parametrize("doc, expected", [
     ("```bash\ntierlm finetune MODEL --data x --made-up-flag 3\n```", "has no flag --made-up-flag"),
     ("Run `tierlm generate MODEL\n--prompt hi --nonsense`.", "has no flag --nonsense"),
