@@ -9,7 +9,7 @@ from collections import namedtuple
 import pytest
 
 from tierlm.bench import measure
-from tierlm.engine import act_engine
+from tierlm.bench import rates as act_rates
 
 Usage = namedtuple("Usage", "total used free")
 
@@ -34,8 +34,8 @@ def test_drive_probe_on_a_nearly_full_drive_is_skipped_with_a_message(monkeypatc
     _free(monkeypatch, 50 << 20)
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("the probe ran on a nearly full drive"))
     said = []
-    r = act_engine._rates(tmp_path, say=said.append)
-    assert (r.ssd_read, r.ssd_write) == act_engine.DEFAULT_RATES[:2]
+    r = act_rates.activation_rates(tmp_path, say=said.append)
+    assert (r.ssd_read, r.ssd_write) == act_rates.P.DEFAULT_RATES[:2]
     assert len(said) == 1 and "skipped" in said[0] and "default rates" in said[0]
 
 
@@ -50,8 +50,8 @@ def test_drive_probe_failure_gives_defaults(monkeypatch, tmp_path, failure):
                                            "OSError: [Errno 28] No space left on device\n")
     monkeypatch.setattr(subprocess, "run", run)
     said = []
-    r = act_engine._rates(tmp_path, say=said.append)
-    assert (r.ssd_read, r.ssd_write) == act_engine.DEFAULT_RATES[:2]
+    r = act_rates.activation_rates(tmp_path, say=said.append)
+    assert (r.ssd_read, r.ssd_write) == act_rates.P.DEFAULT_RATES[:2]
     assert "measuring the drive" in said[0] and "probe failed" in said[-1]
     if failure == "exit":
         assert "No space left" in said[-1]
@@ -64,7 +64,7 @@ def test_drive_probe_measures_within_its_size(monkeypatch, tmp_path):
     real = subprocess.run
     monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: seen.append(cmd) or real(cmd, **kw))
     said = []
-    r = act_engine._rates(tmp_path / "nv", say=said.append)
+    r = act_rates.activation_rates(tmp_path / "nv", say=said.append)
     assert seen and seen[0][-1] == str(48 << 20)
     assert r.ssd_read > 0 and "measured" in r.source and "48 MiB" in said[0]
 
@@ -81,8 +81,9 @@ def test_a_failing_drive_probe_does_not_stop_a_training_run(make_model_dir, tmp_
         return real(cmd, **kw)
     monkeypatch.setattr(subprocess, "run", run)
     model_dir, _ = make_model_dir("llama")
+    measured = act_rates.measured(tmp_path / "nvme-fp32-auto")  # the recipe's: the probe runs after step 1
     _, _, losses, results = run_engine(model_dir, tmp_path, batches(4, seq=16), lr=1e-3, wd=0.0, clip=1.0,
-                                       accum=1, warmup=1, precision="fp32", activations="auto")
+                                       accum=1, warmup=1, precision="fp32", activations="auto", measured=measured)
     assert len(results) == 4 and all(l == l for l in losses)
     assert "drive probe failed" in capsys.readouterr().err
     plan = json.loads((tmp_path / "nvme-fp32-auto" / "plan.json").read_text())
@@ -109,57 +110,3 @@ def test_read_probe_reads_as_decode_does(monkeypatch):
         assert any(k.startswith("native") for k in r["read_gbps_by_way"])
     else:
         assert not calls
-
-
-def test_report_rates_honour_the_cache_dir_and_the_threads(monkeypatch, tmp_path, capsys):
-    import torch
-
-    from tierlm.infer import report
-
-    monkeypatch.setenv("TIERLM_CACHE_DIR", str(tmp_path / "cache"))
-    seen = []
-
-    def run(cmd, **kw):
-        seen.append(cmd)
-        return subprocess.CompletedProcess(cmd, 0, json.dumps({"mem_gbps": 30.0}) + "\n", "")
-    monkeypatch.setattr(subprocess, "run", run)
-    assert report.machine_rates()["mem_gbps"] == 30.0
-    assert seen[0][-1] == str(torch.get_num_threads())
-    assert (tmp_path / "cache" / "rates.json").is_file()
-    assert "measuring this machine's rates" in capsys.readouterr().err
-    assert report.machine_rates()["mem_gbps"] == 30.0 and len(seen) == 1  # cached: measured once
-
-
-def test_report_without_rates_when_the_probe_fails(monkeypatch, tmp_path):
-    from tierlm.infer import report
-
-    monkeypatch.setenv("TIERLM_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: (_ for _ in ()).throw(subprocess.TimeoutExpired(cmd, 300)))
-    assert report.machine_rates(str(tmp_path)) == {}
-
-
-def test_a_phase_faster_than_the_cached_roofline_measures_it_again(monkeypatch, tmp_path, capsys):
-    """Decode read 31 GB/s against a roofline cached at 25 (a busier moment): measured again once,
-    the faster kept (and cached), the share recomputed."""
-    from types import SimpleNamespace
-
-    import torch
-
-    from tierlm.infer import report
-
-    monkeypatch.setenv("TIERLM_CACHE_DIR", str(tmp_path / "cache"))
-    calls = []
-
-    def run(cmd, **kw):
-        calls.append(cmd)
-        return subprocess.CompletedProcess(cmd, 0, json.dumps({"mem_gbps": 25.0 if len(calls) == 1 else 33.0}), "")
-    monkeypatch.setattr(subprocess, "run", run)
-    rates = report.machine_rates()
-    stats = SimpleNamespace(s={"prefill": 0.1, "decode": 1.0}, tokens={"prefill": 10, "decode": 100},
-                            ram={"prefill": 1e8, "decode": 31e9}, ssd={"prefill": 0, "decode": 0},
-                            kv={"prefill": 0, "decode": 0})
-    eng = SimpleNamespace(flop_params=1e6, dtype=torch.float32, store=None)
-    lines, out = report.report(SimpleNamespace(stats=stats), eng, [], rates)
-    assert len(calls) == 2 and "measuring it again" in capsys.readouterr().err
-    assert out["decode"]["shares"]["memory"] == pytest.approx(31 / 33) and "memory 94%" in lines[-1]
-    assert report.machine_rates()["mem_gbps"] == 33.0 and len(calls) == 2  # the faster one cached

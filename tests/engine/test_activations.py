@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from tierlm.engine import act_plan as P
+from tierlm.plan import activations as P
 from tierlm.engine.activations import ActivationSwapper
 from tierlm.engine.engine import Engine, EngineConfig
 from tierlm.storage import BudgetError

@@ -68,7 +68,7 @@ def run_reference(model, data, *, lr, wd, clip, accum, warmup, precision, impl="
 
 
 def run_engine(model_dir, tmp_path, data, *, lr, wd, clip, accum, warmup, precision, impl="fused",
-               activations="auto", shard_elems=None, state_cache=True, tag="", **knobs):
+               activations="auto", shard_elems=None, state_cache=True, tag="", measured=None, **knobs):
     optim = AdamWConfig(lr=lr, weight_decay=wd, max_grad_norm=clip, impl=impl)
     kw = dict(shard_elems=shard_elems) if shard_elems else {}
     kw["state_cache"] = state_cache
@@ -76,7 +76,7 @@ def run_engine(model_dir, tmp_path, data, *, lr, wd, clip, accum, warmup, precis
     cfg = EngineConfig(nvme_dir=str(tmp_path / f"nvme-{precision}-{activations}{tag}"), cpu_mem="1GiB",
                        precision=precision, grad_accum=accum, activations=activations, optim=optim,
                        tokens_per_micro_batch=data[0].numel(), **kw)
-    eng = Engine.from_pretrained(model_dir, cfg)
+    eng = Engine.from_pretrained(model_dir, cfg, measured=measured)
     sched_fn = lr_factor("cosine", warmup, len(data) // accum)
     losses, results = [], []
     try:
@@ -259,8 +259,8 @@ def test_a_partial_state_cache_keeps_the_shards_updated_last(make_model_dir, tmp
                 eng.backward(eng.forward(x, labels=x).loss)
                 eng.step()
             if cache:
-                seq = [(n, k) for n in opt._arrival for k in range(len(eng.infos[n].shards))]
-                held = [i for i, nk in enumerate(seq) if nk in opt._resident]
+                seq = [(n, k) for n in opt.arrivals.last for k in range(len(eng.infos[n].shards))]
+                held = [i for i, nk in enumerate(seq) if nk in opt.cache.resident]
                 out["held"], out["seq"] = held, len(seq)
             out[cache] = {n: eng.master(n) for n in eng.names}
         finally:

@@ -49,12 +49,13 @@ def test_the_recorded_step_is_timed_like_its_neighbours_and_its_picture_says_so(
     that noise is small beside 10%; the activation planner's one-off drive probe (after step 1) and
     drawing the picture (after step 2) take 3 s each, and neither may land in a step's time. The
     picture's title, window and shares are the step's metrics row and its log line."""
-    from tierlm.engine import act_engine
+    from tierlm.bench import rates as act_rates
     from tierlm.engine.engine import Engine
     from tierlm.hf.init import init_model
     from tierlm.hf.presets import make_config
 
     step_s, delay = 2.0, 3.0
+    monkeypatch.setenv("TIERLM_CACHE_DIR", str(tmp_path / "cache"))  # nothing cached: the recipe's probe runs
     finish = Engine.finish
     monkeypatch.setattr(Engine, "finish", lambda self: (time.sleep(step_s), finish(self))[1])
     probed = []
@@ -62,8 +63,8 @@ def test_the_recorded_step_is_timed_like_its_neighbours_and_its_picture_says_so(
     def slow_probe(root, say=None):
         probed.append(root)
         time.sleep(delay)
-        return act_engine.P.Rates(*act_engine.DEFAULT_RATES, "this test's")
-    monkeypatch.setattr(act_engine, "_rates", slow_probe)
+        return act_rates.P.Rates(*act_rates.P.DEFAULT_RATES, "this test's")
+    monkeypatch.setattr(act_rates, "activation_rates", slow_probe)
     titles = []
     draw = Timeline.save_png_in_child
 

@@ -11,78 +11,18 @@ out; one step slowed by another process must not fix the plan: `act_plan.settle`
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from ..storage import BudgetError, HostBufferPool, TensorStore
 from ..units import fmt_bytes
-from . import act_plan as P
+from ..plan import activations as P
 from ..plan import budget as B
 from .activations import ActivationSwapper
 
-# What the planner assumes of the drive and memory where nothing measured them (the probe was
-# skipped or failed): a modest SATA-class drive, and a memory rate far above it, so a plan made from
-# them leans towards keeping and recomputing rather than swapping.
-DEFAULT_RATES = (0.5e9, 0.5e9, 5e9)
-PROBE_BYTES = 256 << 20
-
-
 def _say(msg: str) -> None:
     print(f"tierlm: {msg}", file=sys.stderr, flush=True)
-
-
-def _default_rates(why: str, say=_say) -> P.Rates:
-    rd, wr, mem = DEFAULT_RATES
-    say(f"activation planner: {why}; planning with default rates (drive read {rd / 1e9:.1f} GB/s, "
-        f"write {wr / 1e9:.1f} GB/s, memory {mem / 1e9:.0f} GB/s); `tierlm bench io --nvme DIR` measures them")
-    return P.Rates(rd, wr, mem, f"defaults ({why})")
-
-
-def _rates(root: Path, say=_say) -> P.Rates:
-    """SSD and memory rates from `tierlm bench io`'s cache; when there are none (or they are of
-    another file system), measured briefly in a child process, whose buffers are not this run's.
-
-    A measurement must never stop the run it is for: the probe writes at most 1/8 of the free space
-    (bench.measure.probe_size), is skipped where that is too little to measure, and any failure of
-    it (a full drive, a child killed, unreadable output) leaves the run on printed default rates."""
-    from ..bench import cache
-    from ..bench.measure import GB, probe_size
-
-    try:
-        io = cache.io_for(root) or {}
-    except Exception:  # an unreadable cache is `bench io`'s to report, not this run's
-        io = {}
-    if io.get("read_gbps") and io.get("mem_gbps"):
-        return P.Rates(io["read_gbps"] * GB, io["write_gbps"] * GB, io["mem_gbps"] * GB / 2,
-                       "tierlm bench io (cached)")
-    try:
-        size, why = probe_size(root, PROBE_BYTES)
-    except OSError as e:
-        return _default_rates(f"cannot see the free space under {root} ({e})", say)
-    if not size:
-        return _default_rates(f"drive probe skipped: {why}", say)
-    say(f"activation planner: measuring the drive under {root} (writes and reads {why}) and the memory "
-        f"copy rate, once for this run: a few seconds ...")
-    code = ("import json, sys; from tierlm.bench.measure import bench_io, bench_memory\n"
-            "r = bench_io(sys.argv[1], size_bytes=int(sys.argv[2])); r.update(bench_memory(64 << 20, 3))\n"
-            "print(json.dumps(r))")
-    t0 = time.perf_counter()
-    try:
-        out = subprocess.run([sys.executable, "-c", code, str(root), str(size)], capture_output=True, text=True,
-                             timeout=300)
-        if out.returncode != 0:
-            last = (out.stderr.strip().splitlines() or [f"exit status {out.returncode}"])[-1]
-            raise RuntimeError(last)
-        io = json.loads(out.stdout.strip().splitlines()[-1])
-        rates = P.Rates(io["read_gbps"] * GB, io["write_gbps"] * GB, io["mem_gbps"] * GB / 2,
-                        f"measured at the first step ({why}, a child process)")
-    except Exception as e:  # noqa: BLE001 - whatever went wrong, the run goes on
-        return _default_rates(f"the drive probe failed ({type(e).__name__}: {e})", say)
-    say(f"activation planner: drive read {io['read_gbps']:.2f} GB/s, write {io['write_gbps']:.2f} GB/s, "
-        f"memory copy {io['mem_gbps']:.1f} GB/s ({time.perf_counter() - t0:.1f} s)")
-    return rates
 
 
 class ActivationPlanner:
@@ -129,6 +69,20 @@ class ActivationPlanner:
         self._reset_step()
 
     # ---- sizes -------------------------------------------------------------------------
+
+    def _measure_rates(self) -> P.Rates:
+        """The drive and memory rates to plan with: what the recipe handed in, else its probe's
+        measurement (run now, once: the first step that plans), else printed defaults."""
+        m = self.eng.settings.measured
+        if m.activation_rates is not None:
+            return m.activation_rates
+        if m.probe is not None:
+            return m.probe()
+        rates = P.default_rates("nothing measured them")
+        _say(f"activation planner: planning with default rates ({P.describe(rates)}); "
+             f"`tierlm bench io --nvme DIR` measures them")
+        return rates
+
     def _swap_pool(self) -> int:
         """Staging for one layer's storages in flight plus one layer read ahead."""
         return 2 * self.est
@@ -158,7 +112,7 @@ class ActivationPlanner:
         flops = self.layer_flops()
         rate = 0.5e12  # replaced by the measured profile after the first step
         layers = [P.LayerProfile(b.index, flops / rate, 2 * flops / rate, self.est) for b in self.layers]
-        rates = P.Rates(*DEFAULT_RATES, "an estimate until the first step is profiled")
+        rates = P.Rates(*P.DEFAULT_RATES, "an estimate until the first step is profiled")
         pool = self._auto_pool()
         plan = P.choose(layers, self.allowance, pool, rates, P.Base(), can_swap=pool > 0)
         plan.reason = "from estimates: " + plan.reason
@@ -286,7 +240,7 @@ class ActivationPlanner:
             self.profile, self.base = layers, base
             if self.rates is None:
                 t = time.perf_counter()
-                self.rates = _rates(self.eng.root)
+                self.rates = self._measure_rates()
                 self.measure_s += time.perf_counter() - t
             if self.auto:
                 pool = self._auto_pool()

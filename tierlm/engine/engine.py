@@ -15,31 +15,34 @@ from __future__ import annotations
 import copy
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from .. import rss
+from ..hf.baseline import library_baseline
 from ..faults import fault
 from ..storage import HostBufferPool, TensorStore
 from ..storage.packed import PACK_BELOW
-from ..units import parse_bytes
-from . import budget as B
+from ..units import fmt_bytes, parse_bytes
 from .act_engine import ActivationPlanner
 from .budget_plan import plan_budget
 from .block_fn import ParamRefHooks, wrap_layer
-from .head_loss import causal_lm_loss, chunk_tokens
+from ..plan.budget import chunk_tokens
+from ..plan.settings import Measured, ModelFacts, TrainSettings, resolve_train
+from ..storage.commit import committed_shard_elems
+from .head_loss import causal_lm_loss
 from .heap import HeapGuard
-from .io_settings import io_depth, read_ahead, shard_size
 from ..storage.layout import key, make_param_info
-from .model import discover_blocks, empty_model, module_param_slots, weights_before_layers
+from ..hf.structure import discover_blocks, empty_model, module_param_slots, weights_before_layers
 from .next_rows import NextRows
-from .optimizer import AdamWConfig, OutOfCoreAdamW, StepResult
+from .optimizer import AdamWConfig, OptimizerDeps, OutOfCoreAdamW, OutOfCoreOptions, StepResult
 from .device import Uploads, move_buffers, synchronize, to_host
 from .durable import DurableState
 from .export import Exports
-from .state_quant import check_mode, moment_bytes_per_param
+from .state_quant import check_mode
 from .tied import TiedHeadGrad
 from .timeline import Timeline
 from .weights import WeightWindow
@@ -92,13 +95,15 @@ class EngineConfig:
 
 class Engine(DurableState, Exports):
     def __init__(self, model: nn.Module, source, cfg: EngineConfig, resume: bool = False, overwrite: bool = False,
-                 library_rss: int | None = None, dist=None):
+                 library_rss: int | None = None, dist=None, settings: TrainSettings | None = None):
         """model: an HF causal LM whose parameters may be on `meta` (see from_pretrained);
         source(name, out_fp32) fills the fp32 initial value of a parameter (used unless resuming);
         library_rss: RSS of the libraries alone (budget.library_baseline); what the process holds
         beyond it counts against cfg.cpu_mem. Default: measured now;
         dist: a data-parallel rank (tierlm.dist.Dist) or None for one process: the optimizer state
-        of the parameters this rank owns lives in cfg.nvme_dir, the working weights of all."""
+        of the parameters this rank owns lives in cfg.nvme_dir, the working weights of all;
+        settings: the run's automatic choices (`tierlm.plan.settings.resolve_train`, from what the
+        recipe measured); None: resolved here from cfg and defaults, no measurement read."""
         self.cfg = cfg
         self.dist = dist
         self.config = model.config
@@ -116,8 +121,8 @@ class Engine(DurableState, Exports):
         move_buffers(model, self.device)
         self.blocks, params = discover_blocks(model)
         self.names = list(params)  # canonical order: model.parameters()
-        self.shard_elems, self.shard_why = shard_size(cfg.shard_elems, Path(cfg.nvme_dir), cfg.cpu_mem, resume,
-                                                      cfg.grad_accum)
+        self.settings = settings or train_settings(cfg, model, resume)
+        self.shard_elems, self.shard_why = self.settings.shard_elems.value, self.settings.shard_elems.why
         self.infos = {n: make_param_info(n, tuple(p.shape), self.shard_elems) for n, p in params.items()}
         self._install_params(model)
         self.hooks = ParamRefHooks()
@@ -132,26 +137,18 @@ class Engine(DurableState, Exports):
         root = Path(cfg.nvme_dir)
         root.mkdir(parents=True, exist_ok=True)
         self.root = root
-        B.trim()
+        rss.trim()
         self.library_rss = library_rss if library_rss is not None else \
-            B.library_baseline(self.config, self.dtype, self.device)
-        baseline = B.current_rss() - self.library_rss
-        layer = max((sum(self.infos[n].numel for n in b.uses) for b in self.blocks if b.kind == "layer"), default=0)
-        w = self.dtype.itemsize
-        state = 4 + moment_bytes_per_param(cfg.optim_states)  # master, m and v
-        # a step reads the weights once a micro-batch and the state once; writes the state and
-        # the new bf16 weights (fp32 runs compute on the master itself)
-        traffic = (w * cfg.grad_accum + state, state + (w if self.dtype != torch.float32 else 0))
-        self.prefetch, self.prefetch_why = read_ahead(
-            cfg.prefetch, root, layer, w, traffic, cfg.tokens_per_micro_batch, cfg.grad_accum, cfg.precision,
-            self.config.hidden_size, self.on_gpu)
+            library_baseline(self.config, self.dtype, self.device)
+        baseline = rss.current_rss() - self.library_rss
+        self.prefetch, self.prefetch_why = self.settings.prefetch.value, self.settings.prefetch.why
         self.split, self.act_allowance = plan_budget(self, max(baseline, 0))
         # pinned where a GPU reads it: copies from pageable memory are neither async nor fast
         self.window_pool = HostBufferPool(self.split.window, pin=self.on_gpu, name="weight window", arena=True)
         self.opt_pool = HostBufferPool(self.split.optimizer, name="optimizer buffers", arena=True)
         self.cache_pool = HostBufferPool(self.split.state_cache, name="optimizer state cache") \
             if self.split.state_cache > 0 and cfg.state_cache else None
-        self.io_threads, self.io_threads_why = io_depth(cfg.io_threads, root)
+        self.io_threads, self.io_threads_why = self.settings.io_threads.value, self.settings.io_threads.why
         self.store = TensorStore(root, self.opt_pool, io_threads=self.io_threads,
                                  direct_io=cfg.direct_io, on_event=on_event, pack_below=cfg.pack_below)
         self.fallbacks: list[str] = []  # committed states passed over on resume, and why
@@ -164,10 +161,10 @@ class Engine(DurableState, Exports):
         self.acts = ActivationPlanner(self, on_event)
         self.hooks.swapper = self.acts.swapper
         self.optimizer = OutOfCoreAdamW(
-            self.store, self.opt_pool, self.infos, [n for n in backward_order if self._owned(n)], self.names,
-            cfg.optim, weight_dtype, self.state["optim"], max_pending_grad_bytes=self.split.pending_grads,
-            on_event=on_event, state_cache=self.cache_pool, optim_states=cfg.optim_states, dist=dist,
-            on_new_weights=self._new_weights)
+            OptimizerDeps(self.store, self.opt_pool, state_cache=self.cache_pool, dist=dist, on_event=on_event,
+                          on_new_weights=self._new_weights),
+            self.infos, [n for n in backward_order if self._owned(n)], self.names, cfg.optim, self.state["optim"],
+            OutOfCoreOptions(weight_dtype, cfg.optim_states, max_pending_grad_bytes=self.split.pending_grads))
         if dist is not None:
             from ..dist.grads import GradReducer
             self.reducer = GradReducer(dist, backward_order, self.optimizer, self.split.pending_grads)
@@ -192,10 +189,21 @@ class Engine(DurableState, Exports):
         # most the budget less what the next block's compute may add
         self.heap = HeapGuard(self.library_rss + self.split.budget - self.split.compute, self.split.transient)
 
+    def settings_record(self) -> dict:
+        """Every automatic choice of this run with its reason, and the budget split made from them:
+        printed at the start, kept in the run directory as settings.json."""
+        return {**self.settings.to_dict(), "budget_split": {"value": asdict(self.split), "why": self.split_why()},
+                "activation_allowance": self.act_allowance}
+
+    def split_why(self) -> str:
+        return f"--cpu-mem {fmt_bytes(self.cfg.cpu_mem)} split by tierlm.plan.budget.plan_split for this model"
+
     # ---- construction ----------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, model_dir, cfg: EngineConfig, resume: bool = False, overwrite: bool = False,
-                        **kw) -> "Engine":
+                        measured: Measured | None = None, **kw) -> "Engine":
+        """measured: what the recipe read of this machine's measurements (`tierlm.bench.rates`), from
+        which the run's settings are resolved; None: defaults."""
         from transformers import AutoConfig
 
         from ..hf.names import model_to_checkpoint
@@ -218,7 +226,8 @@ class Engine(DurableState, Exports):
                 tmp = torch.empty(out.shape, dtype=dt)
                 st.read(ck, tmp)
                 out.copy_(tmp)
-        eng = cls(model, source, cfg, resume=resume, overwrite=overwrite, **kw)
+        settings = train_settings(cfg, model, resume, measured)
+        eng = cls(model, source, cfg, resume=resume, overwrite=overwrite, settings=settings, **kw)
         eng.model_dir = str(model_dir)
         return eng
 
@@ -554,7 +563,7 @@ class Engine(DurableState, Exports):
 
     def stats(self) -> dict:
         return {"io": self.store.stats.snapshot(), "window_hits": self.window.hits,
-                "window_misses": self.window.misses, "peak_rss": B.peak_rss(), "heap_trims": self.heap.trims,
+                "window_misses": self.window.misses, "peak_rss": rss.peak_rss(), "heap_trims": self.heap.trims,
                 "pools": {"window": self.window_pool.peak_used, "optimizer": self.opt_pool.peak_used},
                 "peak_gpu": torch.cuda.max_memory_allocated(self.device) if self.on_gpu else None}
 
@@ -572,3 +581,17 @@ class Engine(DurableState, Exports):
 
 
 __all__ = ["Engine", "EngineConfig", "AdamWConfig"]
+
+
+def model_facts(model: nn.Module) -> ModelFacts:
+    """The largest decoder layer's parameters and the width: what the run's choices need of it."""
+    blocks, params = discover_blocks(model)
+    layer = max((sum(params[n].numel() for n in b.uses) for b in blocks if b.kind == "layer"), default=0)
+    return ModelFacts(layer, model.config.hidden_size)
+
+
+def train_settings(cfg: EngineConfig, model: nn.Module, resume: bool, measured: Measured | None = None) -> TrainSettings:
+    """The run's automatic choices for this model: from what the recipe measured (`tierlm.bench.rates`),
+    or from defaults; a resumed run keeps its committed state's shard size."""
+    committed = committed_shard_elems(Path(cfg.nvme_dir)) if resume else None
+    return resolve_train(cfg, measured or Measured(), model_facts(model), committed)

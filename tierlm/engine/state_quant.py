@@ -21,19 +21,12 @@ from __future__ import annotations
 
 import torch
 
-MODES = ("fp32", "bf16", "int8")
-BLOCK = 2048
+from ..plan.budget import BLOCK, MODES, check_mode, moment_bytes_per_param  # noqa: F401  (the format's sizes)
 # Work on this many elements at a time: the temporaries stay small whatever the shard size (outside
 # the optimizer's buffer pool), and every op stays within ATen's 32768-element grain, so it runs on
 # the optimizer's own thread instead of waking the OpenMP pool that backward is using (on a busy
 # 2-core machine that contention made a 4M-element quantisation 10x slower).
 _CHUNK = 1 << 15
-
-
-def check_mode(mode: str, what: str = "optim_states") -> str:
-    if mode not in MODES:
-        raise ValueError(f"{what} must be one of {', '.join(MODES)}, got {mode!r}")
-    return mode
 
 
 def dynamic_map(signed: bool) -> torch.Tensor:
@@ -192,11 +185,6 @@ def stored_spec(mode: str, n: int) -> tuple[torch.dtype, int]:
 def stored_nbytes(mode: str, n: int) -> int:
     dt, numel = stored_spec(mode, n)
     return numel * torch.empty((), dtype=dt).element_size()
-
-
-def moment_bytes_per_param(mode: str) -> float:
-    """Bytes of m and v together per parameter, as stored (int8: codes plus the block scales)."""
-    return {"fp32": 8.0, "bf16": 4.0, "int8": 2.0 + 8.0 / BLOCK}[check_mode(mode)]
 
 
 def encode(mode: str, x: torch.Tensor, stored: torch.Tensor, signed: bool) -> None:

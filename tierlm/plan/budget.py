@@ -319,3 +319,20 @@ def plan_gpu(budget: int, max_block_weight: int, max_block_grad: int, layer_act:
             f"{fmt_bytes(2 * layer_act + logits + held_grad + GPU_RESERVE)}). Raise --gpu-mem, or lower "
             f"--batch-size / --seq-len.")
     return budget - fixed
+
+
+# How Adam's moments are stored (--optim-states; engine/state_quant.py encodes them): int8 keeps a
+# code a value and an fp32 absmax a block of BLOCK values, for m and v each.
+MODES = ("fp32", "bf16", "int8")
+BLOCK = 2048
+
+
+def check_mode(mode: str, what: str = "optim_states") -> str:
+    if mode not in MODES:
+        raise ValueError(f"{what} must be one of {', '.join(MODES)}, got {mode!r}")
+    return mode
+
+
+def moment_bytes_per_param(mode: str) -> float:
+    """Bytes of m and v together per parameter, as stored (int8: codes plus the block scales)."""
+    return {"fp32": 8.0, "bf16": 4.0, "int8": 2.0 + 8.0 / BLOCK}[check_mode(mode)]

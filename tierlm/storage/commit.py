@@ -165,3 +165,16 @@ def verify(store, records: dict) -> None:
 
 __all__ = ["CorruptionError", "StorageError", "files", "fsync_dir", "list_checkpoints", "list_manifests", "prune",
            "read_manifest", "restore_files", "snapshot", "verify", "write_manifest"]
+
+
+def committed_shard_elems(root: Path) -> int | None:
+    """The optimizer shard size the newest readable committed state (or checkpoint) was cut in: a
+    resumed run keeps it, whatever its settings would pick now."""
+    for m in list_manifests(root) + list_checkpoints(root):
+        try:
+            committed = read_manifest(m).get("fingerprint", {}).get("shard_elems")
+        except CorruptionError:  # resume passes over it and names it
+            continue
+        if committed:
+            return int(committed)
+    return None

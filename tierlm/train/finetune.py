@@ -191,6 +191,7 @@ def _run(cfg: FinetuneConfig, out: Path, dist=None) -> dict:
 
     from ..engine.baseline import warm_kernels
     from ..hf.baseline import library_baseline
+    from ..bench import rates
     from ..engine.engine import Engine, EngineConfig
     from ..engine.optimizer import AdamWConfig
     from ..hf.checks import check_model_dir, load_tokenizer
@@ -237,7 +238,7 @@ def _run(cfg: FinetuneConfig, out: Path, dist=None) -> dict:
                         tokens_per_micro_batch=cfg.batch_size * cfg.seq_len, micro_batch_size=cfg.batch_size,
                         plan_path=str(out / ("plan.json" if lead else f"plan-rank{dist.rank}.json")))
     engine = Engine.from_pretrained(cfg.model, ecfg, resume=cfg.resume == "auto", overwrite=cfg.overwrite,
-                                    library_rss=library_rss, dist=dist)
+                                    measured=rates.measured(nvme), library_rss=library_rss, dist=dist)
     if dist is not None:
         dist.same_on_all(engine.state["step"], "step to resume from")
     settings = {k: v for k, v in to_dict(cfg).items() if k in RESULT_OPTIONS}
@@ -263,6 +264,7 @@ def _run(cfg: FinetuneConfig, out: Path, dist=None) -> dict:
         torch.manual_seed(cfg.seed)
     if lead:
         (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
+        (out / "settings.json").write_text(json.dumps(engine.settings_record(), indent=2) + "\n")
         progress = Progress(total, start, engine, cfg, out / metrics_name, dataset.summary(), fresh=not trainer)
     else:
         from ..dist.progress import RankProgress

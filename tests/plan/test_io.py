@@ -1,31 +1,38 @@
-"""The store's requests in flight and the window's read-ahead: bench io's and bench compute's picks
-for this model where they were measured, the defaults where not, an explicit setting always."""
+"""The store's requests in flight, the shard size and the window's read-ahead: bench io's and bench
+compute's picks (read by the recipe: tierlm.bench.rates) for this model where they were measured,
+the defaults where not, an explicit setting always; the engine executes them."""
 import os
 from pathlib import Path
 
 import pytest
 
-from tierlm.bench import cache
+from tierlm.bench import cache, rates
 from tierlm.engine.engine import Engine, EngineConfig
-from tierlm.engine.io_settings import (DEFAULT_IO_THREADS, DEFAULT_READ_AHEAD, MAX_READ_AHEAD, compute_rate,
-                                       io_depth, pick_read_ahead, read_ahead, shard_size)
+from tierlm.plan.io import (DEFAULT_IO_THREADS, DEFAULT_READ_AHEAD, MAX_READ_AHEAD, compute_rate, io_depth,
+                            pick_read_ahead, read_ahead, shard_size)
+
+
+def _measured(root):
+    """What the recipe hands the picks: bench io of root's file system and bench compute."""
+    m = rates.measured(root, probe=False)
+    return m.io, m.compute
 
 
 def test_the_engine_takes_bench_ios_depth_for_its_file_system(monkeypatch, tmp_path):
     """The measured directory's file system: its pick; an explicit setting wins; nothing cached or
     another file system: the default."""
     monkeypatch.setenv("TIERLM_CACHE_DIR", str(tmp_path / "cache"))
-    assert io_depth(None, tmp_path) == (DEFAULT_IO_THREADS, "default; `tierlm bench io` measures it")
+    assert io_depth(None, cache.io_for(tmp_path)) == (DEFAULT_IO_THREADS, "default; `tierlm bench io` measures it")
     (tmp_path / "nvme").mkdir()
     cache.update("io", {"dir": str(tmp_path / "nvme"), "queue_depth": 8})
-    assert io_depth(None, tmp_path) == (8, "bench io's pick")
-    assert io_depth(3, tmp_path) == (3, "set")
+    assert io_depth(None, cache.io_for(tmp_path)) == (8, "bench io's pick")
+    assert io_depth(3, cache.io_for(tmp_path)) == (3, "set")
     other = Path("/dev/shm")
     if other.is_dir() and os.stat(other).st_dev != os.stat(tmp_path).st_dev:
         cache.update("io", {"dir": str(other), "queue_depth": 8})
-        assert io_depth(None, tmp_path)[0] == DEFAULT_IO_THREADS  # measured on another file system
+        assert io_depth(None, cache.io_for(tmp_path))[0] == DEFAULT_IO_THREADS  # measured on another file system
     cache.update("io", {"dir": str(tmp_path / "gone"), "queue_depth": 8})
-    assert io_depth(None, tmp_path)[0] == DEFAULT_IO_THREADS  # the measured directory is gone
+    assert io_depth(None, cache.io_for(tmp_path))[0] == DEFAULT_IO_THREADS  # the measured directory is gone
 
 
 def test_read_ahead_covers_a_read_and_the_drives_slow_requests_when_compute_bound():
@@ -57,27 +64,27 @@ def test_read_ahead_from_the_cache_for_this_file_system(monkeypatch, tmp_path):
     # (an optimizer state kept in RAM would move none: a step that only reads its weights is 2)
     args = dict(layer_params=15_000_000, weight_bytes=2, step_bytes=(2.0, 1.0), tokens=128, micros=1,
                 precision="bf16", hidden=896, on_gpu=False)
-    assert read_ahead(None, nvme, **args) == (
+    assert read_ahead(None, *_measured(nvme), **args) == (
         DEFAULT_READ_AHEAD, "default; `tierlm bench io` and `tierlm bench compute` measure it")
     cache.update("io", {"dir": str(nvme), "read_gbps": 3.0, "write_gbps": 3.0, "read_ms_p50": 20.0,
                         "read_ms_p99": 45.0})
-    assert read_ahead(None, nvme, **args)[0] == DEFAULT_READ_AHEAD  # no compute rate yet
+    assert read_ahead(None, *_measured(nvme), **args)[0] == DEFAULT_READ_AHEAD  # no compute rate yet
     cache.update("compute", {"layer_dtype": "bf16", "matmul_tflops": {"bfloat16": 0.4},
                              "layer_tflops_by_tokens": {"256": {"1024": 0.2}}})
     # a layer reads in 10 ms and computes forward in 19.2 ms; slow reads come 25 ms later
-    depth, why = read_ahead(None, nvme, **args)
+    depth, why = read_ahead(None, *_measured(nvme), **args)
     assert depth == 3 and why == ("a layer reads in 10 ms at 3.00 GB/s and computes forward in 19 ms at "
                                   "0.20 TFLOP/s, slow reads 25 ms later")
     # the optimizer's states through the drive each step: 15 ms of traffic against 58 ms of compute
     # at 1 micro-batch is still compute-bound; at 28 bytes a parameter (fp32 states) it is not
-    depth, why = read_ahead(None, nvme, **{**args, "step_bytes": (2.0 + 12, 14.0)})
+    depth, why = read_ahead(None, *_measured(nvme), **{**args, "step_bytes": (2.0 + 12, 14.0)})
     assert depth == DEFAULT_READ_AHEAD and why == (
         "I/O-bound: a layer's SSD traffic takes 140 ms a step at 3.00 / 3.00 GB/s, its compute 58 ms at "
         "0.20 TFLOP/s; further only takes RAM")
     # ... unless the step computes 4 micro-batches for one optimizer pass
-    assert read_ahead(None, nvme, **{**args, "step_bytes": (8.0 + 12, 14.0), "micros": 4})[0] == 3
-    assert read_ahead(5, nvme, **args) == (5, "set")
-    assert read_ahead(None, nvme, **{**args, "on_gpu": True})[0] == DEFAULT_READ_AHEAD
+    assert read_ahead(None, *_measured(nvme), **{**args, "step_bytes": (8.0 + 12, 14.0), "micros": 4})[0] == 3
+    assert read_ahead(5, *_measured(nvme), **args) == (5, "set")
+    assert read_ahead(None, *_measured(nvme), **{**args, "on_gpu": True})[0] == DEFAULT_READ_AHEAD
 
 
 def test_the_engine_reads_ahead_what_it_picked_and_sizes_its_window_for_it(make_model_dir, monkeypatch, tmp_path):
@@ -93,7 +100,7 @@ def test_the_engine_reads_ahead_what_it_picked_and_sizes_its_window_for_it(make_
     for asked in (None, 1):
         eng = Engine.from_pretrained(model_dir, EngineConfig(nvme_dir=str(nvme), cpu_mem="1GiB", precision="fp32",
                                                              tokens_per_micro_batch=16, prefetch=asked),
-                                     overwrite=True)
+                                     overwrite=True, measured=rates.measured(nvme, probe=False))
         try:
             sizes[asked] = (eng.prefetch, eng.split.window)
             if asked is None:
@@ -113,33 +120,58 @@ def test_shard_size_from_bench_io_within_the_budget_and_kept_on_resume(make_mode
     nvme = tmp_path / "nvme"
     nvme.mkdir()
     gib = 1 << 30
-    assert shard_size(None, nvme, 4 * gib, resume=False) == (1 << 22, "default; `tierlm bench io` measures it")
+    assert shard_size(None, cache.io_for(nvme), 4 * gib, None) == (1 << 22, "default; `tierlm bench io` measures it")
     cache.update("io", {"dir": str(nvme), "shard_bytes": 8 << 20})
-    assert shard_size(None, nvme, 4 * gib, resume=False) == (1 << 21, "bench io's pick")
+    assert shard_size(None, cache.io_for(nvme), 4 * gib, None) == (1 << 21, "bench io's pick")
     # a shard's buffers stay within a twentieth of the budget: 256 MiB / 20 / 18 bytes
-    assert shard_size(None, nvme, 256 << 20, resume=False) == (745472, "bench io's pick, cut to fit --cpu-mem")
-    assert shard_size(6144, nvme, 4 * gib, resume=False) == (6144, "set")
+    assert shard_size(None, cache.io_for(nvme), 256 << 20, None) == (745472, "bench io's pick, cut to fit --cpu-mem")
+    assert shard_size(6144, cache.io_for(nvme), 4 * gib, None) == (6144, "set")
     # with gradient accumulation the shard size can move the clip norm's rounding: never a timing's
     for picked in (4 << 20, 8 << 20, 32 << 20):
         cache.update("io", {"dir": str(nvme), "shard_bytes": picked})
-        n, why = shard_size(None, nvme, 4 * gib, resume=False, grad_accum=2)
+        n, why = shard_size(None, cache.io_for(nvme), 4 * gib, None, grad_accum=2)
         assert n == 1 << 22 and "grad-accum" in why
-        assert shard_size(None, nvme, 256 << 20, resume=False, grad_accum=4)[0] == 745472  # the budget's cut
-    assert shard_size(6144, nvme, 4 * gib, resume=False, grad_accum=2) == (6144, "set")
+        assert shard_size(None, cache.io_for(nvme), 256 << 20, None, grad_accum=4)[0] == 745472  # the budget's cut
+    assert shard_size(6144, cache.io_for(nvme), 4 * gib, None, grad_accum=2) == (6144, "set")
     cache.update("io", {"dir": str(nvme), "shard_bytes": 8 << 20})
 
     # a run's state keeps its shards when bench io picks another size before the resume
     model_dir, _ = make_model_dir()
     cfg = lambda: EngineConfig(nvme_dir=str(nvme), cpu_mem="1GiB", precision="fp32", tokens_per_micro_batch=16)
     cache.update("io", {"dir": str(nvme), "shard_bytes": 16 << 10})
-    eng = Engine.from_pretrained(model_dir, cfg(), overwrite=True)
+    eng = Engine.from_pretrained(model_dir, cfg(), overwrite=True, measured=rates.measured(nvme, probe=False))
     first = eng.shard_elems
     eng.close()
     assert first == 4096 and eng.shard_why == "bench io's pick"
     cache.update("io", {"dir": str(nvme), "shard_bytes": 32 << 10})
-    assert shard_size(None, nvme, gib, resume=False)[0] == 8192
-    eng = Engine.from_pretrained(model_dir, cfg(), resume=True)
+    assert shard_size(None, cache.io_for(nvme), gib, None)[0] == 8192
+    eng = Engine.from_pretrained(model_dir, cfg(), resume=True, measured=rates.measured(nvme, probe=False))
     try:
         assert (eng.shard_elems, eng.shard_why) == (first, "the committed state's")
+    finally:
+        eng.close()
+
+
+def test_the_engine_reads_no_cache_of_its_own(make_model_dir, monkeypatch, tmp_path):
+    """Measurements reach the engine only as data from the recipe: with bench io's pick in the cache
+    but none handed in, the engine runs on the defaults and says so."""
+    monkeypatch.setenv("TIERLM_CACHE_DIR", str(tmp_path / "cache"))
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    cache.update("io", {"dir": str(nvme), "queue_depth": 8, "shard_bytes": 16 << 10})
+    model_dir, _ = make_model_dir()
+    cfg = EngineConfig(nvme_dir=str(nvme), cpu_mem="1GiB", precision="fp32", tokens_per_micro_batch=16)
+    eng = Engine.from_pretrained(model_dir, cfg, overwrite=True)
+    try:
+        assert (eng.io_threads, eng.io_threads_why) == (DEFAULT_IO_THREADS, "default; `tierlm bench io` measures it")
+        assert eng.shard_why.startswith("default")
+        record = eng.settings_record()
+        assert record["io_threads"] == {"value": DEFAULT_IO_THREADS, "why": "default; `tierlm bench io` measures it"}
+        assert record["budget_split"]["value"]["budget"] == 1 << 30
+    finally:
+        eng.close()
+    eng = Engine.from_pretrained(model_dir, cfg, overwrite=True, measured=rates.measured(nvme, probe=False))
+    try:
+        assert (eng.io_threads, eng.io_threads_why) == (8, "bench io's pick")
     finally:
         eng.close()

@@ -1,6 +1,6 @@
 """The store's requests in flight, the optimizer's shard size (the size of most requests) and the
-weight window's read-ahead: picked from `tierlm bench io`, `tierlm bench compute` and the model,
-where they were measured, and printed with where they came from. Each is a timing, so each may
+weight window's read-ahead: picked from what `tierlm bench io` and `tierlm bench compute` measured
+(handed in as data: `tierlm.bench.rates`) and the model, and printed with where they came from. Each is a timing, so each may
 only tune what does not change bits: how many bytes are in flight and when, never which bytes a
 step computes (the shard size, where it could, comes from the budget: `shard_size`).
 
@@ -10,34 +10,36 @@ enough on average, and the drive's slow requests decide the rest: the blocks ahe
 read plus the spread between a typical and a slow request (`bench io`'s p50 and p99). When the
 step's SSD traffic (weights, and the optimizer's states both ways) outlasts its compute, it waits on
 the drive whatever the depth: two layers ahead keep the drive queued, and every block further
-would only take RAM from the optimizer-state cache (I/O-bound on a 2-vCPU Zen 4 VM, --prefetch 3 or 4
-against 2: Qwen2.5-0.5B 6.20-6.55 against 5.92-6.71 s a step, TinyLlama within the noise too,
-docs/benchmarks.md).
+would only take RAM from the optimizer-state cache (I/O-bound on a 2-vCPU AMD EPYC Zen 4,
+--prefetch 3 or 4 against 2: Qwen2.5-0.5B 6.20-6.55 against 5.92-6.71 s a step, TinyLlama within
+the noise too).
 """
 from __future__ import annotations
 
 import math
-from pathlib import Path
+
+from .budget import shard_elems_for
 
 DEFAULT_IO_THREADS = 4
 DEFAULT_READ_AHEAD = 2
 MAX_READ_AHEAD = 4  # each block further is a layer of window taken from the state cache
 
 
-def io_depth(asked: int | None, root: Path) -> tuple[int, str]:
-    """Requests the store keeps in flight, and where the number comes from."""
+def io_depth(asked: int | None, io: dict | None) -> tuple[int, str]:
+    """Requests the store keeps in flight, and where the number comes from. io: `bench io`'s
+    measurement of the drive the run writes to, or None."""
     if asked is not None:
         return asked, "set"
-    from ..bench.cache import io_for
-    io = io_for(root)
     if io and io.get("queue_depth"):
         return int(io["queue_depth"]), "bench io's pick"
     return DEFAULT_IO_THREADS, "default; `tierlm bench io` measures it"
 
 
-def shard_size(asked: int | None, root: Path, budget: int, resume: bool, grad_accum: int = 1) -> tuple[int, str]:
+def shard_size(asked: int | None, io: dict | None, budget: int, committed: int | None,
+               grad_accum: int = 1) -> tuple[int, str]:
     """Elements in an optimizer shard, and where the number comes from. A resumed run keeps the
-    size its committed state was cut in (whatever bench io measured since, or --cpu-mem now).
+    size its committed state was cut in (`committed`, whatever bench io measured since, or
+    --cpu-mem now).
 
     bench io's pick is a timing, so it may only tune what does not change bits. With one micro-batch
     a step it does not: each gradient's norm is taken whole as backward hands it over, and Adam is
@@ -45,28 +47,18 @@ def shard_size(asked: int | None, root: Path, budget: int, resume: bool, grad_ac
     one reference). With gradient accumulation a tensor split across shards has its norm combined
     from shard norms (optim_norms: equal to within rounding), so there the size comes from the
     budget alone."""
-    from ..plan import budget as B
     if asked is not None:
         return asked, "set"
-    if resume:
-        from ..storage import commit as C
-        for m in C.list_manifests(root) + C.list_checkpoints(root):
-            try:
-                committed = C.read_manifest(m).get("fingerprint", {}).get("shard_elems")
-            except C.CorruptionError:  # resume passes over it and names it
-                continue
-            if committed:
-                return int(committed), "the committed state's"
+    if committed:
+        return int(committed), "the committed state's"
     if grad_accum > 1:
-        return B.shard_elems_for(budget), ("default: with --grad-accum > 1 the shard size can change the "
-                                            "clip norm's rounding, so it is not taken from a timing")
-    from ..bench.cache import io_for
-    io = io_for(root)
+        return shard_elems_for(budget), ("default: with --grad-accum > 1 the shard size can change the "
+                                         "clip norm's rounding, so it is not taken from a timing")
     if io and io.get("shard_bytes"):
         want = int(io["shard_bytes"]) // 4  # a fp32 master shard's bytes
-        n = B.shard_elems_for(budget, want)
+        n = shard_elems_for(budget, want)
         return n, "bench io's pick" if n == want // 2048 * 2048 else "bench io's pick, cut to fit --cpu-mem"
-    return B.shard_elems_for(budget), "default; `tierlm bench io` measures it"
+    return shard_elems_for(budget), "default; `tierlm bench io` measures it"
 
 
 def compute_rate(compute: dict | None, precision: str, hidden: int, tokens: int) -> float | None:
@@ -94,22 +86,18 @@ def pick_read_ahead(read_s: float, compute_s: float, spread_s: float, step_io_s:
     return max(DEFAULT_READ_AHEAD, min(MAX_READ_AHEAD, 1 + math.ceil((read_s + spread_s) / compute_s)))
 
 
-def read_ahead(asked: int | None, root: Path, layer_params: int, weight_bytes: int, step_bytes: tuple[float, float],
-               tokens: int, micros: int, precision: str, hidden: int, on_gpu: bool) -> tuple[int, str]:
+def read_ahead(asked: int | None, io: dict | None, compute: dict | None, layer_params: int, weight_bytes: int,
+               step_bytes: tuple[float, float], tokens: int, micros: int, precision: str, hidden: int,
+               on_gpu: bool) -> tuple[int, str]:
     """The weight window's read-ahead in blocks, and where the number comes from. weight_bytes: a
     working weight's bytes a parameter; step_bytes: what a step reads and writes on the SSD a
     parameter (weights and optimizer state, no state cache); tokens: a micro-batch's, `micros` of
-    them a step."""
+    them a step; io, compute: `bench io`'s and `bench compute`'s measurements, or None."""
     if asked is not None:
         return asked, "set"
     if on_gpu:  # bench compute measures the CPU's products
         return DEFAULT_READ_AHEAD, "default with a GPU computing"
-    from ..bench import cache
-    io = cache.io_for(root)
-    try:
-        flops = compute_rate(cache.load().get("compute"), precision, hidden, tokens)
-    except ValueError:  # an unreadable cache: the run goes on with the default
-        flops = None
+    flops = compute_rate(compute, precision, hidden, tokens)
     if not io or not io.get("read_gbps") or not io.get("write_gbps") or not flops:
         return DEFAULT_READ_AHEAD, "default; `tierlm bench io` and `tierlm bench compute` measure it"
     rd, wr = io["read_gbps"] * 1e9, io["write_gbps"] * 1e9

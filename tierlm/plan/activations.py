@@ -35,6 +35,20 @@ class Rates:
     source: str = ""
 
 
+# What the planner assumes of the drive and memory where nothing measured them (the probe was
+# skipped or failed): a modest SATA-class drive, and a memory rate far above it, so a plan made from
+# them leans towards keeping and recomputing rather than swapping.
+DEFAULT_RATES = (0.5e9, 0.5e9, 5e9)
+
+
+def default_rates(why: str) -> Rates:
+    return Rates(*DEFAULT_RATES, f"defaults ({why})")
+
+
+def describe(r: Rates) -> str:
+    return f"drive read {r.ssd_read / 1e9:.1f} GB/s, write {r.ssd_write / 1e9:.1f} GB/s, memory {r.host_copy / 1e9:.0f} GB/s"
+
+
 @dataclass
 class Base:
     """What a step moves and spends regardless of the activation policy (from the profile)."""
