@@ -31,7 +31,7 @@ from infer_bench import run  # noqa: E402
 from tests.families import FAMILIES  # noqa: E402
 from tierlm.hf.init import init_model  # noqa: E402
 from tierlm.hf.presets import make_config, param_count  # noqa: E402
-from tierlm.infer.report import machine_rates  # noqa: E402
+from tierlm.bench.rooflines import machine_rates  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -30,7 +30,7 @@ from tierlm.infer import native
 from tierlm.infer.batcher import Batcher, Request
 from tierlm.infer.gemv import bf16_matmul_is_slow
 from tierlm.infer.engine import InferConfig, InferenceEngine
-from tierlm.infer.report import machine_rates
+from tierlm.bench.rooflines import machine_rates
 from tierlm.infer.sampling import SamplingParams
 
 
@@ -49,7 +49,7 @@ _READ_BUF = None
 
 
 def read_gbps(threads: int) -> float:
-    """The memory read rate now, as `tierlm.infer.report`'s probe measures it (best of 3 sums of
+    """The memory read rate now, as `tierlm.bench.rooflines`' probe measures it (best of 3 sums of
     512 MiB): taken beside each decode measurement, since this machine's rate drifts by 30% or
     more within minutes and a roofline measured once at the start can be far from the run's."""
     global _READ_BUF
