@@ -1,0 +1,164 @@
+"""The architecture presets' tables: published models' shapes (copied from each source model's
+config.json) and the tiny variants tests use. Building a config from them is hf/presets.py's."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Names, not classes: the command line builds its choices from them without importing transformers
+# (seconds); ARCHS, the config classes, is made on first use (presets.py's module __getattr__). These four
+# have hand-written tiny shapes and closed-form parameter counts; every other decoder family
+# transformers builds works too (`make_config` shrinks its default config, `param_count` counts it
+# on `meta`), and FAMILIES lists those tested through every verb (tests/test_families.py).
+ARCH_CONFIGS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig", "gpt2": "GPT2Config"}
+ARCH_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                "mistral": "MistralForCausalLM", "gpt2": "GPT2LMHeadModel"}
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi", "phi3", "olmo",
+            "olmo2", "gpt_neox", "gpt2", "falcon", "starcoder2", "granite")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A model's shape in the short keys' terms (hidden, heads, ...), whatever its family calls them."""
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    max_positions: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+@dataclass(frozen=True)
+class Preset:
+    arch: str
+    source: str  # where the numbers come from
+    shape: Shape
+    tie_embeddings: bool
+    dtype: str = "bfloat16"
+    extra: dict = field(default_factory=dict)  # native config fields (rope, eps, token ids...)
+
+
+_LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+_LLAMA2 = {"rope_theta": 10000.0, "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 2}
+_QWEN25 = {"rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "bos_token_id": 151643, "eos_token_id": 151643}
+
+PRESETS: dict[str, Preset] = {
+    "qwen2.5-0.5b": Preset("qwen2", "Qwen/Qwen2.5-0.5B", Shape(24, 896, 14, 2, 4864, 151936, 32768), True,
+                           extra=_QWEN25),
+    "qwen2.5-1.5b": Preset("qwen2", "Qwen/Qwen2.5-1.5B", Shape(28, 1536, 12, 2, 8960, 151936, 131072), True,
+                           extra=_QWEN25),
+    "qwen2.5-7b": Preset("qwen2", "Qwen/Qwen2.5-7B", Shape(28, 3584, 28, 4, 18944, 152064, 131072), False,
+                         extra=_QWEN25),
+    "tinyllama-1.1b": Preset("llama", "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T",
+                             Shape(22, 2048, 32, 4, 5632, 32000, 2048), False, extra=_LLAMA2),
+    "llama-3.2-1b": Preset("llama", "meta-llama/Llama-3.2-1B", Shape(16, 2048, 32, 8, 8192, 128256, 131072), True,
+                           extra={"rope_parameters": _LLAMA3_ROPE, "rms_norm_eps": 1e-5,
+                                  "bos_token_id": 128000, "eos_token_id": 128001}),
+    "llama-3.2-3b": Preset("llama", "meta-llama/Llama-3.2-3B", Shape(28, 3072, 24, 8, 8192, 128256, 131072), True,
+                           extra={"rope_parameters": _LLAMA3_ROPE, "rms_norm_eps": 1e-5,
+                                  "bos_token_id": 128000, "eos_token_id": 128001}),
+    "llama-2-7b": Preset("llama", "meta-llama/Llama-2-7b-hf", Shape(32, 4096, 32, 32, 11008, 32000, 4096), False,
+                         "float16", extra=_LLAMA2),
+    "llama-2-13b": Preset("llama", "meta-llama/Llama-2-13b-hf", Shape(40, 5120, 40, 40, 13824, 32000, 4096), False,
+                          "float16", extra=_LLAMA2),
+    "mistral-7b": Preset("mistral", "mistralai/Mistral-7B-v0.1", Shape(32, 4096, 32, 8, 14336, 32000, 32768), False,
+                         extra={**_LLAMA2, "sliding_window": 4096}),
+    "gpt2": Preset("gpt2", "openai-community/gpt2", Shape(12, 768, 12, 12, 3072, 50257, 1024), True, "float32",
+                   extra={"bos_token_id": 50256, "eos_token_id": 50256}),
+    # Never released; shapes from Brown et al. 2020, Table 2.1. For planning at 175B scale only.
+    "gpt3-175b": Preset("gpt2", "GPT-3 175B (Brown et al. 2020, 'Language Models are Few-Shot Learners')",
+                        Shape(96, 12288, 96, 96, 49152, 50257, 2048), True,
+                        extra={"bos_token_id": 50256, "eos_token_id": 50256}),
+}
+
+
+@dataclass(frozen=True)
+class NativePreset:
+    """A published model's config.json fields as they are (any family): nothing derived."""
+    arch: str
+    source: str
+    fields: dict
+
+    def config(self):
+        from transformers import CONFIG_MAPPING
+        return CONFIG_MAPPING[self.arch](**self.fields)
+
+
+_QWEN3 = dict(vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6, head_dim=128,
+              rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, hidden_act="silu",
+              bos_token_id=151643, eos_token_id=151645, attention_bias=False, dtype="bfloat16")
+_GEMMA2 = dict(vocab_size=256000, max_position_embeddings=8192, head_dim=256, sliding_window=4096,
+               attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=256,
+               hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6, tie_word_embeddings=True,
+               bos_token_id=2, eos_token_id=1, pad_token_id=0, dtype="bfloat16")
+_GEMMA3 = dict(head_dim=256, query_pre_attn_scalar=256, hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6,
+               tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0, dtype="bfloat16")
+
+# Shapes from each model's published config.json (the fields that set its shape and arithmetic).
+NATIVE_PRESETS: dict[str, NativePreset] = {
+    "qwen3-0.6b": NativePreset("qwen3", "Qwen/Qwen3-0.6B", dict(
+        _QWEN3, num_hidden_layers=28, hidden_size=1024, num_attention_heads=16, num_key_value_heads=8,
+        intermediate_size=3072, tie_word_embeddings=True)),
+    "qwen3-1.7b": NativePreset("qwen3", "Qwen/Qwen3-1.7B", dict(
+        _QWEN3, num_hidden_layers=28, hidden_size=2048, num_attention_heads=16, num_key_value_heads=8,
+        intermediate_size=6144, tie_word_embeddings=True)),
+    "qwen3-4b": NativePreset("qwen3", "Qwen/Qwen3-4B", dict(
+        _QWEN3, num_hidden_layers=36, hidden_size=2560, num_attention_heads=32, num_key_value_heads=8,
+        intermediate_size=9728, tie_word_embeddings=True)),
+    "qwen3-8b": NativePreset("qwen3", "Qwen/Qwen3-8B", dict(
+        _QWEN3, num_hidden_layers=36, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+        intermediate_size=12288, tie_word_embeddings=False)),
+    "gemma-2-2b": NativePreset("gemma2", "google/gemma-2-2b", dict(
+        _GEMMA2, num_hidden_layers=26, hidden_size=2304, num_attention_heads=8, num_key_value_heads=4,
+        intermediate_size=9216)),
+    "gemma-2-9b": NativePreset("gemma2", "google/gemma-2-9b", dict(
+        _GEMMA2, num_hidden_layers=42, hidden_size=3584, num_attention_heads=16, num_key_value_heads=8,
+        intermediate_size=14336)),
+    "gemma-3-1b": NativePreset("gemma3_text", "google/gemma-3-1b-pt", dict(
+        _GEMMA3, num_hidden_layers=26, hidden_size=1152, num_attention_heads=4, num_key_value_heads=1,
+        intermediate_size=6912, vocab_size=262144, max_position_embeddings=32768, sliding_window=512,
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    # the text model of the multimodal google/gemma-3-4b-pt (its text_config)
+    "gemma-3-4b": NativePreset("gemma3_text", "google/gemma-3-4b-pt text_config", dict(
+        _GEMMA3, num_hidden_layers=34, hidden_size=2560, num_attention_heads=8, num_key_value_heads=4,
+        intermediate_size=10240, vocab_size=262208, max_position_embeddings=131072, sliding_window=1024,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    "phi-3-mini": NativePreset("phi3", "microsoft/Phi-3-mini-4k-instruct", dict(
+        num_hidden_layers=32, hidden_size=3072, num_attention_heads=32, num_key_value_heads=32,
+        intermediate_size=8192, vocab_size=32064, max_position_embeddings=4096, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=32000, pad_token_id=32000, dtype="bfloat16")),
+    "phi-4": NativePreset("phi3", "microsoft/phi-4", dict(
+        num_hidden_layers=40, hidden_size=5120, num_attention_heads=40, num_key_value_heads=10,
+        intermediate_size=17920, vocab_size=100352, max_position_embeddings=16384, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 250000.0}, tie_word_embeddings=False,
+        bos_token_id=100257, eos_token_id=100265, pad_token_id=100349, dtype="bfloat16")),
+    "olmo-2-1b": NativePreset("olmo2", "allenai/OLMo-2-0425-1B", dict(
+        num_hidden_layers=16, hidden_size=2048, num_attention_heads=16, num_key_value_heads=16,
+        intermediate_size=8192, vocab_size=100352, max_position_embeddings=4096, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=100257, pad_token_id=100277, dtype="float32")),
+    "smollm2-135m": NativePreset("llama", "HuggingFaceTB/SmolLM2-135M", dict(
+        num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
+        intermediate_size=1536, vocab_size=49152, max_position_embeddings=8192, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, tie_word_embeddings=True,
+        bos_token_id=0, eos_token_id=0, dtype="bfloat16")),
+}
+
+# What `arch` alone means: a model small enough for unit tests, with GQA where the arch has it.
+TINY: dict[str, Preset] = {
+    "llama": Preset("llama", "tiny test model", Shape(2, 64, 4, 2, 176, 512, 256), False, "float32",
+                    extra={"rms_norm_eps": 1e-5}),
+    "qwen2": Preset("qwen2", "tiny test model", Shape(2, 64, 4, 2, 344, 512, 256), True, "float32",
+                    extra={"rms_norm_eps": 1e-6}),
+    "mistral": Preset("mistral", "tiny test model", Shape(2, 64, 4, 2, 224, 512, 256), False, "float32",
+                      extra={"rms_norm_eps": 1e-5, "sliding_window": 128}),
+    "gpt2": Preset("gpt2", "tiny test model", Shape(2, 64, 4, 4, 256, 512, 256), True, "float32"),
+}
