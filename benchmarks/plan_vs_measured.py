@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 from tierlm.demo import stdlib_corpus
-from tierlm.plan.command import hardware_from_measurements
+from tierlm.advise.command import hardware_from_measurements
 from tierlm.plan.planner import Task, plan
 from tierlm.plan.shapes import model_shape
 from tierlm.units import parse_bytes
@@ -92,7 +92,7 @@ def main() -> None:
     from tierlm.bench import cache
     load0 = os.getloadavg()[0]
     if a.bench and not a.reuse:
-        from tierlm.plan.command import run_bench
+        from tierlm.advise.command import run_bench
         run_bench("io", a.bench, size=1 << 30)
         run_bench("compute", a.bench)
     hw = hardware_from_measurements(cache.load())
@@ -164,7 +164,7 @@ def streamed_row(work: Path, name: str, new_tokens: int, bench: str | None, rep:
     within an hour (docs/planner.md at a2b1c1e): `bench io` of the same drive runs right before and right after
     the decode, and the plan uses the mean of the two read rates (the rest of the cache as measured)."""
     from tierlm.bench import cache
-    from tierlm.plan.command import run_bench
+    from tierlm.advise.command import run_bench
 
     if bench is None:  # no drive to measure: the cached rates, once
         return infer_row(work, name, "streamed", new_tokens, hardware_from_measurements(cache.load()), reuse)

@@ -29,7 +29,7 @@ def test_bench_compute_measures_overheads_beside_a_removed_scratch_folder(tmp_pa
     scratch folder was removed it used to fail after minutes of measuring (No such file or
     directory): it measures in its nearest surviving parent instead."""
     from tierlm.bench import measure, overhead, overlap
-    from tierlm.plan import command
+    from tierlm.advise import command
 
     monkeypatch.setenv("TIERLM_CACHE_DIR", str(tmp_path / "cache"))
     cache.update("io", {"dir": str(tmp_path / "gone" / "probe"), "queue_depth": 8})

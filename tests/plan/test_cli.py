@@ -84,7 +84,7 @@ def test_serving_weights_format_is_a_flag(tmp_path, capsys, monkeypatch):
     assert out["int4"]["task"]["weights"] == "int4"
     assert out["int4"]["extra"]["decode_tokens_per_s"] > 2 * out["bf16"]["extra"]["decode_tokens_per_s"]
     # fine-tuning keeps its own weights: said before `--hardware this` (the default) measures anything
-    from tierlm.plan import command
+    from tierlm.advise import command
     monkeypatch.setattr(command, "measured_this", lambda *a, **k: pytest.fail("measured before the flag was checked"))
     assert main(["plan", "gpt2", "--weights", "int8"]) == 2
     assert "--weights int8 is for --task serve" in capsys.readouterr().err

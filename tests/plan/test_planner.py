@@ -102,4 +102,4 @@ def test_quantised_weights_decode_faster_where_memory_binds(cat):
     assert ram["int4"] < ram["int8"] < ram["bf16"]
     rate = {f: p[f].extra["decode_tokens_per_s"] for f in p}
     assert rate["int4"] > rate["int8"] > rate["bf16"]
-    assert "int4 weights" in __import__("tierlm.plan.report", fromlist=["text"]).text(p["int4"])
+    assert "int4 weights" in __import__("tierlm.advise.report", fromlist=["text"]).text(p["int4"])

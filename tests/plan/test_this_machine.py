@@ -5,7 +5,7 @@ import torch
 
 from tierlm.plan import budget as B
 from tierlm.plan import cost as C
-from tierlm.plan.command import hardware_from_measurements
+from tierlm.advise.command import hardware_from_measurements
 from tierlm.plan.planner import Task, plan
 from tierlm.plan.shapes import model_shape
 

@@ -1,6 +1,6 @@
 """Freed heap memory kept for reuse while training is under its budget, handed back when it is not.
 
-tierlm's import settings (`tierlm._tame_malloc`) give every allocation over 64 KiB fresh pages and
+tierlm's import settings (`tierlm.malloc`) give every allocation over 64 KiB fresh pages and
 return them on free, so RSS tracks what is live. The price is paid by the compute: the kernel zeroes
 every fresh page, and a step's transient tensors are mostly 64 KiB-32 MiB. Qwen2.5-0.5B at 4x448
 tokens in bf16 (2 vCPUs) faulted 1.27-1.37M small pages and 12 GiB of huge pages a step. With those
@@ -16,6 +16,8 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+
+from .. import malloc
 
 # glibc mallopt parameters
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
@@ -57,10 +59,9 @@ class HeapGuard:
     (one block's transient tensors) is under MIN_COMPUTE_SHARE."""
 
     def __init__(self, limit: int, compute_share: int):
-        import tierlm
         self.limit = limit
         self.trims = 0
-        self.libc = _libc() if tierlm.MALLOC_TAMED and compute_share >= MIN_COMPUTE_SHARE else None
+        self.libc = _libc() if malloc.MALLOC_TAMED and compute_share >= MIN_COMPUTE_SHARE else None
         self.open = self.active = self.libc is not None  # active: whether it ever kept anything
         if self.open:
             global _open_guards
@@ -85,11 +86,10 @@ class HeapGuard:
         if not self.open:
             return
         self.open = False
-        import tierlm
         global _open_guards
         with _lock:
             _open_guards -= 1
             if _open_guards == 0:
-                self.libc.mallopt(M_MMAP_THRESHOLD, tierlm.TAME_MMAP_THRESHOLD)
-                self.libc.mallopt(M_TRIM_THRESHOLD, tierlm.TAME_TRIM_THRESHOLD)
+                self.libc.mallopt(M_MMAP_THRESHOLD, malloc.TAME_MMAP_THRESHOLD)
+                self.libc.mallopt(M_TRIM_THRESHOLD, malloc.TAME_TRIM_THRESHOLD)
         self.libc.malloc_trim(0)

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import torch
 
+from .budget import layer_activation_bytes as engine_estimate
 from .catalog import GB, Hardware
 from .shapes import ModelShape
 
@@ -235,8 +236,6 @@ def layer_activation_bytes(s: ModelShape, tokens: int, fused_kernels: bool = Fal
     if fused_kernels:
         elems = 4 * s.hidden + 2 * s.q_dim + 2 * s.kv_dim + (3 if s.gated_mlp else 2) * s.intermediate
         return torch.empty((), dtype=dtype).element_size() * elems * tokens
-    from .budget import layer_activation_bytes as engine_estimate
-
     return engine_estimate(hf_like_config(s), tokens, dtype)
 
 

@@ -14,9 +14,12 @@ from typing import NamedTuple
 
 import torch
 
+from ..storage import BudgetError
 from ..units import fmt_bytes
+from . import budget
 from . import cost as C
 from .catalog import GiB, Hardware
+from .inference import InferConfig, plan_placement, scratch_bytes
 from .shapes import ModelShape
 
 # Host RAM the planner leaves to the OS, the libraries and the allocator (assumption).
@@ -308,8 +311,6 @@ def _finetune(p: Plan, s: ModelShape, hw: Hardware, task: Task, r: C.Rates) -> N
 
 def _engine_split(s: ModelShape, task: Task, T: int, act: int, p: Plan):
     """The engine's budget split (`tierlm.plan.budget.plan_split`) for this model and --cpu-mem."""
-    from . import budget as B
-    from ..storage import BudgetError
 
     block = max(s.layer_params, s.embed_params, s.head_params)
     tied = s.head_params < s.vocab * s.hidden
@@ -318,11 +319,11 @@ def _engine_split(s: ModelShape, task: Task, T: int, act: int, p: Plan):
     blocks = ([{"tok": tok, "pos": s.embed_params * lay.w - tok}]
               + [{f"layer{i}": s.layer_params * lay.w} for i in range(s.layers)]
               + [{"tok": tok, "head": s.head_params * lay.w} if tied else {"head": s.head_params * lay.w}])
-    shard = min(B.shard_elems_for(task.cpu_mem), max(s.hidden * s.intermediate, s.vocab * s.hidden))
+    shard = min(budget.shard_elems_for(task.cpu_mem), max(s.hidden * s.intermediate, s.vocab * s.hidden))
     try:
-        return B.plan_split(task.cpu_mem, ENGINE_BASELINE, B.window_size(blocks, ENGINE_PREFETCH), block * lay.grad,
+        return budget.plan_split(task.cpu_mem, ENGINE_BASELINE, budget.window_size(blocks, ENGINE_PREFETCH), block * lay.grad,
                             shard * (C.OPT_BYTES + 4 + lay.w), act, C.layer_input_bytes(s, T, lay.w), s.layers,
-                            B.head_loss_bytes(C.hf_like_config(s), T, lay.dtype,
+                            budget.head_loss_bytes(C.hf_like_config(s), T, lay.dtype,
                                               tied=tied),
                             # a tied head (no matrix of its own) holds its gradient through backward
                             s.vocab * s.hidden * lay.grad if tied else 0,
@@ -532,16 +533,13 @@ def _serve(p: Plan, s: ModelShape, hw: Hardware, task: Task, r: C.Rates) -> None
 
 def _infer_resident_layers(s: ModelShape, task: Task, p: Plan) -> int | None:
     """Decoder layers `tierlm generate --cpu-mem` keeps in RAM (`tierlm.infer.engine.plan_placement`)."""
-    from ..infer.engine import InferConfig, plan_placement, scratch_bytes
-    from ..storage import BudgetError
-
     max_len = task.seq_len + task.new_tokens
     cfg = InferConfig(cpu_mem=task.cpu_mem, max_batch=task.batch, max_seq_len=max_len, weights=task.weights)
     kv = task.batch * (max_len + 1) * C.kv_bytes_per_token(s)
     try:
         return plan_placement(cfg, INFER_BASELINE, (s.embed_params + s.head_params) * C.W_BYTES,
                               int(s.layer_params * C.weight_bytes_per_param(task.weights, s.hidden)), s.layers, kv,
-                              scratch_bytes(C.hf_like_config(s), cfg, max_len, torch.bfloat16)).resident
+                              scratch_bytes(C.hf_like_config(s), cfg, max_len)).resident
     except BudgetError as e:
         p.problems.append(str(e))
         return None

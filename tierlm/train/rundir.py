@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ..units import fmt_bytes
+from .options import FinetuneConfig
 
 # Options whose change alters the result of the remaining steps (the others: where files go,
 # budgets and performance knobs, which are exact by construction, and the sample at the end).
@@ -127,7 +128,6 @@ def config_diff(saved: dict, now: dict) -> list[str]:
     then (options are added with the old behaviour as their default)."""
     from dataclasses import fields
 
-    from .finetune import FinetuneConfig
     defaults = {f.name: f.default for f in fields(FinetuneConfig)}
     return [f"{k}: {saved.get(k, defaults.get(k))!r} in the run, {now.get(k)!r} now" for k in RESULT_OPTIONS
             if saved.get(k, defaults.get(k)) != now.get(k)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from ..train.progress import Progress
+from .progress import Progress
 from ..units import parse_bytes
 
 

@@ -18,7 +18,7 @@ from ..config import to_dict
 def launch(cfg) -> int:
     if cfg.nproc < 1:
         raise ValueError(f"--nproc must be at least 1, got {cfg.nproc}")
-    from ..train.rundir import created_by_us, undo_refused
+    from .rundir import created_by_us, undo_refused
     out = Path(cfg.output)
     created = created_by_us(out, cfg.nvme)
     out.mkdir(parents=True, exist_ok=True)

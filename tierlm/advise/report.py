@@ -5,8 +5,8 @@ import json
 import math
 from pathlib import Path
 
+from ..plan.planner import Plan
 from ..units import fmt_bytes
-from .planner import Plan
 
 
 def _t(seconds: float) -> str:

@@ -8,11 +8,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from ..bench import cache, measure, model_step
+from ..bench.progress import Stages
+from ..plan import cost as C
+from ..plan.catalog import CPU, Catalog, Drive, Hardware
+from ..plan.planner import Plan, Task, _usable_ram, plan
+from ..plan.shapes import _config_for, model_shape
 from ..units import fmt_bytes
 from . import report
-from .catalog import CPU, Catalog, Drive, Hardware
-from .planner import Plan, Task, _usable_ram, plan
-from .shapes import model_shape
 
 
 def hardware_from_measurements(m: dict, spec: str = "this") -> Hardware:
@@ -45,7 +48,6 @@ def measured_this(nvme: str | None, quiet: bool = False) -> dict:
     """The cached measurements, measuring what is missing first (announced: it takes minutes). The
     drive is measured where the runs write (--nvme), else in the working directory, with at most an
     eighth of the free space there (bench.measure.probe_size)."""
-    from ..bench import cache
     data = cache.load()
     if "io" not in data or (nvme and Path(data["io"]["dir"]) != Path(nvme).resolve()):
         where = nvme or "."
@@ -86,8 +88,6 @@ COMPUTE_STAGES = [("matmul per dtype and the AdamW kernel", 8),
 def run_bench(what: str, nvme: str | None, size: int = 2 << 30, quiet: bool = False) -> dict:
     """`tierlm bench io|compute`: measure, cache and return the results. `size` bounds every file
     the I/O probes write (the depth and request-size sweeps write at most 512 MiB, or `size`)."""
-    from ..bench import cache, measure
-    from ..bench.progress import Stages
 
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
     if what == "io":
@@ -173,10 +173,6 @@ def own_measurements(model: str, shape, task: Task, hw: Hardware, quiet: bool = 
     the planner keeps bench compute's reference layers and says so."""
     import torch
 
-    from ..bench import cache, measure, model_step
-    from ..bench.progress import Stages
-    from . import cost as C
-    from .shapes import _config_for
 
     if hw.measured is None or hw.gpu is not None:
         return {}

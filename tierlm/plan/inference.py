@@ -1,0 +1,125 @@
+"""An inference run's options and where its weights live under `--cpu-mem`: which decoder layers stay
+resident, the stream window, the KV cache and the compute scratch. Pure arithmetic, shared by
+`tierlm generate`/`serve` (tierlm.infer.engine executes the placement) and `tierlm plan`."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ..storage import BudgetError
+from ..units import fmt_bytes, parse_bytes
+from . import budget as B
+
+DTYPE_NAMES = ("bf16", "fp32")
+WEIGHTS = ("auto", "bf16", "fp32", "int8", "int4")
+
+
+@dataclass
+class InferConfig:
+    cpu_mem: int | str = "4GiB"
+    dtype: str = "bf16"              # compute dtype (and the KV cache's): bf16 | fp32
+    weights: str = "auto"            # auto (the compute dtype) | bf16 | fp32 | int8 | int4
+    nvme_dir: str | None = None      # the streamed layers' store; default: runs/infer-store/<model>
+    max_batch: int = 1               # KV-cache slots: sequences decoded together
+    max_seq_len: int | None = None   # positions per slot; default: the model's, at most 2048
+    step_tokens: int = 256           # prompt tokens per forward (longer prompts prefill in chunks)
+    prefetch: int = 2                # streamed layers read ahead of the one computing
+    resident_layers: int | None = None  # None: as many as fit; fewer forces streaming
+    io_threads: int = 4
+    direct_io: bool | None = None
+    threads: int | None = None       # compute threads (torch.set_num_threads); None: torch's default
+    tp: int = 1                      # tensor-parallel processes (torchrun); this one holds 1/tp of each layer
+    lean: bool = True                # decode steps of llama-family models on tierlm.infer.lean
+    fused: bool = True               # ... each layer of them in one C call (tierlm.infer.fused)
+    packed: bool = True              # rows of different lengths in one step run unpadded (infer.packed)
+
+    def __post_init__(self):
+        self.cpu_mem = parse_bytes(self.cpu_mem, "--cpu-mem")
+        if self.weights in ("bf16", "fp32"):
+            self.dtype = self.weights
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"--weights must be one of bf16, fp32, int8, int4, got {self.weights!r}")
+        for name in ("max_batch", "step_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.prefetch < 0:
+            raise ValueError("--prefetch must be >= 0")
+        if self.tp < 1:
+            raise ValueError(f"--tp must be >= 1 (processes sharing each layer), got {self.tp}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"--threads must be >= 1 (compute threads), got {self.threads}")
+
+    @property
+    def quant(self) -> str | None:
+        return self.weights if self.weights in ("int8", "int4") else None
+
+
+@dataclass
+class Placement:
+    budget: int
+    baseline: int
+    fixed: int          # embeddings, final norm, head
+    kv: int
+    scratch: int
+    layer_bytes: int    # the largest decoder layer
+    layers: int
+    resident: int       # decoder layers kept in RAM
+    window: int         # stream window pool (0 when every layer is resident)
+
+    @property
+    def streamed(self) -> int:
+        return self.layers - self.resident
+
+    def describe(self) -> str:
+        return (f"{self.resident}/{self.layers} layers resident, {self.streamed} streamed; budget "
+                f"{fmt_bytes(self.budget)} = baseline {fmt_bytes(self.baseline)} + embeddings/head "
+                f"{fmt_bytes(self.fixed)} + layers {fmt_bytes(self.resident * self.layer_bytes)} + stream window "
+                f"{fmt_bytes(self.window)} + KV cache {fmt_bytes(self.kv)} + compute {fmt_bytes(self.scratch)}")
+
+
+def scratch_bytes(config, cfg: InferConfig, max_len: int, dtype=None, eager: bool = False,
+                  packs: bool = True) -> int:
+    """Transient memory of one forward of `step_tokens` tokens (an upper estimate): a layer's
+    activations in fp32, attention scores over the whole cache, the logits, the kernels' caches,
+    and the fused decode layer's buffers."""
+    h = config.hidden_size
+    inter = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * h
+    heads = config.num_attention_heads
+    # a step feeds at most step_tokens of prompts beside one token of every other row; padded
+    # (packed=False, or a model whose attention runs padded rows: packed.install), every row is as
+    # long as the longest prompt chunk
+    tokens = cfg.step_tokens + cfg.max_batch if cfg.packed and packs else cfg.step_tokens * cfg.max_batch
+    act = tokens * (12 * h + 4 * inter) * 4
+    if cfg.quant == "int4":  # a prefill dequantises one matrix to fp32 at a time
+        act += 4 * inter * h
+    scores = tokens * heads * (max_len + 1) * 4
+    if eager:  # the model's eager attention (packed.py): the scores, soft-capped, their fp32 softmax, its cast
+        scores *= 3
+    logits = cfg.max_batch * config.vocab_size * 4 * 3
+    # the fused decode layer's buffers (kernels/layer.c), kept between steps: a row's x, q/k/v,
+    # attention, gate/up, silu and their integer roundings, and each thread's scores
+    fused = cfg.max_batch * (7 * h + 4 * inter) * 4 + (os.cpu_count() or 1) * (max_len + 1) * 4
+    return act + scores + logits + fused + B.RUNTIME_RESERVE
+
+
+def plan_placement(cfg: InferConfig, baseline: int, fixed: int, layer_bytes: int, layers: int,
+                   kv: int, scratch: int) -> Placement:
+    avail = cfg.cpu_mem - baseline - fixed - kv - scratch
+    want = cfg.resident_layers if cfg.resident_layers is not None else layers
+    want = max(0, min(want, layers))
+    if want == layers and layers * layer_bytes <= avail:
+        return Placement(cfg.cpu_mem, baseline, fixed, kv, scratch, layer_bytes, layers, layers, 0)
+    window = (cfg.prefetch + 1) * layer_bytes
+    if avail < window:
+        need = cfg.cpu_mem - avail + window
+        raise BudgetError(
+            f"--cpu-mem {fmt_bytes(cfg.cpu_mem)} cannot run this model: at least {fmt_bytes(need)} is needed "
+            f"(process baseline {fmt_bytes(baseline)}, embeddings and head {fmt_bytes(fixed)}, KV cache "
+            f"{fmt_bytes(kv)} for --max-batch {cfg.max_batch} x --max-seq-len, compute {fmt_bytes(scratch)}, "
+            f"a stream window of {cfg.prefetch + 1} layers {fmt_bytes(window)}). Raise --cpu-mem to "
+            f"{fmt_bytes(need * 1.05)}, or lower --max-batch / --max-seq-len / --step-tokens / --prefetch, "
+            f"or use --weights int8 or int4")
+    resident = min(want, max(0, (avail - window) // max(layer_bytes, 1)))
+    return Placement(cfg.cpu_mem, baseline, fixed, kv, scratch, layer_bytes, layers, int(resident), window)
