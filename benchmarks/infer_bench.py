@@ -1,4 +1,4 @@
-"""Inference benchmarks, side by side in one process (numbers for docs/inference.md).
+"""Inference benchmarks, side by side in one process (numbers for docs/benchmarks.md).
 
     flock /tmp/tierlm-bench.lock python benchmarks/infer_bench.py --preset tinyllama-1.1b --tokens 16
     flock /tmp/tierlm-bench.lock python benchmarks/infer_bench.py --layers 16 --hidden 1024 \
@@ -69,7 +69,7 @@ def weights_read_gbps(eng, threads: int) -> float:
     """The rate at which this process reads the weights a decode step reads, where they lie: a
     torch sum over each resident matrix (best of 2). On this VM a buffer's read rate depends on
     where its pages landed (two 700 MB buffers of one process, read alike, differed by 1.5x;
-    docs/inference.md), so beside the fresh-buffer probe this is the rate of the model's own bytes."""
+    docs/inference.md at a2b1c1e), so beside the fresh-buffer probe this is the rate of the model's own bytes."""
     # a step reads one row of the input embedding: left out unless it is the head too (tied)
     embed = eng.model.get_input_embeddings().weight
     head = getattr(eng.model.get_output_embeddings(), "weight", None)

@@ -209,7 +209,7 @@ def _run(cfg: FinetuneConfig, out: Path, dist=None) -> dict:
     # What exists now (the model's modules, the tokenised data, the libraries' objects) lives for
     # the whole run: out of the collector's sight until the run ends, a full collection no longer
     # walks it. Walking it held the GIL 0.1-0.22 s each time, the I/O and optimizer threads stalled
-    # behind it (docs/benchmarks.md, "Full collections").
+    # behind it (docs/benchmarks.md at a2b1c1e, "Full collections").
     gc.freeze()
     try:
         # A step's time and bytes run from the end of the one before (its commit included: the
