@@ -24,7 +24,7 @@ def test_released_step_memory_is_handed_back_and_later_steps_read_it_from_disk(m
                 if release and i == 1:
                     assert eng.cache_pool.used_bytes > 0
                     eng.release_step_memory()
-                    assert eng.cache_pool.resident_bytes == 0 and not eng.optimizer._resident
+                    assert eng.cache_pool.resident_bytes == 0 and not eng.optimizer.cache.resident
                     for pool in (eng.window_pool, eng.opt_pool):
                         assert pool.resident_bytes == pool.used_bytes  # no free buffers kept
             out[release] = {n: eng.master(n) for n in eng.names}

@@ -10,7 +10,7 @@ from tierlm.engine import state_quant as SQ
 from tierlm.engine.engine import Engine, EngineConfig
 from tierlm.storage.layout import ParamInfo
 from tierlm.engine.optim_types import total_state_bytes
-from tierlm.engine.optimizer import AdamWConfig, OptimizerError, OutOfCoreAdamW
+from tierlm.engine.optimizer import AdamWConfig, OptimizerDeps, OptimizerError, OutOfCoreAdamW, OutOfCoreOptions
 
 
 # ---- the quantiser -----------------------------------------------------------------------
@@ -80,7 +80,8 @@ def test_edge_cases():
         EngineConfig(nvme_dir="x", optim_states="fp8")
     info = ParamInfo("a", (5000,), 5000, ((0, 1024), (1024, 5000)))  # a shard off the block grid
     with pytest.raises(OptimizerError, match="int8 needs shards of a multiple of 2048 elements; a.1"):
-        OutOfCoreAdamW(None, None, {"a": info}, ["a"], ["a"], AdamWConfig(), None, {}, optim_states="int8")
+        OutOfCoreAdamW(OptimizerDeps(None, None), {"a": info}, ["a"], ["a"], AdamWConfig(), {},
+                       OutOfCoreOptions(optim_states="int8"))
 
 
 def test_finetune_option():

@@ -32,7 +32,7 @@ class NormsMixin:
     def _early_pieces(self, real: str, shards: list[int]) -> None:
         """An early arrival's final shards: the norms of the pieces within them, taken now (beside
         backward) rather than with the rest of the gradient at the end of the step."""
-        g = self._grads.get(real + EARLY)
+        g = self.queue.grads.get(real + EARLY)
         if g is not None and chunked(g):
             self._pieces[real] = piece_norms(g, [self.infos[real].shards[k] for k in shards])
 

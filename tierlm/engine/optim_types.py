@@ -1,16 +1,18 @@
-"""The optimizer's small types: its configuration and step result, one shard's unit of work with
-its buffers (`tierlm.engine.optimizer` runs the pipeline over them), and the bytes its state and
-its shards in flight take."""
+"""The optimizer's small types: its configuration, what it is built from and its step result, the
+form of a shard's state, one shard's unit of work with its buffers (`tierlm.engine.optimizer` runs
+the pipeline over them), and the bytes its state and its shards in flight take."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 
 from . import state_quant as SQ
-from ..storage.layout import ParamInfo
+from ..storage import HostBufferPool, TensorStore
+from ..storage.layout import ParamInfo, nbytes
 
 
 @dataclass
@@ -36,11 +38,79 @@ class StepResult:
     finite: bool
 
 
+@dataclass(frozen=True)
+class OptimizerDeps:
+    """What the optimizer works through. store: where the state lives; pool: RAM for the shards in
+    flight; state_cache: RAM for shards' states kept resident between steps (their reads are
+    skipped, their writes still happen: every step stays durable), or None; dist: a data-parallel
+    rank (tierlm.dist) or None; on_event(kind, what, t0, t1, n): the timeline's record of an update
+    or a wait; on_new_weights(name, shard, tensor): the new working weights of a shard, before they
+    are written (the weight window keeps them for the next forward)."""
+    store: TensorStore
+    pool: HostBufferPool
+    state_cache: HostBufferPool | None = None
+    dist: object | None = None
+    on_event: Callable | None = None
+    on_new_weights: Callable | None = None
+
+
+@dataclass(frozen=True)
+class OutOfCoreOptions:
+    """How the optimizer holds and paces its state. weight_dtype: the working weights' dtype, or
+    None when they are the fp32 master (full fp32); optim_states: how m and v are stored (fp32 |
+    bf16 | int8, state_quant); lookahead: shards read ahead of the one being updated;
+    max_pending_grad_bytes: gradient bytes backward may hand over before it waits for the optimizer."""
+    weight_dtype: torch.dtype | None = None
+    optim_states: str = "fp32"
+    lookahead: int = 4
+    max_pending_grad_bytes: int = 1 << 62
+
+
 EARLY = "\x00early"  # the arrival of a parameter's shards whose gradient is final before the rest
 
 
 class OptimizerError(RuntimeError):
     pass
+
+
+@dataclass(frozen=True)
+class StateFormat:
+    """The form of a shard's state in its buffers: fp32 master, m and v (and their stored form in a
+    compressed mode: tags qm, qv), the working weights (w) in weight_dtype, fp32 gradients (g)."""
+    weight_dtype: torch.dtype | None
+    states: str = "fp32"
+
+    @property
+    def quant(self) -> bool:
+        return self.states != "fp32"
+
+    @property
+    def state_tags(self) -> tuple[str, ...]:
+        """The tags whose buffers hold the state between steps: fp32 m/v, or their stored form."""
+        return ("master", "qm", "qv") if self.quant else ("master", "m", "v")
+
+    def size(self, tag: str, n: int) -> int:
+        """Bytes of the buffer `tag` of an n-element shard."""
+        if tag == "w":
+            return nbytes(self.weight_dtype, n)
+        if tag in ("qm", "qv"):
+            return SQ.stored_nbytes(self.states, n)
+        return nbytes(torch.float32, n)
+
+    def view(self, bufs: dict, tag: str, n: int) -> torch.Tensor:
+        """A buffer as the tensor it holds: fp32, or a moment's stored form."""
+        if tag in ("qm", "qv"):
+            dt, numel = SQ.stored_spec(self.states, n)
+            return bufs[tag].view(dt, (numel,))
+        return bufs[tag].view(torch.float32, (n,))
+
+    def check_shards(self, infos: dict[str, ParamInfo]) -> None:
+        """A compressed mode quantises in blocks: a block straddling two shards would be quantised
+        differently from the whole tensor's."""
+        bad = [f"{n}.{k}" for n, i in infos.items() for k, (a, _) in enumerate(i.shards) if a % SQ.BLOCK]
+        if self.quant and bad:
+            raise OptimizerError(f"--optim-states {self.states} needs shards of a multiple of {SQ.BLOCK} "
+                                 f"elements; {bad[0]} starts off a block boundary")
 
 
 class ShardItem:
