@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from tierlm.plan.budget import TRAINING_RESERVE, plan_split, window_size
+from tierlm.plan.budget import TRAINING_RESERVE, Needs, plan_split, window_size
 from tierlm.storage import BudgetError
 
 MB = 1 << 20
@@ -35,26 +35,26 @@ def test_untied_embedding_and_head_are_never_neighbours():
 
 
 def test_what_the_window_does_not_need_goes_to_activations():
-    common = dict(baseline=64 * MB, max_block_grad=60 * MB, optimizer_item=80 * MB, layer_act=100 * MB,
+    common = dict(max_block_grad=60 * MB, optimizer_item=80 * MB, layer_act=100 * MB,
                   layer_input=4 * MB, n_layers=24, logits=200 * MB)
-    small = plan_split(4200 * MB, window_size=window_size(qwen_like(), 2), **common)
-    old = plan_split(4200 * MB, window_size=(4 * 545 * MB, 2 * 545 * MB), **common)
+    small = plan_split(4200 * MB, 64 * MB, Needs(window=window_size(qwen_like(), 2), **common))
+    old = plan_split(4200 * MB, 64 * MB, Needs(window=(4 * 545 * MB, 2 * 545 * MB), **common))
     assert small.window < old.window
     assert small.activations == 24 * 100 * MB  # every layer keeps its activations
     assert old.activations < 10 * 100 * MB     # fewer than half of them did
     assert small.activations + small.state_cache - old.activations - old.state_cache == old.window - small.window
     with pytest.raises(BudgetError, match="2 blocks of weights"):
-        plan_split(700 * MB, window_size=window_size(qwen_like(), 2), **common)
+        plan_split(700 * MB, 64 * MB, Needs(window=window_size(qwen_like(), 2), **common))
 
 
 def test_the_embeddings_gradient_borrows_what_backward_has_freed():
     """A 545 MB embedding gradient beside 60 MB layers: the share holds the waiting gradients and a
     layer's; at the end of backward, waiting + the embedding's fit the share and the freed memory."""
-    common = dict(baseline=64 * MB, optimizer_item=80 * MB, layer_act=100 * MB, layer_input=4 * MB,
+    common = dict(optimizer_item=80 * MB, layer_act=100 * MB, layer_input=4 * MB,
                   n_layers=24, logits=200 * MB)
     win = window_size(qwen_like(), 2)
-    old = plan_split(3840 * MB, window_size=win, max_block_grad=545 * MB, **common)
-    new = plan_split(3840 * MB, window_size=win, max_block_grad=545 * MB, max_layer_grad=60 * MB, **common)
+    old = plan_split(3840 * MB, 64 * MB, Needs(window=win, max_block_grad=545 * MB, **common))
+    new = plan_split(3840 * MB, 64 * MB, Needs(window=win, max_block_grad=545 * MB, max_layer_grad=60 * MB, **common))
     assert old.grads == 2 * 545 * MB and old.pending_grads == 545 * MB
     assert new.grads == 605 * MB and new.activations == old.activations + 485 * MB
     for s in (old, new):
@@ -62,19 +62,19 @@ def test_the_embeddings_gradient_borrows_what_backward_has_freed():
         assert s.pending_grads + 545 * MB <= s.grads + freed
         assert s.pending_grads + 60 * MB <= s.grads
     # with little to free (a GPU holds the activations) the share holds it all, as before
-    gpu = plan_split(3840 * MB, window_size=win, max_block_grad=545 * MB, max_layer_grad=60 * MB,
-                     **{**common, "layer_act": 0, "layer_input": 0, "logits": 0})
+    gpu = plan_split(3840 * MB, 64 * MB, Needs(window=win, max_block_grad=545 * MB, max_layer_grad=60 * MB,
+                                               **{**common, "layer_act": 0, "layer_input": 0, "logits": 0}))
     assert gpu.grads == 2 * 545 * MB and gpu.pending_grads == 545 * MB
 
 
 def test_a_held_gradient_is_compute_share_but_not_transient():
     """A tied head's gradient lives through backward: the compute share holds it, but it is no
     block's transient compute, the size of the heap's holes between HeapGuard's checks."""
-    common = dict(baseline=64 * MB, max_block_grad=545 * MB, optimizer_item=80 * MB, layer_act=2 * MB,
+    common = dict(max_block_grad=545 * MB, optimizer_item=80 * MB, layer_act=2 * MB,
                   layer_input=MB // 16, n_layers=24, logits=65 * MB, max_layer_grad=60 * MB)
     win = window_size(qwen_like(), 2)
-    plain = plan_split(4096 * MB, window_size=win, **common)
-    held = plan_split(4096 * MB, window_size=win, held_grad=545 * MB, **common)
+    plain = plan_split(4096 * MB, 64 * MB, Needs(window=win, **common))
+    held = plan_split(4096 * MB, 64 * MB, Needs(window=win, held_grad=545 * MB, **common))
     assert held.compute == plain.compute + 545 * MB and held.held_grad == 545 * MB
     assert held.transient == plain.transient == plain.compute == 2 * 2 * MB + 65 * MB + TRAINING_RESERVE
 
@@ -82,20 +82,20 @@ def test_a_held_gradient_is_compute_share_but_not_transient():
 def test_room_the_whole_state_leaves_keeps_the_weights():
     """Once the state cache holds all the optimizer state, what is left goes to the window, up to
     every weight (it keeps them between steps); a tight budget, or the cache off, changes nothing."""
-    common = dict(baseline=64 * MB, max_block_grad=60 * MB, optimizer_item=80 * MB, layer_act=100 * MB,
-                  layer_input=4 * MB, n_layers=24, logits=200 * MB, window_size=window_size(qwen_like(), 2))
+    common = dict(max_block_grad=60 * MB, optimizer_item=80 * MB, layer_act=100 * MB,
+                  layer_input=4 * MB, n_layers=24, logits=200 * MB, window=window_size(qwen_like(), 2))
     state, weights = 6000 * MB, 1500 * MB
-    off = plan_split(10240 * MB, **common)
-    big = plan_split(10240 * MB, state_total=state, weights_total=weights, **common)
+    off = plan_split(10240 * MB, 64 * MB, Needs(**common))
+    big = plan_split(10240 * MB, 64 * MB, Needs(state_total=state, weights_total=weights, **common))
     assert big.state_cache == state and 0 < big.weights_kept < weights  # some of the weights
     assert big.weights_kept == big.window - off.window
     assert big.window + big.state_cache == off.window + off.state_cache
-    huge = plan_split(24576 * MB, state_total=state, weights_total=weights, **common)
+    huge = plan_split(24576 * MB, 64 * MB, Needs(state_total=state, weights_total=weights, **common))
     assert huge.weights_kept == weights and huge.state_cache > state
     for budget in (4096 * MB, 8192 * MB):  # the state does not fit: the window keeps its size
-        tight = plan_split(budget, state_total=state, weights_total=weights, **common)
-        assert tight.weights_kept == 0 and tight == plan_split(budget, **common)
-    assert plan_split(24576 * MB, state_total=None, weights_total=weights, **common).weights_kept == 0
+        tight = plan_split(budget, 64 * MB, Needs(state_total=state, weights_total=weights, **common))
+        assert tight.weights_kept == 0 and tight == plan_split(budget, 64 * MB, Needs(**common))
+    assert plan_split(24576 * MB, 64 * MB, Needs(state_total=None, weights_total=weights, **common)).weights_kept == 0
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
@@ -125,10 +125,10 @@ def test_layer_inputs_are_counted_apart_from_the_activations_share():
     """Every policy holds the layer inputs (a recomputed layer restarts from its input; a kept or
     swapped layer's graph holds its input and output in RAM): the split names them once, so the
     activations' share and everything else add up to the budget."""
-    common = dict(baseline=64 * MB, max_block_grad=60 * MB, optimizer_item=80 * MB, layer_act=100 * MB,
-                  layer_input=16 * MB, n_layers=24, logits=200 * MB, window_size=window_size(qwen_like(), 2))
+    common = dict(max_block_grad=60 * MB, optimizer_item=80 * MB, layer_act=100 * MB,
+                  layer_input=16 * MB, n_layers=24, logits=200 * MB, window=window_size(qwen_like(), 2))
     for budget in (1800 * MB, 2500 * MB):
-        s = plan_split(budget, **common)
+        s = plan_split(budget, 64 * MB, Needs(**common))
         assert 0 < s.activations < 24 * 100 * MB
         assert (s.baseline + s.window + s.optimizer + s.grads + s.compute + s.activations + s.state_cache
                 + 24 * 16 * MB) == budget

@@ -74,15 +74,15 @@ def plan_budget(eng, baseline: int) -> tuple[B.Split, int]:
     def split(tokens: int, budget: int | None = None) -> B.Split:
         budget = eng.cfg.cpu_mem if budget is None else budget
         if eng.on_gpu:  # activations, layer inputs, logits and the held gradient are on the GPU
-            return B.plan_split(budget, baseline, win, max_g, item, 0, 0, n_layers, 0,
-                                0, reserve=B.GPU_HOST_RESERVE, state_total=state_total,
-                                weights_total=weights_total)
+            return B.plan_split(budget, baseline, B.Needs(win, max_g, item, 0, 0, n_layers, 0, 0,
+                                                          state_total=state_total, weights_total=weights_total),
+                                reserve=B.GPU_HOST_RESERVE)
         act, inp, logits = sizes(tokens)
         # the kernels' per-thread scratch: as many copies as this machine runs threads
         reserve = B.TRAINING_RESERVE + B.kernel_scratch_bytes(eng.config, max(tokens // bsz, 1), eng.dtype)
-        return B.plan_split(budget, baseline, win, max_g, item, act, inp, n_layers,
-                            logits, held, reserve=reserve, max_layer_grad=layer_g, state_total=state_total,
-                            weights_total=weights_total)
+        return B.plan_split(budget, baseline, B.Needs(win, max_g, item, act, inp, n_layers, logits, held,
+                                                      max_layer_grad=layer_g, state_total=state_total,
+                                                      weights_total=weights_total), reserve=reserve)
 
     def gpu(tokens: int) -> int:
         act, inp, logits = sizes(tokens)

@@ -67,7 +67,7 @@ class Split:
     # peaked 4.24 GiB beyond the libraries, at the embedding's gradient after the last layer's
     # backward; with this, 3.98 GiB (one run each: the peak depends on how far the optimizer lags).
     pending_grads: int = 0
-    # Of `compute`: a tied head's gradient, live through the whole backward (plan_split's held_grad)
+    # Of `compute`: a tied head's gradient, live through the whole backward (Needs.held_grad)
     held_grad: int = 0
     # Of `window`: what the state cache could not use (it holds all the state) and the window took,
     # so that it keeps the working weights between steps instead of reading them back
@@ -227,12 +227,13 @@ def window_size(blocks: list[dict[str, int]], prefetch: int) -> WindowSize:
     return WindowSize(widest(prefetch + 2), widest(2))
 
 
-def plan_split(budget: int, baseline: int, window_size: WindowSize, max_block_grad: int,
-               optimizer_item: int, layer_act: int, layer_input: int, n_layers: int,
-               logits: int, held_grad: int = 0, reserve: int = TRAINING_RESERVE,
-               max_layer_grad: int | None = None, state_total: int | None = None,
-               weights_total: int = 0) -> Split:
-    """window_size: `window_size()` of the model's blocks.
+@dataclass(frozen=True)
+class Needs:
+    """What a step's working set is made of, in bytes, for `plan_split` to divide a budget between.
+
+    window: `window_size()` of the model's blocks. max_block_grad: the largest block's gradient;
+    optimizer_item: one optimizer shard's buffers; layer_act, layer_input: one decoder layer's saved
+    activations and its input, n_layers of each; logits: what the head and the loss hold at once.
 
     held_grad: gradient bytes autograd holds through the whole backward, outside the optimizer's
     hand-off: a tied embedding's gradient from the head waits for the embedding's before the two
@@ -251,52 +252,100 @@ def plan_split(budget: int, baseline: int, window_size: WindowSize, max_block_gr
     the whole state goes to the window, up to every weight: Qwen2.5-0.5B on a GPU under --cpu-mem
     24GiB read its 1.49 GiB of weights back every step with 16 GiB of the budget unused (the
     forward waited ~1 s on them). None: the cache is off, and the window keeps its size."""
-    g_layer = min(max_layer_grad or max_block_grad, max_block_grad)
-    window, least = window_size
-    optimizer = 4 * optimizer_item
-    freed_at_end = 2 * layer_act + n_layers * layer_input  # beside the activations' share, added below
-    least_grads = max(g_layer, max_block_grad - freed_at_end)
+    window: WindowSize
+    max_block_grad: int
+    optimizer_item: int
+    layer_act: int
+    layer_input: int
+    n_layers: int
+    logits: int
+    held_grad: int = 0
+    max_layer_grad: int | None = None
+    state_total: int | None = None
+    weights_total: int = 0
+
+    @property
+    def layer_grad(self) -> int:
+        """The largest decoder layer's gradient, never more than the largest block's."""
+        return min(self.max_layer_grad or self.max_block_grad, self.max_block_grad)
+
+    @property
+    def inputs(self) -> int:
+        """Every layer's input, held apart from the activations' share."""
+        return self.n_layers * self.layer_input
+
+    @property
+    def freed_at_end(self) -> int:
+        """What backward has freed when the largest block's gradient is made, beside the
+        activations' share (added where it is known)."""
+        return 2 * self.layer_act + self.inputs
+
+    @property
+    def least_grads(self) -> int:
+        """The gradients' share at its smallest: one layer's, or as much of the largest block's as
+        the end of backward does not free."""
+        return max(self.layer_grad, self.max_block_grad - self.freed_at_end)
+
+
+def plan_split(budget: int, baseline: int, needs: Needs, reserve: int = TRAINING_RESERVE) -> Split:
+    """Divide `budget` (beyond the process `baseline`) between the parts of `needs`: each part's
+    generous size where it fits, shrunk in proportion toward its floor where it does not; what is
+    left keeps activations, then optimizer state, then weights. Raises BudgetError, naming the
+    flag to change, where even the floor does not fit."""
+    n = needs
+    window, least = n.window
+    optimizer = 4 * n.optimizer_item
     # The largest block's worth waiting and, beside it, a layer's in the making, or as much of the
     # largest block's as keeping every layer's activations would not free (a GPU keeps them there).
-    grads = max_block_grad + max(g_layer, max_block_grad - freed_at_end - n_layers * layer_act)
-    compute = 2 * layer_act + logits + reserve + held_grad
-    floor = baseline + least + optimizer_item + least_grads + n_layers * layer_input + compute
-    if floor > budget:
-        raise BudgetError(
-            f"--cpu-mem {fmt_bytes(budget)} cannot hold the working set: at least {fmt_bytes(floor)} "
-            f"is needed (process baseline {fmt_bytes(baseline)}, 2 blocks of weights "
-            f"{fmt_bytes(least)}, one optimizer shard {fmt_bytes(optimizer_item)}, "
-            f"one block of gradients {fmt_bytes(least_grads)}, layer inputs "
-            f"{fmt_bytes(n_layers * layer_input)}, compute, logits and kernel scratch {fmt_bytes(compute)}). "
-            f"Raise --cpu-mem to {flag_bytes(floor * 1.1)} or more, or lower --batch-size / --seq-len.")
-    spare = budget - baseline - compute - n_layers * layer_input
-    # Shrink the generous defaults toward the floor until they fit, keeping proportions.
-    want = window + optimizer + grads
-    have = spare
-    if want > have:
-        mins = least + optimizer_item + least_grads
-        f = (have - mins) / max(want - mins, 1)
-        window = least + int(f * (window - least))
-        optimizer = optimizer_item + int(f * (optimizer - optimizer_item))
-        grads = least_grads + int(f * (grads - least_grads))
+    grads = n.max_block_grad + max(n.layer_grad, n.max_block_grad - n.freed_at_end - n.n_layers * n.layer_act)
+    compute = 2 * n.layer_act + n.logits + reserve + n.held_grad
+    _check_floor(budget, baseline, n, least, compute)
+    spare = budget - baseline - compute - n.inputs
+    window, optimizer, grads = _shrink_to_fit(spare, n, (window, optimizer, grads), least)
     # The layer inputs are held apart from the activations' share under every policy: a recomputed
     # layer restarts from its input, and a kept or swapped layer's graph holds its input and its
     # output (the next layer's input) in RAM, whatever its saved tensors are swapped to. Counted in
     # the share as well, a 20-layer model at 4096 tokens (40 MiB of inputs) swapped with a pool
     # 40 MiB larger than the budget had room for.
-    acts = max(budget - baseline - window - optimizer - grads - compute - n_layers * layer_input, 0)
+    acts = max(budget - baseline - window - optimizer - grads - compute - n.inputs, 0)
     # What keeping every layer's activations does not need keeps optimizer state resident instead.
-    keep_all = n_layers * layer_act
-    cache = max(acts - keep_all, 0)
+    cache = max(acts - n.n_layers * n.layer_act, 0)
     acts -= cache
     kept = 0
-    if state_total is not None:
-        kept = max(min(cache - state_total, weights_total), 0)
+    if n.state_total is not None:
+        kept = max(min(cache - n.state_total, n.weights_total), 0)
         window, cache = window + kept, cache - kept
     # waiting + the one in the making fit the share while layers run, and fit the share and what
     # backward has freed when the largest block's gradient is made
-    pending = max(min(grads - g_layer, grads + acts + freed_at_end - max_block_grad), 0)
-    return Split(budget, baseline, window, optimizer, grads, acts, compute, cache, pending, held_grad, kept)
+    pending = max(min(grads - n.layer_grad, grads + acts + n.freed_at_end - n.max_block_grad), 0)
+    return Split(budget, baseline, window, optimizer, grads, acts, compute, cache, pending, n.held_grad, kept)
+
+
+def _check_floor(budget: int, baseline: int, n: Needs, least: int, compute: int) -> None:
+    """The smallest workable split: two blocks of weights, one optimizer shard, the least
+    gradients, the layer inputs and the compute share; BudgetError with the flag where it does
+    not fit."""
+    floor = baseline + least + n.optimizer_item + n.least_grads + n.inputs + compute
+    if floor > budget:
+        raise BudgetError(
+            f"--cpu-mem {fmt_bytes(budget)} cannot hold the working set: at least {fmt_bytes(floor)} "
+            f"is needed (process baseline {fmt_bytes(baseline)}, 2 blocks of weights "
+            f"{fmt_bytes(least)}, one optimizer shard {fmt_bytes(n.optimizer_item)}, "
+            f"one block of gradients {fmt_bytes(n.least_grads)}, layer inputs "
+            f"{fmt_bytes(n.inputs)}, compute, logits and kernel scratch {fmt_bytes(compute)}). "
+            f"Raise --cpu-mem to {flag_bytes(floor * 1.1)} or more, or lower --batch-size / --seq-len.")
+
+
+def _shrink_to_fit(spare: int, n: Needs, sizes: tuple[int, int, int], least: int) -> tuple[int, int, int]:
+    """The window, optimizer and gradients' generous sizes, or, where together they pass `spare`,
+    each shrunk toward its floor by the same fraction (keeping their proportions)."""
+    window, optimizer, grads = sizes
+    if window + optimizer + grads <= spare:
+        return sizes
+    mins = least + n.optimizer_item + n.least_grads
+    f = (spare - mins) / max(window + optimizer + grads - mins, 1)
+    return (least + int(f * (window - least)), n.optimizer_item + int(f * (optimizer - n.optimizer_item)),
+            n.least_grads + int(f * (grads - n.least_grads)))
 
 
 # cuBLAS workspaces, the caching allocator's rounding and fragmentation, kernels' scratch

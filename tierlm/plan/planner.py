@@ -321,15 +321,16 @@ def _engine_split(s: ModelShape, task: Task, T: int, act: int, p: Plan):
               + [{"tok": tok, "head": s.head_params * lay.w} if tied else {"head": s.head_params * lay.w}])
     shard = min(budget.shard_elems_for(task.cpu_mem), max(s.hidden * s.intermediate, s.vocab * s.hidden))
     try:
-        return budget.plan_split(task.cpu_mem, ENGINE_BASELINE, budget.window_size(blocks, ENGINE_PREFETCH), block * lay.grad,
-                            shard * (C.OPT_BYTES + 4 + lay.w), act, C.layer_input_bytes(s, T, lay.w), s.layers,
-                            budget.head_loss_bytes(C.hf_like_config(s), T, lay.dtype,
-                                              tied=tied),
-                            # a tied head (no matrix of its own) holds its gradient through backward
-                            s.vocab * s.hidden * lay.grad if tied else 0,
-                            max_layer_grad=s.layer_params * lay.grad,
-                            state_total=s.params * lay.state if task.state_cache else None,
-                            weights_total=s.params * lay.w)
+        needs = budget.Needs(
+            budget.window_size(blocks, ENGINE_PREFETCH), block * lay.grad, shard * (C.OPT_BYTES + 4 + lay.w),
+            act, C.layer_input_bytes(s, T, lay.w), s.layers,
+            budget.head_loss_bytes(C.hf_like_config(s), T, lay.dtype, tied=tied),
+            # a tied head (no matrix of its own) holds its gradient through backward
+            s.vocab * s.hidden * lay.grad if tied else 0,
+            max_layer_grad=s.layer_params * lay.grad,
+            state_total=s.params * lay.state if task.state_cache else None,
+            weights_total=s.params * lay.w)
+        return budget.plan_split(task.cpu_mem, ENGINE_BASELINE, needs)
     except BudgetError as e:
         p.problems.append(str(e))
         return None
