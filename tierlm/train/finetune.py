@@ -121,20 +121,50 @@ def finetune(cfg: FinetuneConfig | None = None, **options) -> dict:
             dist.close()
 
 
+@dataclass
+class _Run:
+    """One fine-tuning run's parts, made by _start and used by the step loop and _finish."""
+    cfg: FinetuneConfig
+    out: Path
+    dist: object
+    engine: object
+    batches: object
+    tokenizer: object
+    progress: object
+    total: int
+    start: int
+    result_options: dict   # the options that change results, kept in each commit (resume checks them)
+    bad_streak: int = 0
+
+    @property
+    def lead(self) -> bool:  # prints progress, writes the metrics, summary and final model
+        return self.dist is None or self.dist.rank == 0
+
+
 def _run(cfg: FinetuneConfig, out: Path, dist=None) -> dict:
-    import torch
+    run = _start(cfg, out, dist)
+    # What exists now (the model's modules, the tokenised data, the libraries' objects) lives for
+    # the whole run: out of the collector's sight until the run ends, a full collection no longer
+    # walks it. Walking it held the GIL 0.1-0.22 s each time, the I/O and optimizer threads stalled
+    # behind it (measured on a 2-vCPU AMD EPYC Zen 4).
+    gc.freeze()
+    try:
+        _steps(run)
+        run.progress.close()
+        if not run.lead:
+            return dict(run.progress.summary(None), final_model=None)
+        return _finish(run)
+    finally:
+        run.progress.close()
+        run.engine.close()
+        gc.unfreeze()  # a caller's objects (the Python API, the tests) are collected as before
+
+
+def _model_config(cfg: FinetuneConfig, dist):
+    """The model's config, once the directory, an earlier run's state and --seq-len are checked."""
     from transformers import AutoConfig
 
-    from ..engine.baseline import warm_kernels
-    from ..hf.baseline import library_baseline
-    from ..bench import rates
-    from ..engine.engine import Engine, EngineConfig
-    from ..engine.optimizer import AdamWConfig
-    from ..hf.checks import check_model_dir, load_tokenizer
-    from ..hf.presets import param_count
-    from .data import Batches, load_dataset
-    from .progress import Progress
-    from .rundir import RESULT_OPTIONS, check_nvme, config_diff, rng_state, set_rng_state, truncate_metrics
+    from ..hf.checks import check_model_dir
 
     check_model_dir(cfg.model)
     if dist is None and any((Path(cfg.nvme) / "rank0").glob("manifest-*.json")):
@@ -145,7 +175,58 @@ def _run(cfg: FinetuneConfig, out: Path, dist=None) -> dict:
     if max_pos and cfg.seq_len > max_pos:
         raise ValueError(f"--seq-len {cfg.seq_len} is beyond the {max_pos} positions of {cfg.model}; "
                          f"use --seq-len {max_pos} or less")
+    return hf_config
+
+
+def _nvme_dir(cfg: FinetuneConfig, dist, hf_config) -> str:
+    """This rank's state directory, checked for room: two slots of master, m, v and weights, and the
+    saved gradients (a rank holds its share of the states and all working weights)."""
+    from ..hf.presets import param_count
+    from ..plan.budget import moment_bytes_per_param
+    from .rundir import check_nvme
+
+    wbytes = 2 if cfg.precision == "bf16" else 0
+    per_param = 2 * (4 + moment_bytes_per_param(cfg.optim_states) + wbytes) + 4
+    nvme = cfg.nvme
+    if dist is not None:
+        from ..dist.state import rank_dir
+        nvme = str(rank_dir(cfg.nvme, dist.rank))
+        per_param = per_param / dist.world + 2 * max(wbytes, 4)
+    check_nvme(nvme, int(per_param * param_count(hf_config)))
+    return nvme
+
+
+def _engine(cfg: FinetuneConfig, out: Path, dist, nvme: str, library_rss: int):
+    """The engine, its settings resolved from what `tierlm bench` measured of this machine."""
+    from ..bench import rates
+    from ..engine.engine import Engine, EngineConfig
+    from ..engine.optimizer import AdamWConfig
+
+    optim = AdamWConfig(lr=cfg.lr, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps,
+                        weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm, impl=cfg.optim_impl)
+    plan = "plan.json" if dist is None or dist.rank == 0 else f"plan-rank{dist.rank}.json"
+    ecfg = EngineConfig(nvme_dir=nvme, cpu_mem=cfg.cpu_mem, precision=cfg.precision,
+                        grad_accum=cfg.grad_accum, activations=cfg.activations, prefetch=cfg.prefetch,
+                        direct_io=cfg.direct_io, optim=optim, optim_states=cfg.optim_states,
+                        device=cfg.device, gpu_mem=cfg.gpu_mem,
+                        tokens_per_micro_batch=cfg.batch_size * cfg.seq_len, micro_batch_size=cfg.batch_size,
+                        plan_path=str(out / plan))
+    return Engine.from_pretrained(cfg.model, ecfg, resume=cfg.resume == "auto", overwrite=cfg.overwrite,
+                                  measured=rates.measured(nvme), library_rss=library_rss, dist=dist)
+
+
+def _start(cfg: FinetuneConfig, out: Path, dist) -> _Run:
+    import torch
+
+    from ..engine.baseline import warm_kernels
+    from ..hf.baseline import library_baseline
+    from ..hf.checks import load_tokenizer
+    from .data import Batches, load_dataset
+    from .rundir import RESULT_OPTIONS
+
+    hf_config = _model_config(cfg, dist)
     dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
+    # measured first: what the tokenizer and the data hold counts against --cpu-mem
     library_rss = library_baseline(hf_config, dtype, cfg.device, warm=lambda: warm_kernels(
         hf_config, dtype, cfg.device, (cfg.batch_size, cfg.seq_len)))
     tokenizer = load_tokenizer(cfg.model)
@@ -153,134 +234,149 @@ def _run(cfg: FinetuneConfig, out: Path, dist=None) -> dict:
     batches = Batches(dataset, cfg.batch_size, seed=cfg.seed)
     total = cfg.steps if cfg.steps is not None else \
         max(1, math.floor(cfg.epochs * batches.batches_per_epoch / cfg.grad_accum))
-    from ..engine.state_quant import moment_bytes_per_param
-    # two slots of master, m, v and weights, and the saved gradients
-    wbytes = 2 if cfg.precision == "bf16" else 0
-    per_param = 2 * (4 + moment_bytes_per_param(cfg.optim_states) + wbytes) + 4
-    nvme = cfg.nvme
-    lead = dist is None or dist.rank == 0  # prints progress, writes the metrics, summary and final model
-    if dist is not None:
-        from ..dist.state import rank_dir
-        nvme = str(rank_dir(cfg.nvme, dist.rank))
-        per_param = per_param / dist.world + 2 * max(wbytes, 4)  # a share, and all working weights
-    check_nvme(nvme, int(per_param * param_count(hf_config)))
-
-    optim = AdamWConfig(lr=cfg.lr, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps,
-                        weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm, impl=cfg.optim_impl)
-    ecfg = EngineConfig(nvme_dir=nvme, cpu_mem=cfg.cpu_mem, precision=cfg.precision,
-                        grad_accum=cfg.grad_accum, activations=cfg.activations, prefetch=cfg.prefetch,
-                        direct_io=cfg.direct_io, optim=optim, optim_states=cfg.optim_states,
-                        device=cfg.device, gpu_mem=cfg.gpu_mem,
-                        tokens_per_micro_batch=cfg.batch_size * cfg.seq_len, micro_batch_size=cfg.batch_size,
-                        plan_path=str(out / ("plan.json" if lead else f"plan-rank{dist.rank}.json")))
-    engine = Engine.from_pretrained(cfg.model, ecfg, resume=cfg.resume == "auto", overwrite=cfg.overwrite,
-                                    measured=rates.measured(nvme), library_rss=library_rss, dist=dist)
+    engine = _engine(cfg, out, dist, _nvme_dir(cfg, dist, hf_config), library_rss)
     if dist is not None:
         dist.same_on_all(engine.state["step"], "step to resume from")
-    settings = {k: v for k, v in to_dict(cfg).items() if k in RESULT_OPTIONS}
-    metrics_name = "metrics.jsonl" if dist is None or dist.rank == 0 else f"metrics-rank{dist.rank}.jsonl"
+    run = _Run(cfg, out, dist, engine, batches, tokenizer, None, total, engine.state["step"],
+               {k: v for k, v in to_dict(cfg).items() if k in RESULT_OPTIONS})
+    trainer = _resume_or_seed(run)
+    run.progress = _progress(run, dataset, fresh=not trainer)
+    run.bad_streak = trainer["bad_streak"] if trainer else 0
+    return run
+
+
+def _metrics_name(dist) -> str:
+    return "metrics.jsonl" if dist is None or dist.rank == 0 else f"metrics-rank{dist.rank}.jsonl"
+
+
+def _resume_or_seed(run: _Run) -> dict | None:
+    """A resumed run's trainer state (data position, RNG), checked against this run's options; a new
+    run's seed. Returns the trainer state, or None for a new run."""
+    import torch
+
+    from .rundir import config_diff, set_rng_state, truncate_metrics
+
+    cfg, engine = run.cfg, run.engine
     trainer = engine.state.get("trainer")
-    start = engine.state["step"]
     for fb in engine.fallbacks:
         print(f"resume: passed over {fb}", file=sys.stderr)
-    if trainer:
-        diff = config_diff(trainer["settings"], settings)
-        if diff and not cfg.allow_config_change:
-            engine.close()
-            raise ValueError("the run in --nvme was made with other options that change results: "
-                             + "; ".join(diff) + ". Use the run's options, or --allow-config-change")
-        batches.load_state_dict(trainer["data"])
-        set_rng_state(trainer["rng"])
-        truncate_metrics(out / metrics_name, start)
-        if lead:
-            # "at step N" left open whether N was done or next: the state holds N steps, the next is N+1
-            then = f"continuing with step {start + 1} of {total}" if start < total else "no steps are left"
-            print(f"resumed after step {start} (the last committed, in {engine.root}); {then}", file=sys.stderr)
-    else:
+    if not trainer:
         torch.manual_seed(cfg.seed)
-    if lead:
-        (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
-        (out / "settings.json").write_text(json.dumps(engine.settings_record(), indent=2) + "\n")
-        progress = Progress(total, start, engine, cfg, out / metrics_name, dataset.summary(), fresh=not trainer)
-    else:
-        from .rank_progress import RankProgress
-        progress = RankProgress(total, start, engine, cfg, out / metrics_name, fresh=not trainer)
-    bad_streak = trainer["bad_streak"] if trainer else 0
-    # What exists now (the model's modules, the tokenised data, the libraries' objects) lives for
-    # the whole run: out of the collector's sight until the run ends, a full collection no longer
-    # walks it. Walking it held the GIL 0.1-0.22 s each time, the I/O and optimizer threads stalled
-    # behind it (docs/benchmarks.md at a2b1c1e, "Full collections").
-    gc.freeze()
-    try:
-        # A step's time and bytes run from the end of the one before (its commit included: the
-        # commit's writes land during this step's forward) to this one's end; drawing a timeline,
-        # writing a checkpoint and the activation planner's one-off drive probe are left out.
-        t0, io0 = time.perf_counter(), engine.store.stats.snapshot()
-        for step in range(start, total):
-            if cfg.timeline_step and lead and step + 1 == cfg.timeline_step:
-                engine.timeline.start(origin=t0)  # the step's window, the same as its s/step
-            lr = lr_at(cfg.lr, cfg.schedule, cfg.warmup_steps, total, step)
-            engine.set_lr(lr)
-            losses, tokens = [], 0
-            for micro in range(cfg.grad_accum):
-                ids, labels = next(batches)
-                tokens += ids.numel()
-                weight = 1.0
-                if dist is not None:  # this rank's rows of the global batch
-                    from ..dist.data import split_batch
-                    ids, labels, weight = split_batch(dist, ids, labels)
-                loss = engine.forward(ids, labels=labels).loss
-                if dist is not None:
-                    loss = loss * weight
-                if fault("loss") == "nan":
-                    loss = loss * float("nan")
-                if dist is None and micro == cfg.grad_accum - 1 and step + 1 < total:
-                    # the next step's first lookup takes its rows from this update (next_rows)
-                    engine.expect(batches.peek()[0])
-                engine.backward(loss)
-                losses.append(loss.item())
-            if dist is not None:
-                from ..dist.data import global_losses
-                losses = global_losses(dist, losses)
-            res = engine.finish()
-            bad_streak = 0 if res.finite else bad_streak + 1
-            engine.state["trainer"] = {"settings": settings, "data": batches.state_dict(),
-                                       "rng": rng_state(), "bad_streak": bad_streak}
-            # The metrics row goes first: a crash before the commit leaves a row that resume drops.
-            now, io = time.perf_counter(), engine.store.stats.snapshot()
-            progress.step(step, sum(losses) / len(losses), lr, res, tokens, now - t0, io0, io)
-            t0, io0 = now, io
-            probed = engine.acts.measure_s
-            engine.commit()
-            off = time.perf_counter()
-            if engine.timeline.recording:
-                _save_timeline(engine.timeline, out, step + 1, now, progress)
-            if bad_streak >= cfg.max_bad_steps:
-                raise TrainingStopped(
-                    f"{count(bad_streak, 'consecutive step')} had non-finite loss or gradients (steps "
-                    f"{step + 2 - bad_streak}..{step + 1}, each skipped); the state of step "
-                    f"{step + 1 - bad_streak} is intact in {engine.root}. Lower --lr or check the data, "
-                    f"then --resume auto")
-            if cfg.save_every and (step + 1) % cfg.save_every == 0:
-                engine.checkpoint(f"step-{step + 1:08d}")
-            t0 += time.perf_counter() - off + (engine.acts.measure_s - probed)
-        progress.close()
-        if not lead:
-            return dict(progress.summary(None), final_model=None)
-        engine.release_step_memory()
-        save_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(cfg.save_dtype or "", None)
-        final = engine.save_pretrained(out / "final", dtype=save_dtype)
-        summary = progress.summary(final)
-        # config.json holds the options (it loads as --config); why this precision is beside the result
-        summary["precision"] = cfg.precision
-        summary["precision_reason"] = getattr(cfg, "precision_reason", f"--precision {cfg.precision}")
-        if cfg.sample_prompt:
-            from ..infer.sampling import generate
-            summary["sample"] = generate(engine, tokenizer, cfg.sample_prompt, cfg.sample_tokens,
-                                         cfg.sample_temperature, seed=cfg.seed)
-        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        return summary
-    finally:
-        progress.close()
+        return None
+    diff = config_diff(trainer["settings"], run.result_options)
+    if diff and not cfg.allow_config_change:
         engine.close()
-        gc.unfreeze()  # a caller's objects (the Python API, the tests) are collected as before
+        raise ValueError("the run in --nvme was made with other options that change results: "
+                         + "; ".join(diff) + ". Use the run's options, or --allow-config-change")
+    run.batches.load_state_dict(trainer["data"])
+    set_rng_state(trainer["rng"])
+    truncate_metrics(run.out / _metrics_name(run.dist), run.start)
+    if run.lead:
+        # "at step N" left open whether N was done or next: the state holds N steps, the next is N+1
+        then = f"continuing with step {run.start + 1} of {run.total}" if run.start < run.total else "no steps are left"
+        print(f"resumed after step {run.start} (the last committed, in {engine.root}); {then}", file=sys.stderr)
+    return trainer
+
+
+def _progress(run: _Run, dataset, fresh: bool):
+    """The lead rank prints, and writes config.json and settings.json (every automatic choice and
+    why); the others only record their own metrics."""
+    from .progress import Progress
+
+    metrics = run.out / _metrics_name(run.dist)
+    if not run.lead:
+        from .rank_progress import RankProgress
+        return RankProgress(run.total, run.start, run.engine, run.cfg, metrics, fresh=fresh)
+    (run.out / "config.json").write_text(json.dumps(to_dict(run.cfg), indent=2) + "\n")
+    (run.out / "settings.json").write_text(json.dumps(run.engine.settings_record(), indent=2) + "\n")
+    return Progress(run.total, run.start, run.engine, run.cfg, metrics, dataset.summary(), fresh=fresh)
+
+
+def _micro_batches(run: _Run, step: int) -> tuple[list[float], int]:
+    """Forward and backward of the step's micro-batches; their losses and tokens."""
+    cfg, engine, dist = run.cfg, run.engine, run.dist
+    losses, tokens = [], 0
+    for micro in range(cfg.grad_accum):
+        ids, labels = next(run.batches)
+        tokens += ids.numel()
+        weight = 1.0
+        if dist is not None:  # this rank's rows of the global batch
+            from ..dist.data import split_batch
+            ids, labels, weight = split_batch(dist, ids, labels)
+        loss = engine.forward(ids, labels=labels).loss
+        if dist is not None:
+            loss = loss * weight
+        if fault("loss") == "nan":
+            loss = loss * float("nan")
+        if dist is None and micro == cfg.grad_accum - 1 and step + 1 < run.total:
+            # the next step's first lookup takes its rows from this update (next_rows)
+            engine.expect(run.batches.peek()[0])
+        engine.backward(loss)
+        losses.append(loss.item())
+    if dist is not None:
+        from ..dist.data import global_losses
+        losses = global_losses(dist, losses)
+    return losses, tokens
+
+
+def _steps(run: _Run) -> None:
+    from .rundir import rng_state
+
+    cfg, engine = run.cfg, run.engine
+    # A step's time and bytes run from the end of the one before (its commit included: the
+    # commit's writes land during this step's forward) to this one's end; drawing a timeline,
+    # writing a checkpoint and the activation planner's one-off drive probe are left out.
+    t0, io0 = time.perf_counter(), engine.store.stats.snapshot()
+    for step in range(run.start, run.total):
+        if cfg.timeline_step and run.lead and step + 1 == cfg.timeline_step:
+            engine.timeline.start(origin=t0)  # the step's window, the same as its s/step
+        lr = lr_at(cfg.lr, cfg.schedule, cfg.warmup_steps, run.total, step)
+        engine.set_lr(lr)
+        losses, tokens = _micro_batches(run, step)
+        res = engine.finish()
+        run.bad_streak = 0 if res.finite else run.bad_streak + 1
+        engine.state["trainer"] = {"settings": run.result_options, "data": run.batches.state_dict(),
+                                   "rng": rng_state(), "bad_streak": run.bad_streak}
+        # The metrics row goes first: a crash before the commit leaves a row that resume drops.
+        now, io = time.perf_counter(), engine.store.stats.snapshot()
+        run.progress.step(step, sum(losses) / len(losses), lr, res, tokens, now - t0, io0, io)
+        t0, io0 = now, io
+        probed = engine.acts.measure_s
+        engine.commit()
+        off = time.perf_counter()
+        if engine.timeline.recording:
+            _save_timeline(engine.timeline, run.out, step + 1, now, run.progress)
+        _stop_if_stuck(run, step)
+        if cfg.save_every and (step + 1) % cfg.save_every == 0:
+            engine.checkpoint(f"step-{step + 1:08d}")
+        t0 += time.perf_counter() - off + (engine.acts.measure_s - probed)
+
+
+def _stop_if_stuck(run: _Run, step: int) -> None:
+    if run.bad_streak >= run.cfg.max_bad_steps:
+        n = run.bad_streak
+        raise TrainingStopped(
+            f"{count(n, 'consecutive step')} had non-finite loss or gradients (steps "
+            f"{step + 2 - n}..{step + 1}, each skipped); the state of step "
+            f"{step + 1 - n} is intact in {run.engine.root}. Lower --lr or check the data, "
+            f"then --resume auto")
+
+
+def _finish(run: _Run) -> dict:
+    """The final model, the summary (and a sample of the fine-tuned model, where asked)."""
+    import torch
+
+    cfg, engine = run.cfg, run.engine
+    engine.release_step_memory()
+    save_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(cfg.save_dtype or "", None)
+    final = engine.save_pretrained(run.out / "final", dtype=save_dtype)
+    summary = run.progress.summary(final)
+    # config.json holds the options (it loads as --config); why this precision is beside the result
+    summary["precision"] = cfg.precision
+    summary["precision_reason"] = getattr(cfg, "precision_reason", f"--precision {cfg.precision}")
+    if cfg.sample_prompt:
+        from ..infer.sampling import generate
+        summary["sample"] = generate(engine, run.tokenizer, cfg.sample_prompt, cfg.sample_tokens,
+                                     cfg.sample_temperature, seed=cfg.seed)
+    (run.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
