@@ -6,7 +6,7 @@ writing their states one after the other (TinyLlama 1x128 under 4 GiB, a 2-vCPU 
 0.92 GB of reads took the last 2.1 s of an 11.7 s step). Cached instead, the last shards update as
 soon as their gradients arrive and their writes land early in the next forward, which only reads
 weights and left the drive ~40% idle; the first shards' reads overlap backward's start, the head's
-backward among it, when the drive was idle (steps 0.95x, docs/benchmarks.md).
+backward among it, when the drive was idle (steps 0.95x, docs/benchmarks.md at a2b1c1e).
 
 `StateCache` holds those states for the optimizer; `last_that_fit` picks them.
 """
