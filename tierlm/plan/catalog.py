@@ -190,6 +190,25 @@ class Hardware:
         return ", ".join(p for p in parts if p)
 
 
+_GRAMMAR = ("write 'this', a system name, or parts joined by '+': a GPU, a CPU, a RAM size like 256GiB "
+            "and a drive, NAME*N for N >= 1 drives in RAID-0, e.g. rtx4090+256GiB+p5510*12")
+
+
+def _bad(given: str, part: str, why: str, fix: str = _GRAMMAR) -> ValueError:
+    """The error of a --hardware spec: the spec as given, the part at fault, why, and the fix."""
+    return ValueError(f"--hardware {given!r}: {f'part {part!r}: ' if part else ''}{why}; {fix}")
+
+
+@dataclass
+class _Parts:
+    """What a spec has named so far: at most one GPU, CPU, kind of drive (with its count) and RAM size."""
+    gpu: GPU | None = None
+    cpu: CPU | None = None
+    drive: Drive | None = None
+    drives: int = 0
+    ram: int | None = None
+
+
 class Catalog:
     def __init__(self):
         self.gpus, self.cpus, self.drives = dict(GPUS), dict(CPUS), dict(DRIVES)
@@ -234,62 +253,68 @@ class Catalog:
             hw = self.parse(self.systems[spec])
             hw.spec = spec
             return hw
-        grammar = ("write 'this', a system name, or parts joined by '+': a GPU, a CPU, a RAM size like 256GiB "
-                   "and a drive, NAME*N for N >= 1 drives in RAID-0, e.g. rtx4090+256GiB+p5510*12")
-
-        def bad(part: str, why: str, fix: str = grammar) -> ValueError:
-            return ValueError(f"--hardware {given!r}: {f'part {part!r}: ' if part else ''}{why}; {fix}")
-
         if not spec:
-            raise bad("", "empty")
-        gpu = cpu = drive = None
-        drives, ram = 0, None
+            raise _bad(given, "", "empty")
+        parts = _Parts()
         for raw in (p.strip() for p in given.strip().split("+")):  # as the user wrote them, for the errors
-            if not raw:
-                raise bad("", "an empty part (a '+' at either end, or two together)")
-            m = re.fullmatch(r"([a-z0-9_.\-]+)(?:\*(.*))?", raw.lower())
-            if not m:
-                raise bad(raw, "cannot read it")
-            name, count = m.group(1), m.group(2)
-            if count is not None and (not count.isdigit() or int(count) < 1):
-                raise bad(raw, f"the count after '*' must be an integer >= 1; got {count!r}",
-                          f"write {name}*N with N >= 1, or {name} for one")
-            n = int(count) if count is not None else 1
-            if count is not None and name not in self.drives and not name.startswith("nvme"):
-                raise bad(raw, "only a drive takes *N (drives in RAID-0)",
-                          "one GPU per machine is planned so far, and a CPU entry holds all its sockets "
-                          f"(e.g. xeon-8480x2); drop the '*{count}'" if name in self.gpus or name in self.cpus
-                          else f"drives: {', '.join(sorted(self.drives))}")
-            if name in self.systems:
-                raise bad(raw, "a whole system", f"use {name!r} alone, or its parts: {self.systems[name]}")
-            elif name in self.gpus:
-                if gpu is not None:
-                    raise bad(raw, "one GPU per machine is planned so far", f"drop the extra {name!r}")
-                gpu = self.gpus[name]
-            elif name in self.cpus:
-                if cpu is not None:
-                    raise bad(raw, f"a second CPU (after {cpu.name})",
-                              "give one CPU entry; a multi-socket CPU is its own entry, e.g. xeon-8480x2")
-                cpu = self.cpus[name]
-            elif name in self.drives or name in ("nvme", "nvme-default"):
-                if drive is not None:
-                    raise bad(raw, f"a second kind of drive (after {drive.name})",
-                              "the drives form one RAID-0 of identical drives: give one NAME*N")
-                drive, drives = self.drives.get(name, self.drives["pm9a3"]), n
-            elif re.fullmatch(r"[0-9.]+[kmgt]i?b?", name):
-                if ram is not None:
-                    raise bad(raw, "a second RAM size", "give the machine's RAM once")
-                ram = parse_bytes(name, f"--hardware {given!r} part {raw!r}")  # its own error for '1.2.3gib'
-                if ram <= 0:
-                    raise bad(raw, "the RAM size must be > 0", "write it like 256GiB or 768GB")
-            elif re.fullmatch(r"[0-9.]+b?", name):
-                raise bad(raw, "a RAM size needs its unit", f"write it like {name.rstrip('b')}GiB")
-            else:
-                raise bad("", f"unknown part {raw!r}", "known: " + "; ".join(
-                    f"{k}: {', '.join(v)}" for k, v in self.names().items()) + f" (or a RAM size); {grammar}")
-        cpu = cpu or self.cpus[DEFAULT_CPU]
-        hw = Hardware(spec, cpu, ram if ram is not None else DEFAULT_RAM, gpu, drive, drives)
-        if ram is None:
+            self._add_part(parts, given, raw)
+        return self._machine(spec, parts)
+
+    def _add_part(self, parts: _Parts, given: str, raw: str) -> None:
+        """Add the part `raw` of the spec `given` to `parts`, or raise what is wrong with it."""
+        if not raw:
+            raise _bad(given, "", "an empty part (a '+' at either end, or two together)")
+        name, n = self._name_and_count(given, raw)
+        if name in self.systems:
+            raise _bad(given, raw, "a whole system", f"use {name!r} alone, or its parts: {self.systems[name]}")
+        elif name in self.gpus:
+            if parts.gpu is not None:
+                raise _bad(given, raw, "one GPU per machine is planned so far", f"drop the extra {name!r}")
+            parts.gpu = self.gpus[name]
+        elif name in self.cpus:
+            if parts.cpu is not None:
+                raise _bad(given, raw, f"a second CPU (after {parts.cpu.name})",
+                           "give one CPU entry; a multi-socket CPU is its own entry, e.g. xeon-8480x2")
+            parts.cpu = self.cpus[name]
+        elif name in self.drives or name in ("nvme", "nvme-default"):
+            if parts.drive is not None:
+                raise _bad(given, raw, f"a second kind of drive (after {parts.drive.name})",
+                           "the drives form one RAID-0 of identical drives: give one NAME*N")
+            parts.drive, parts.drives = self.drives.get(name, self.drives["pm9a3"]), n
+        elif re.fullmatch(r"[0-9.]+[kmgt]i?b?", name):
+            if parts.ram is not None:
+                raise _bad(given, raw, "a second RAM size", "give the machine's RAM once")
+            parts.ram = parse_bytes(name, f"--hardware {given!r} part {raw!r}")  # its own error for '1.2.3gib'
+            if parts.ram <= 0:
+                raise _bad(given, raw, "the RAM size must be > 0", "write it like 256GiB or 768GB")
+        elif re.fullmatch(r"[0-9.]+b?", name):
+            raise _bad(given, raw, "a RAM size needs its unit", f"write it like {name.rstrip('b')}GiB")
+        else:
+            raise _bad(given, "", f"unknown part {raw!r}", "known: " + "; ".join(
+                f"{k}: {', '.join(v)}" for k, v in self.names().items()) + f" (or a RAM size); {_GRAMMAR}")
+
+    def _name_and_count(self, given: str, raw: str) -> tuple[str, int]:
+        """A part's name and its count (NAME*N; 1 without '*'), only a drive taking one."""
+        m = re.fullmatch(r"([a-z0-9_.\-]+)(?:\*(.*))?", raw.lower())
+        if not m:
+            raise _bad(given, raw, "cannot read it")
+        name, count = m.group(1), m.group(2)
+        if count is not None and (not count.isdigit() or int(count) < 1):
+            raise _bad(given, raw, f"the count after '*' must be an integer >= 1; got {count!r}",
+                       f"write {name}*N with N >= 1, or {name} for one")
+        if count is not None and name not in self.drives and not name.startswith("nvme"):
+            raise _bad(given, raw, "only a drive takes *N (drives in RAID-0)",
+                       "one GPU per machine is planned so far, and a CPU entry holds all its sockets "
+                       f"(e.g. xeon-8480x2); drop the '*{count}'" if name in self.gpus or name in self.cpus
+                       else f"drives: {', '.join(sorted(self.drives))}")
+        return name, int(count) if count is not None else 1
+
+    def _machine(self, spec: str, parts: _Parts) -> Hardware:
+        """The machine of `parts`, the default CPU and RAM where none is named (said in its notes)."""
+        cpu = parts.cpu or self.cpus[DEFAULT_CPU]
+        hw = Hardware(spec, cpu, parts.ram if parts.ram is not None else DEFAULT_RAM, parts.gpu, parts.drive,
+                      parts.drives)
+        if parts.ram is None:
             hw.notes.append(f"no RAM size given: assumed {DEFAULT_RAM // GiB} GiB")
         if cpu.name == DEFAULT_CPU and DEFAULT_CPU not in spec:
             hw.notes.append(f"no CPU given: assumed {DEFAULT_CPU}")
