@@ -26,7 +26,7 @@ from tierlm.hf.safetensors_io import SafetensorsDir
 from tierlm.infer.batcher import Batcher, Request, eos_ids_of
 from tierlm.infer.engine import InferConfig, InferenceEngine
 from tierlm.infer.sampling import SamplingParams
-from tierlm.infer.server import make_app
+from tierlm.serve.server import make_app
 from tierlm.train.schedule import lr_factor
 
 from .engine.test_exactness import assert_same, batches, run_reference

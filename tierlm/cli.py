@@ -76,51 +76,43 @@ def _cmd_demo(args) -> int:
     return 0
 
 
-# ---- inference verbs: generate, chat, serve (tierlm/infer) ---------------------------------
+# ---- inference verbs: generate, chat, serve (tierlm/serve) ---------------------------------
 def _cmd_generate(args) -> int:
-    from .infer.run import generate_cmd
+    from .serve.options import GenerateConfig
+    from .serve.run import generate_cmd
 
-    generate_cmd(args)
+    generate_cmd(C.from_args(GenerateConfig, args))
     return 0
 
 
 def _cmd_chat(args) -> int:
-    from .infer.run import chat_cmd
+    from .serve.options import ChatConfig
+    from .serve.run import chat_cmd
 
-    return chat_cmd(args)
+    return chat_cmd(C.from_args(ChatConfig, args))
 
 
 def _cmd_serve(args) -> int:
-    from .infer.server import serve_cmd
+    from .serve.options import ServeConfig
+    from .serve.server import serve_cmd
 
-    return serve_cmd(args)
+    return serve_cmd(C.from_args(ServeConfig, args))
 
 
 def _add_infer_verbs(sub) -> None:
-    from .infer.flags import add_engine_args, add_sampling_args
+    from .serve.options import ChatConfig, GenerateConfig, ServeConfig
 
     q = sub.add_parser("generate", help="generate from a prompt (weights resident or streamed from NVMe)",
                        description="Generate a completion; prints TTFT, decode tokens/s, GB/s and the bound.")
-    add_engine_args(q)
-    q.add_argument("--prompt", required=True, help="the prompt text")
-    q.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    q.add_argument("--batch", type=int, default=1, help="decode this many copies together (throughput)")
-    q.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens (benchmarks)")
-    q.add_argument("--json", default=None, metavar="FILE", help="also write the report to FILE")
-    add_sampling_args(q)
+    C.add_arguments(q, GenerateConfig, positional=("model",))
     q.set_defaults(fn=_cmd_generate)
 
     q = sub.add_parser("chat", help="chat with a model on the terminal")
-    add_engine_args(q)
-    q.add_argument("--system", default=None, help="a system message")
-    add_sampling_args(q, max_tokens=256)
+    C.add_arguments(q, ChatConfig, positional=("model",))
     q.set_defaults(fn=_cmd_chat)
 
     q = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (127.0.0.1 by default)")
-    add_engine_args(q, max_batch=8)
-    q.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    q.add_argument("--port", type=int, default=8000, help="(default: 8000)")
-    q.add_argument("--served-model-name", default=None, help="the model id clients use (default: directory name)")
+    C.add_arguments(q, ServeConfig, positional=("model",))
     q.set_defaults(fn=_cmd_serve)
 
 

@@ -35,6 +35,9 @@ def _coerce(name: str, tp, value):
         if optional:
             return None
         raise ConfigError(f"{name}: a value is required")
+    if typing.get_origin(base) is list:  # a repeatable flag, or one value or a list in a file
+        (item,) = typing.get_args(base)
+        return [_coerce(name, item, v) for v in (value if isinstance(value, (list, tuple)) else [value])]
     try:
         if base is bool:
             if isinstance(value, bool):
@@ -79,7 +82,10 @@ def add_arguments(parser: argparse.ArgumentParser, cls, positional: tuple[str, .
             parser.add_argument(name, help=helptext, nargs="?", default=None)
             continue
         flag = "--" + name.replace("_", "-")
-        if base is bool:
+        if typing.get_origin(base) is list:
+            parser.add_argument(flag, dest=name, action="append", default=None, help=helptext + " (repeatable)",
+                                metavar=f.metadata.get("metavar"))
+        elif base is bool:
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=helptext)
         else:
             parser.add_argument(flag, dest=name, default=None, help=helptext, choices=choices,
@@ -168,10 +174,10 @@ def to_dict(obj) -> dict:
     return dataclasses.asdict(obj)
 
 
-def option(default=dataclasses.MISSING, help: str = "", choices=None, metavar=None):
+def option(default=dataclasses.MISSING, help: str = "", choices=None, metavar=None, default_factory=dataclasses.MISSING):
     md = {"help": help}
     if choices:
         md["choices"] = tuple(choices)
     if metavar:
         md["metavar"] = metavar
-    return dataclasses.field(default=default, metadata=md)
+    return dataclasses.field(default=default, default_factory=default_factory, metadata=md)

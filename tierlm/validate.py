@@ -2,10 +2,10 @@
 
 torch.optim refuses an lr, a beta or an eps outside its range when the optimizer is built; a NaN
 that passes `lr < 0` (every comparison with NaN is false) trains a model of NaNs. Here every number
-a verb takes is checked once, when the options are read, before anything is written: finetune's
-through the `range` metadata of its config fields (flags, `--config` files and `tierlm.finetune()`
-alike, tierlm/config.py), the other verbs' argparse flags through `ARGS` below, which `tierlm.cli`
-applies to the parsed namespace before the verb runs.
+a verb takes is checked once, when the options are read, before anything is written: finetune's,
+generate's, chat's and serve's through their configs' RANGES (flags, `--config` files and
+`tierlm.finetune()` alike, tierlm/config.py), the other verbs' argparse flags through `ARGS` below,
+which `tierlm.cli` applies to the parsed namespace before the verb runs.
 
 This module imports no torch: the checks must answer in the time `tierlm --help` does.
 """
@@ -129,32 +129,33 @@ FINETUNE: dict[str, Num | Size] = {
     "dist_timeout": Num(gt=0),
 }
 
-# The argparse verbs' numeric flags: verb -> dest -> range.
-# tests/test_validation.py fails where a verb gains an int or float flag that is not listed here.
-_ENGINE = {  # tierlm/infer/run.py add_engine_args
+# generate's, chat's and serve's options: their configs' RANGES (tierlm/serve/options.py)
+_ENGINE = {
     "cpu_mem": MEM,
     "max_seq_len": POSITIVE_INT,
-    "max_batch": POSITIVE_INT,
     "step_tokens": POSITIVE_INT,
     "prefetch": COUNT,
     "resident_layers": int_range(ge=0, note="0 streams every layer"),
     "tp": POSITIVE_INT,
     "threads": POSITIVE_INT,
 }
-_SAMPLING = {  # tierlm/infer/run.py add_sampling_args; the ranges SamplingParams.check enforces
+_SAMPLING = {  # the ranges SamplingParams.check enforces
     "max_new_tokens": POSITIVE_INT,
     "temperature": Num(ge=0, le=100, note="0 is greedy"),
     "top_p": Num(gt=0, le=1),
     "top_k": int_range(ge=0, note="0 turns it off"),
     "seed": SEED,
 }
+GENERATE: dict[str, Num | Size] = _ENGINE | _SAMPLING | {"batch": POSITIVE_INT}
+CHAT: dict[str, Num | Size] = _ENGINE | _SAMPLING
+SERVE: dict[str, Num | Size] = _ENGINE | {"max_batch": POSITIVE_INT, "port": int_range(ge=1, le=65535)}
+
+# The argparse verbs' numeric flags: verb -> dest -> range.
+# tests/test_validation.py fails where a verb gains an int or float flag that is not listed here.
 ARGS: dict[str, dict[str, Num | Size]] = {
     "init": {name: POSITIVE_INT for name in ("layers", "hidden", "heads", "kv_heads", "intermediate",
                                              "vocab", "max_positions")} | {"seed": SEED},
     "demo": {"cpu_mem": MEM, "steps": POSITIVE_INT},
-    "generate": _ENGINE | _SAMPLING | {"batch": POSITIVE_INT},
-    "chat": _ENGINE | _SAMPLING,
-    "serve": _ENGINE | {"port": int_range(ge=1, le=65535)},
     "plan": {"batch": POSITIVE_INT, "seq_len": POSITIVE_INT, "tokens": POSITIVE_INT, "cpu_mem": MEM},
     "bench": {"steps": POSITIVE_INT, "size": MEM, "cpu_mem": MEM},
 }

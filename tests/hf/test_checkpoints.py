@@ -321,7 +321,7 @@ def test_transformers_reads_the_template_from_either_file(chat_dirs, tmp_path):
     cfg["chat_template"] = [{"name": "default", "template": cfg["chat_template"]},
                             {"name": "tool_use", "template": "TOOLS"}]
     (named / "tokenizer_config.json").write_text(json.dumps(cfg))
-    from tierlm.infer.run import _chat_ids
+    from tierlm.serve.run import _chat_ids
     assert _chat_ids(AutoTokenizer.from_pretrained(named), MESSAGES) == \
         _chat_ids(AutoTokenizer.from_pretrained(chat_dirs["jinja"]), MESSAGES)
     none = shutil.copytree(chat_dirs["jinja"], tmp_path / "none")
@@ -332,7 +332,7 @@ def test_transformers_reads_the_template_from_either_file(chat_dirs, tmp_path):
 
 def test_chat_prompt_and_chat_data_from_either_file(chat_dirs, tmp_path):
     from tierlm.hf.checks import load_tokenizer
-    from tierlm.infer.run import _chat_ids
+    from tierlm.serve.run import _chat_ids
     from tierlm.train.data import load_dataset
 
     data = tmp_path / "chat.jsonl"
@@ -357,13 +357,15 @@ def test_tierlm_chat_and_the_chat_endpoint_use_either_file(chat_dirs, tmp_path):
     from tierlm.cli import build_parser
     from tierlm.hf.checks import load_tokenizer
     from tierlm.infer.batcher import Batcher, eos_ids_of
-    from tierlm.infer.run import _chat_ids, chat_cmd
-    from tierlm.infer.server import ChatBody, make_app
+    from tierlm.config import from_args
+    from tierlm.serve.options import ChatConfig
+    from tierlm.serve.run import _chat_ids, chat_cmd
+    from tierlm.serve.server import ChatBody, make_app
 
     for kind, d in chat_dirs.items():
-        args = build_parser().parse_args(["chat", str(d), "--weights", "fp32", "--cpu-mem", "1GiB",
-                                          "--nvme", str(tmp_path / f"store-{kind}"), "--max-new-tokens", "3",
-                                          "--max-seq-len", "64", "--system", "Be brief."])
+        args = from_args(ChatConfig, build_parser().parse_args([
+            "chat", str(d), "--weights", "fp32", "--cpu-mem", "1GiB", "--nvme", str(tmp_path / f"store-{kind}"),
+            "--max-new-tokens", "3", "--max-seq-len", "64", "--system", "Be brief."]))
         out, err = io.StringIO(), io.StringIO()
         assert chat_cmd(args, inp=io.StringIO("hi\n/exit\n"), out=out, err=err) == 0
         assert "has no chat template" not in err.getvalue() and "token" in err.getvalue()

@@ -13,7 +13,7 @@ from tierlm.hf.init import init_model
 from tierlm.hf.presets import make_config
 from tierlm.infer.batcher import Batcher, eos_ids_of
 from tierlm.infer.engine import InferConfig, InferenceEngine
-from tierlm.infer.server import make_app
+from tierlm.serve.server import make_app
 from tierlm.hf.checks import load_tokenizer
 
 MODEL = "tiny-chat"

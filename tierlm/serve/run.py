@@ -1,16 +1,18 @@
-"""What `tierlm generate`, `tierlm chat` and `tierlm serve` do, and the flags they share."""
+"""What `tierlm generate` and `tierlm chat` do, and the engine and sampling settings all three
+inference verbs build from their options (tierlm/serve/options.py)."""
 from __future__ import annotations
 
 import json
 import sys
 
+from ..config import to_dict
+from ..infer.engine import InferConfig, InferenceEngine
+from ..infer.sampling import SamplingParams
 from ..units import count
-from .engine import InferConfig, InferenceEngine
-from .flags import add_engine_args, add_sampling_args  # noqa: F401  (the verbs' flags)
-from .sampling import SamplingParams
+from .options import ChatConfig, EngineOptions, GenerateConfig
 
 
-def infer_config(args, max_batch: int, max_seq_len: int | None) -> InferConfig:
+def infer_config(args: EngineOptions, max_batch: int, max_seq_len: int | None) -> InferConfig:
     dtype = args.dtype or ("fp32" if args.weights == "fp32" else "bf16")
     weights = args.weights if args.weights in ("int8", "int4") else dtype
     if args.weights in ("bf16", "fp32") and args.dtype and args.dtype != args.weights:
@@ -19,8 +21,7 @@ def infer_config(args, max_batch: int, max_seq_len: int | None) -> InferConfig:
     return InferConfig(cpu_mem=args.cpu_mem, dtype=dtype, weights=weights, nvme_dir=args.nvme,
                        max_batch=max_batch, max_seq_len=args.max_seq_len or max_seq_len,
                        step_tokens=args.step_tokens, prefetch=args.prefetch,
-                       resident_layers=args.resident_layers, threads=getattr(args, "threads", None),
-                       tp=getattr(args, "tp", 1))
+                       resident_layers=args.resident_layers, threads=args.threads, tp=args.tp)
 
 
 def sampling(args) -> SamplingParams:
@@ -33,7 +34,7 @@ def sampling(args) -> SamplingParams:
 
 def load(model_dir, cfg: InferConfig, tok=None):
     from ..hf.checks import check_model_dir, load_tokenizer
-    from .batcher import Batcher, eos_ids_of
+    from ..infer.batcher import Batcher, eos_ids_of
 
     check_model_dir(model_dir)
     tok = tok or load_tokenizer(model_dir)
@@ -57,11 +58,12 @@ def _chat_ids(tok, messages) -> list[int]:
         raise ValueError(f"{e}; use `tierlm generate` with a plain prompt") from None
 
 
-def generate_cmd(args, out=sys.stdout, err=sys.stderr) -> dict:
-    """`tierlm generate`: stream the completion to `out`, the phase report to `err`."""
+def generate_cmd(args: GenerateConfig, out=None, err=None) -> dict:
+    """`tierlm generate`: stream the completion to `out`, the phase report to `err` (default: the
+    process's stdout and stderr at the call)."""
+    out, err = out or sys.stdout, err or sys.stderr
     from ..hf.checks import check_model_dir, load_tokenizer
-    from .batcher import Request
-    from .report import machine_rates, report
+    from ..infer.batcher import Request
 
     check_model_dir(args.model)
     tok = load_tokenizer(args.model)
@@ -81,13 +83,12 @@ def generate_cmd(args, out=sys.stdout, err=sys.stderr) -> dict:
     batcher.run_until_idle()
     out.write("\n")
     out.flush()
-    rates = machine_rates(str(eng.store.root) if eng.store else None)
-    lines, rep = report(batcher, eng, reqs, rates)
+    rates, lines, rep = rated_report(batcher, eng, reqs, err)
     for line in lines:
         print(line, file=err)
     rep.update({"placement": eng.placement.__dict__, "completion_tokens": [len(r.out_ids) for r in reqs],
-                "text": reqs[0].text, "token_ids": reqs[0].out_ids, "rates": rates})
-    from ..engine.budget import peak_rss
+                "text": reqs[0].text, "token_ids": reqs[0].out_ids, "rates": rates, "config": to_dict(args)})
+    from ..rss import peak_rss
     rep["peak_rss_bytes"], rep["library_rss_bytes"] = peak_rss(), eng.library_rss
     if args.json:
         with open(args.json, "w") as f:
@@ -96,9 +97,33 @@ def generate_cmd(args, out=sys.stdout, err=sys.stderr) -> dict:
     return rep
 
 
-def chat_cmd(args, inp=sys.stdin, out=sys.stdout, err=sys.stderr) -> int:
+def rated_report(batcher, engine, requests, err) -> tuple[dict, list[str], dict]:
+    """(rates, lines, report): the phase report against this machine's cached rooflines.
+
+    A phase that read memory faster than the cached roofline proves the roofline low: the memory is
+    measured again, once, and the roofline is the faster of the two, kept in the cache."""
+    from ..bench.rooflines import machine_rates
+    from .report import read_past_the_roofline, report
+
+    nvme = str(engine.store.root) if getattr(engine, "store", None) else None
+    rates = machine_rates(nvme)
+    lines, out = report(batcher, engine, requests, rates)
+    if read_past_the_roofline(out) and not rates.get("remeasured"):
+        print("tierlm: a phase read memory faster than the measured roofline; measuring it again", file=err)
+        new = machine_rates(nvme, fresh=True)
+        if new.get("mem_gbps"):
+            best = max(new["mem_gbps"], rates.get("mem_gbps") or 0.0)
+            rates.update(new)
+            rates["mem_gbps"], rates["remeasured"] = best, True
+            machine_rates(nvme, store={**rates})
+            lines, out = report(batcher, engine, requests, rates)
+    return rates, lines, out
+
+
+def chat_cmd(args: ChatConfig, inp=None, out=None, err=None) -> int:
     """`tierlm chat`: a conversation on the terminal; /reset forgets it, /exit (or end of input) ends."""
-    from .batcher import Request
+    inp, out, err = inp or sys.stdin, out or sys.stdout, err or sys.stderr
+    from ..infer.batcher import Request
 
     cfg = infer_config(args, 1, None)
     eng, tok, batcher = load(args.model, cfg)
