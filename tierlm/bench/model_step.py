@@ -64,92 +64,19 @@ def bench_model_step(config, tokens: int, seq: int, dtype: torch.dtype, repeats:
     Each part's best of `repeats` rounds or more (MODEL_PROBE_S), interleaved. The steps run as the engine's do: with freed
     blocks kept in the heap for reuse (HeapGuard); under tierlm's import settings every transient
     tensor would be fresh pages zeroed by the kernel, a cost the step it predicts does not pay."""
-    import copy
-
-    from transformers import AutoModelForCausalLM
-
-    from ..plan import budget as B
-    from ..engine.head_loss import causal_lm_loss
-    from ..plan.budget import chunk_tokens
     from ..engine.heap import MIN_COMPUTE_SHARE, HeapGuard
-    from ..hf.structure import find_layers
+    from ..plan import budget as B
 
-    rows_want = max(1, tokens // seq)
     per_row = B.layer_activation_bytes(config, seq, dtype) + B.logits_bytes(config, seq, dtype)
-    cfg = copy.deepcopy(config)
-    put(cfg, "layers", 1)  # any family's field; a layer pattern (layer_types) cut to match
-    with torch.device("meta"):
-        n = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
-    elem = torch.empty((), dtype=dtype).element_size()
-    room = psutil.virtual_memory().available // 4 - n * (4 + 2 * elem)  # the fp32 init, weights, gradients
-    if n > MODEL_MAX_PARAMS or room < per_row:
+    built = _one_layer_model(config, dtype, per_row)
+    if built is None:
         return None
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).to(dtype)
-    model.train()
-    layer = find_layers(model)[1][0]
-    head = model.get_output_embeddings()
-    plain_head = type(head) is torch.nn.Linear and not getattr(config, "final_logit_softcapping", None)
-
-    def model_step(rows):
-        ids = torch.randint(0, config.vocab_size, (rows, seq))
-        chunk = chunk_tokens(rows * seq, config.vocab_size, dtype) if plain_head else None
-
-        def step():
-            model.zero_grad(set_to_none=True)
-            if chunk:
-                hidden = model.base_model(input_ids=ids, use_cache=False).last_hidden_state
-                loss = causal_lm_loss(hidden, head, ids, chunk)
-            else:
-                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-            loss.backward()
-        return step
-
-    def layer_step(whole):
-        """The layer's own forward + backward, on the arguments the model's forward passed it."""
-        got = {}
-
-        def hook(mod, args, kwargs):
-            got["args"], got["kwargs"] = args, kwargs
-        h = layer.register_forward_pre_hook(hook, with_kwargs=True)
-        try:
-            whole()
-        finally:
-            h.remove()
-        args, kwargs = list(got["args"]), dict(got["kwargs"])
-        if args:
-            x = args[0].detach().clone().requires_grad_(True)
-            args[0] = x
-        else:
-            x = kwargs["hidden_states"].detach().clone().requires_grad_(True)
-            kwargs["hidden_states"] = x
-        kwargs = {k: (v.detach() if isinstance(v, torch.Tensor) else
-                      tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in v) if isinstance(v, tuple) else v)
-                  for k, v in kwargs.items()}
-
-        def step():
-            layer.zero_grad(set_to_none=True)
-            x.grad = None
-            y = layer(*args, **kwargs)
-            (y[0] if isinstance(y, tuple) else y).float().sum().backward()
-        return step
-
+    model, room = built
     guard = HeapGuard(1 << 50, MIN_COMPUTE_SHARE)
     try:
-        one = layer_step(model_step(1))
-        one()  # first-call allocations and kernel selection: not what a row costs
-        t_row = measure.best_seconds(one, 3)
-        rows = max(1, min(rows_want, int(room // per_row), int(MODEL_STEP_S / max(t_row, 1e-6))))
-        whole = model_step(rows)
-        steps = {"model": whole, "layer": layer_step(whole)}
-        for st in steps.values():
-            st()  # warm-up at the timed shape
-        best = dict.fromkeys(steps, float("inf"))
-        t0, rounds = time.perf_counter(), 0
-        while rounds < repeats or (time.perf_counter() - t0 < MODEL_PROBE_S and rounds < MODEL_MAX_ROUNDS):
-            for k, st in steps.items():
-                best[k] = min(best[k], measure.best_seconds(st, 1))
-            rounds += 1
+        rows = _rows_to_time(model, config, seq, dtype, max(1, tokens // seq), int(room // per_row))
+        whole = _model_step(model, config, seq, dtype, rows)
+        best = _best_of_rounds({"model": whole, "layer": _layer_step(model, whole)}, repeats)
     finally:
         guard.close()
     probed = rows * seq
@@ -157,6 +84,121 @@ def bench_model_step(config, tokens: int, seq: int, dtype: torch.dtype, repeats:
     return {"layer_s": best["layer"] * scale, "rest_s": max(best["model"] - best["layer"], 0.0) * scale,
             "tokens": tokens, "probed_tokens": probed, "seq": seq, "dtype": str(dtype).removeprefix("torch."),
             "threads": torch.get_num_threads(), "model_s": best["model"] * scale, "model_type": config.model_type}
+
+
+def _param_count(cfg) -> int:
+    """Parameters of the model `cfg` builds, counted without allocating them."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+
+
+def _one_layer_model(config, dtype: torch.dtype, per_row: int):
+    """The family's model with one decoder layer, random weights in `dtype`, in training mode, and
+    the memory a probe may use for rows beside it (a quarter of what is free); None where it is
+    too large to build quickly or not one row of `per_row` bytes fits."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    cfg = copy.deepcopy(config)
+    put(cfg, "layers", 1)  # any family's field; a layer pattern (layer_types) cut to match
+    n = _param_count(cfg)
+    elem = torch.empty((), dtype=dtype).element_size()
+    room = psutil.virtual_memory().available // 4 - n * (4 + 2 * elem)  # the fp32 init, weights, gradients
+    if n > MODEL_MAX_PARAMS or room < per_row:
+        return None
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).to(dtype)
+    model.train()
+    return model, room
+
+
+def _model_step(model, config, seq: int, dtype: torch.dtype, rows: int):
+    """A training step of `rows` random rows of `seq` tokens through the whole model, its head and
+    loss in chunks where the engine chunks them (head_loss)."""
+    from ..engine.head_loss import causal_lm_loss
+    from ..plan.budget import chunk_tokens
+
+    head = model.get_output_embeddings()
+    plain_head = type(head) is torch.nn.Linear and not getattr(config, "final_logit_softcapping", None)
+    ids = torch.randint(0, config.vocab_size, (rows, seq))
+    chunk = chunk_tokens(rows * seq, config.vocab_size, dtype) if plain_head else None
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        if chunk:
+            hidden = model.base_model(input_ids=ids, use_cache=False).last_hidden_state
+            loss = causal_lm_loss(hidden, head, ids, chunk)
+        else:
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+    return step
+
+
+def _layer_step(model, whole):
+    """The decoder layer's own forward + backward, on the arguments the model's forward passed it
+    in `whole` (captured by a hook: any family's signature)."""
+    from ..hf.structure import find_layers
+
+    layer = find_layers(model)[1][0]
+    got = {}
+
+    def hook(mod, args, kwargs):
+        got["args"], got["kwargs"] = args, kwargs
+    h = layer.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        whole()
+    finally:
+        h.remove()
+    x, args, kwargs = _detached(got["args"], got["kwargs"])
+
+    def step():
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        y = layer(*args, **kwargs)
+        (y[0] if isinstance(y, tuple) else y).float().sum().backward()
+    return step
+
+
+def _detached(args: tuple, kwargs: dict):
+    """A layer call's arguments cut from the graph that made them, its hidden states a leaf that
+    takes a gradient: (the hidden states, args, kwargs)."""
+    args, kwargs = list(args), dict(kwargs)
+    if args:
+        x = args[0].detach().clone().requires_grad_(True)
+        args[0] = x
+    else:
+        x = kwargs["hidden_states"].detach().clone().requires_grad_(True)
+        kwargs["hidden_states"] = x
+    kwargs = {k: (v.detach() if isinstance(v, torch.Tensor) else
+                  tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in v) if isinstance(v, tuple) else v)
+              for k, v in kwargs.items()}
+    return x, args, kwargs
+
+
+def _rows_to_time(model, config, seq: int, dtype: torch.dtype, rows_want: int, rows_room: int) -> int:
+    """The run's rows per micro-batch, or fewer where one layer's step would pass MODEL_STEP_S or
+    the rows' memory the room: one row's layer step timed to tell."""
+    one = _layer_step(model, _model_step(model, config, seq, dtype, 1))
+    one()  # first-call allocations and kernel selection: not what a row costs
+    t_row = measure.best_seconds(one, 3)
+    return max(1, min(rows_want, rows_room, int(MODEL_STEP_S / max(t_row, 1e-6))))
+
+
+def _best_of_rounds(steps: dict, repeats: int) -> dict[str, float]:
+    """Each step's best seconds over `repeats` interleaved rounds, or more while they take less
+    than MODEL_PROBE_S (at most MODEL_MAX_ROUNDS), after a warm-up at the timed shape."""
+    for st in steps.values():
+        st()  # warm-up at the timed shape
+    best = dict.fromkeys(steps, float("inf"))
+    t0, rounds = time.perf_counter(), 0
+    while rounds < repeats or (time.perf_counter() - t0 < MODEL_PROBE_S and rounds < MODEL_MAX_ROUNDS):
+        for k, st in steps.items():
+            best[k] = min(best[k], measure.best_seconds(st, 1))
+        rounds += 1
+    return best
 
 
 ENGINE_PROBE_LAYERS = 2   # the probe model's depth: one layer beside the head, one beside the embedding
@@ -176,7 +218,7 @@ def engine_step_key(config, tokens: int, seq: int, dtype: torch.dtype, cpu_mem: 
 
 
 def bench_engine_step(config, tokens: int, seq: int, dtype: torch.dtype, directory: str | os.PathLike,
-                      cpu_mem: int | None = None, clip: str = "on", state_cache: bool = True,
+                      cpu_mem: int | None = None, clip: str = "on", state_cache: bool = True, *,
                       layers: int = ENGINE_PROBE_LAYERS, steps: int = ENGINE_PROBE_STEPS,
                       warmup: int = ENGINE_PROBE_WARMUP) -> dict | None:
     """Seconds of a training step as `tierlm finetune` runs it, from a copy of the model's family
@@ -199,59 +241,27 @@ def bench_engine_step(config, tokens: int, seq: int, dtype: torch.dtype, directo
     first `warmup`; `read_bytes`, what a step read from the drive (state the budget did not cache): the CPU
     work of those reads is in the step, the planner adds only the reads a deeper model makes beyond.
     None where the probe model is too large to build quickly."""
-    import copy
     import gc
     import statistics
     import tempfile
 
-    from transformers import AutoModelForCausalLM
+    from ..engine.engine import Engine
 
-    from ..engine.engine import Engine, EngineConfig
-    from ..engine.optim_types import AdamWConfig
-
-    cfg = copy.deepcopy(config)
-    put(cfg, "layers", layers)
-    with torch.device("meta"):
-        n = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
-    if n > MODEL_MAX_PARAMS:
+    model = _probe_model(config, layers)
+    if model is None:
         return None
     rows = max(1, tokens // seq)
-    precision = "bf16" if dtype == torch.bfloat16 else "fp32"
-    # clipping on (or redo): the gradients are saved for the exact redo, as in the run; the limit is
-    # out of reach so that random weights' large norms do not redo every step (the planner adds the
-    # redo where the task clips every step)
-    optim = AdamWConfig(max_grad_norm=None if clip == "off" else 1e30)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg)
     root = Path(tempfile.mkdtemp(prefix=".tierlm-engine-probe-", dir=directory))
-    ecfg = EngineConfig(nvme_dir=str(root / "nvme"), cpu_mem=cpu_mem if cpu_mem else "4GiB", precision=precision,
-                        activations="keep", optim=optim, state_cache=state_cache, tokens_per_micro_batch=rows * seq,
-                        micro_batch_size=rows)
+    ecfg = _engine_config(root, dtype, cpu_mem, clip, state_cache, rows, seq)
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, config.vocab_size, (rows, seq), generator=g) for _ in range(steps + 1)]
-    step_s, layer_s, read = [], [], []
     eng = None
     try:
         eng = Engine.from_model(model, ecfg)  # a budget it refuses raises: the caller falls back
         del model
         gc.collect()
         gc.freeze()  # as finetune: a full collection walking the run held the GIL from the I/O threads
-        t0, r0 = time.perf_counter(), eng.store.stats.snapshot()["bytes_read"]
-        for i in range(steps):
-            loss = eng.forward(batches[i], labels=batches[i]).loss
-            eng.expect(batches[i + 1])
-            eng.backward(loss)
-            eng.finish()
-            now = time.perf_counter()
-            first = eng.acts.cur[min(eng.acts.cur)]
-            step_s.append(now - t0)
-            layer_s.append(first["fwd"] + first["bwd"])
-            r1 = eng.store.stats.snapshot()["bytes_read"]
-            read.append(r1 - r0)
-            t0, r0 = now, r1
-            probed = eng.acts.measure_s
-            eng.commit()
-            t0 += eng.acts.measure_s - probed
+        step_s, layer_s, read = _run_steps(eng, batches, steps)
     finally:
         gc.unfreeze()
         if eng is not None:
@@ -262,3 +272,59 @@ def bench_engine_step(config, tokens: int, seq: int, dtype: torch.dtype, directo
             "tokens": tokens, "probed_tokens": rows * seq, "seq": seq, "dtype": str(dtype).removeprefix("torch."),
             "threads": torch.get_num_threads(), "model_type": config.model_type, "source": "engine",
             "steps": len(step_s) - warmup, "read_bytes": int(statistics.median(read[warmup:]))}
+
+
+def _probe_model(config, layers: int):
+    """The family's model with `layers` decoder layers and random weights (seeded), or None where
+    it is too large to build quickly."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    cfg = copy.deepcopy(config)
+    put(cfg, "layers", layers)
+    if _param_count(cfg) > MODEL_MAX_PARAMS:
+        return None
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+def _engine_config(root: Path, dtype: torch.dtype, cpu_mem: int | None, clip: str, state_cache: bool,
+                   rows: int, seq: int):
+    """The probe engine's settings: the run's precision, budget (4 GiB where none is given),
+    clipping and state cache, its activations kept, its store under `root`."""
+    from ..engine.engine import EngineConfig
+    from ..engine.optim_types import AdamWConfig
+
+    precision = "bf16" if dtype == torch.bfloat16 else "fp32"
+    # clipping on (or redo): the gradients are saved for the exact redo, as in the run; the limit is
+    # out of reach so that random weights' large norms do not redo every step (the planner adds the
+    # redo where the task clips every step)
+    optim = AdamWConfig(max_grad_norm=None if clip == "off" else 1e30)
+    return EngineConfig(nvme_dir=str(root / "nvme"), cpu_mem=cpu_mem if cpu_mem else "4GiB", precision=precision,
+                        activations="keep", optim=optim, state_cache=state_cache, tokens_per_micro_batch=rows * seq,
+                        micro_batch_size=rows)
+
+
+def _run_steps(eng, batches: list, steps: int) -> tuple[list[float], list[float], list[int]]:
+    """`steps` training steps through `eng`, timed as finetune times them: per step its seconds
+    (end of one step to the end of the next, the activation planner's drive probe left out), the
+    first layer's forward + backward from the engine's profile, and the bytes read from the drive."""
+    step_s, layer_s, read = [], [], []
+    t0, r0 = time.perf_counter(), eng.store.stats.snapshot()["bytes_read"]
+    for i in range(steps):
+        loss = eng.forward(batches[i], labels=batches[i]).loss
+        eng.expect(batches[i + 1])
+        eng.backward(loss)
+        eng.finish()
+        now = time.perf_counter()
+        first = eng.acts.cur[min(eng.acts.cur)]
+        step_s.append(now - t0)
+        layer_s.append(first["fwd"] + first["bwd"])
+        r1 = eng.store.stats.snapshot()["bytes_read"]
+        read.append(r1 - r0)
+        t0, r0 = now, r1
+        probed = eng.acts.measure_s
+        eng.commit()
+        t0 += eng.acts.measure_s - probed
+    return step_s, layer_s, read
