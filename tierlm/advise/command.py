@@ -8,6 +8,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import torch
+
 from ..bench import cache, measure, model_step
 from ..bench.progress import Stages
 from ..plan import cost as C
@@ -111,7 +113,7 @@ def run_bench(what: str, nvme: str | None, size: int = 2 << 30, quiet: bool = Fa
     else:
         from ..bench.overhead import bench_overhead
         from ..bench.overlap import bench_overlap
-        st = Stages("bench compute", COMPUTE_STAGES, note=f"{__import__('torch').get_num_threads()} threads",
+        st = Stages("bench compute", COMPUTE_STAGES, note=f"{torch.get_num_threads()} threads",
                     quiet=quiet)
         res = st(measure.bench_compute)
         res.update(st(measure.bench_layer))
@@ -162,56 +164,63 @@ def bench_text(what: str, res: dict) -> str:
             f"{res['overlap']:.0%} of the shorter (rounds {res['overlap_rounds']})")
 
 
+def _decode_probe(config, task: Task, threads: int):
+    """Serving: this model's decode step in the task's weight format (bench.measure.bench_decode on its
+    own layers): (cache key, (what is measured, about how many seconds), the probe)."""
+    key = "decode|" + model_step.model_step_key(config, 1, 1, torch.bfloat16) + f"|{task.weights}"
+    # bf16 too: the head stays bf16 whatever the layers' format (the planner reads it at that rate)
+    formats = tuple(dict.fromkeys((task.weights, "bf16")))
+    what = (f"this model's own decode step ({config.model_type} code, {' and '.join(formats)} weights, batch 1, "
+            f"{threads} threads, 256 MiB of layer copies, 30 rounds)", 5 * len(formats))
+    return key, what, lambda: {"decode_gbps": measure.bench_decode(formats, config=config)["decode_gbps"]}
+
+
+def _train_probe(config, shape, task: Task, hw: Hardware, nvme: str | None, threads: int):
+    """Fine-tuning: this model's training step at the task's micro-batch through the engine, at the
+    task's budget and clipping (bench.model_step.bench_engine_step); where the engine cannot run it,
+    the layer alone (bench_model_step): (cache key, (what, about how many seconds), the probe)."""
+    precision = task.precision if task.precision != "auto" else hw.measured.get("precision", "bf16")
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    T, seq = task.batch * task.seq_len, task.seq_len
+    budget = _usable_ram(hw, task)  # the run's --cpu-mem, or what the plan assumes it would be
+    key = model_step.engine_step_key(config, T, seq, dtype, budget, task.clip, task.state_cache)
+    where = nvme or _existing((hw.measured.get("io") or {}).get("dir") or ".")
+    # The estimate: the FLOPs of a two-layer model's step at the reference layers' rate (the
+    # large-GEMM rate where there is none), per step, plus building it and writing its first state.
+    r = C.rates(hw, C.Efficiency(), precision)
+    rate = r.layer_rate(shape.hidden, T) or r.cpu_flops or 1e11
+    per = 6.0 * T * (model_step.ENGINE_PROBE_LAYERS * shape.layer_params + shape.vocab * shape.hidden)
+    est = per * model_step.ENGINE_PROBE_STEPS / rate + 5
+    what = (f"this model's own training step through the engine ({config.model_type} code, "
+            f"{model_step.ENGINE_PROBE_LAYERS} of its layers, {T} tokens in rows of {seq}, {precision}, {threads} "
+            f"threads, {model_step.ENGINE_PROBE_STEPS} steps in {where})", est)
+
+    def probe():
+        try:
+            res = model_step.bench_engine_step(config, T, seq, dtype, where, budget, task.clip, task.state_cache)
+        except Exception as e:  # noqa: BLE001 - e.g. a budget the probe's engine refuses: the bare layer
+            print(f"plan: the engine could not run this model's step ({type(e).__name__}: {e}); "
+                  f"timing its layer alone", file=sys.stderr)
+            res = None
+        if res is None:  # the engine failed, or its probe model is too large to build quickly
+            res = model_step.bench_model_step(config, T, seq, dtype)
+        return {"model_step": res} if res else {}
+    return key, what, probe
+
+
 def own_measurements(model: str, shape, task: Task, hw: Hardware, quiet: bool = False,
                      nvme: str | None = None) -> dict:
     """What this model's own code does on this machine, measured at the task's shapes, dtype and
-    threads, for hw.measured: fine-tuning, its training step at the task's micro-batch through the
-    engine, at the task's budget and clipping (bench.model_step.bench_engine_step: "model_step"; where
-    the engine cannot run it, the layer alone, bench_model_step); serving, its decode step in the task's weight
-    format (bench.measure.bench_decode on its own layers: "decode_gbps"). Cached in bench.json by
-    what each depends on. Nothing for catalog hardware or beside a GPU; where a probe cannot run,
+    threads, for hw.measured: fine-tuning, its training step ("model_step", _train_probe); serving,
+    its decode step in the task's weight format ("decode_gbps", _decode_probe). Cached in bench.json
+    by what each depends on. Nothing for catalog hardware or beside a GPU; where a probe cannot run,
     the planner keeps bench compute's reference layers and says so."""
-    import torch
-
-
     if hw.measured is None or hw.gpu is not None:
         return {}
     config, _ = _config_for(model)
     threads = torch.get_num_threads()
-    if task.kind == "serve":
-        key = "decode|" + model_step.model_step_key(config, 1, 1, torch.bfloat16) + f"|{task.weights}"
-        # bf16 too: the head stays bf16 whatever the layers' format (the planner reads it at that rate)
-        formats = tuple(dict.fromkeys((task.weights, "bf16")))
-        what = (f"this model's own decode step ({config.model_type} code, {' and '.join(formats)} weights, batch 1, "
-                f"{threads} threads, 256 MiB of layer copies, 30 rounds)", 5 * len(formats))
-        probe = lambda: {"decode_gbps": measure.bench_decode(formats, config=config)["decode_gbps"]}  # noqa: E731
-    else:
-        precision = task.precision if task.precision != "auto" else hw.measured.get("precision", "bf16")
-        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-        T, seq = task.batch * task.seq_len, task.seq_len
-        budget = _usable_ram(hw, task)  # the run's --cpu-mem, or what the plan assumes it would be
-        key = model_step.engine_step_key(config, T, seq, dtype, budget, task.clip, task.state_cache)
-        where = nvme or _existing((hw.measured.get("io") or {}).get("dir") or ".")
-        # The estimate: the FLOPs of a two-layer model's step at the reference layers' rate (the
-        # large-GEMM rate where there is none), per step, plus building it and writing its first state.
-        r = C.rates(hw, C.Efficiency(), precision)
-        rate = r.layer_rate(shape.hidden, T) or r.cpu_flops or 1e11
-        per = 6.0 * T * (model_step.ENGINE_PROBE_LAYERS * shape.layer_params + shape.vocab * shape.hidden)
-        est = per * model_step.ENGINE_PROBE_STEPS / rate + 5
-        what = (f"this model's own training step through the engine ({config.model_type} code, "
-                f"{model_step.ENGINE_PROBE_LAYERS} of its layers, {T} tokens in rows of {seq}, {precision}, {threads} "
-                f"threads, {model_step.ENGINE_PROBE_STEPS} steps in {where})", est)
-
-        def probe():
-            try:
-                res = model_step.bench_engine_step(config, T, seq, dtype, where, budget, task.clip, task.state_cache)
-            except Exception as e:  # noqa: BLE001 - e.g. a budget the probe's engine refuses: the bare layer
-                print(f"plan: the engine could not run this model's step ({type(e).__name__}: {e}); "
-                      f"timing its layer alone", file=sys.stderr)
-                res = None
-            if res is None:  # the engine failed, or its probe model is too large to build quickly
-                res = model_step.bench_model_step(config, T, seq, dtype)
-            return {"model_step": res} if res else {}
+    key, what, probe = (_decode_probe(config, task, threads) if task.kind == "serve"
+                        else _train_probe(config, shape, task, hw, nvme, threads))
     known = dict(cache.load().get("model_steps") or {})
     if key in known:
         return known[key]
