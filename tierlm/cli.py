@@ -37,11 +37,11 @@ def _cmd_finetune(args) -> int:
     cfg = C.from_args(FinetuneConfig, args)
     from .dist import in_torchrun
     if in_torchrun():
-        from .dist.launch import check_not_nested, resume_after_restart
+        from .train.launch import check_not_nested, resume_after_restart
         check_not_nested(cfg)
         resume_after_restart(cfg)
     elif cfg.nproc is not None:
-        from .dist.launch import launch
+        from .train.launch import launch
         from .train.finetune import _resolve
         return launch(_resolve(cfg))
     if cfg.max_restarts > 0:
@@ -119,7 +119,7 @@ def _add_infer_verbs(sub) -> None:
 # ---- plan and bench (the planner's verbs) ------------------------------------------------------
 
 def _cmd_plan(args) -> int:
-    from .plan.command import run_plan
+    from .advise.command import run_plan
     from .plan.planner import Task
     from .units import parse_bytes
 
@@ -133,7 +133,7 @@ def _cmd_plan(args) -> int:
 
 
 def _cmd_bench(args) -> int:
-    from .plan.command import bench_text, run_bench
+    from .advise.command import bench_text, run_bench
     from .units import parse_bytes
 
     if args.what == "train":
