@@ -10,7 +10,7 @@ import pytest
 
 from tierlm.cli import build_parser, main
 from tierlm.config import ConfigError, build
-from tierlm.validate import ARGS, CHAT, FINETUNE, GENERATE, SERVE, Num, Size
+from tierlm.validate import BENCH, CHAT, DEMO, FINETUNE, GENERATE, INIT, PLAN, SERVE, Num, Size
 
 
 def _no_trace(*paths):
@@ -193,8 +193,9 @@ def _subparsers(parser):
 def test_every_numeric_flag_of_every_verb_has_a_range():
     """A verb that gains an int or float flag fails here until tierlm/validate.py gives it a range."""
     for verb, sub in _subparsers(build_parser()).items():
-        configs = {"finetune": FINETUNE, "generate": GENERATE, "chat": CHAT, "serve": SERVE}  # their RANGES
-        known = set(configs.get(verb) or ARGS.get(verb, {}))
+        configs = {"finetune": FINETUNE, "generate": GENERATE, "chat": CHAT, "serve": SERVE,  # their RANGES
+                   "init": INIT, "demo": DEMO, "plan": PLAN, "bench": BENCH}
+        known = set(configs[verb])
         numeric = {a.dest for a in sub._actions if a.type in (int, float)}
         assert numeric - known == set(), f"tierlm {verb}: no range for {numeric - known}"
         sizes = {a.dest for a in sub._actions if a.dest in ("cpu_mem", "gpu_mem", "size")}
@@ -274,7 +275,7 @@ def test_bench_train_checks_the_finetune_args_before_its_work_directory(tmp_path
 
 def test_help_says_each_range():
     verbs = _subparsers(build_parser())
-    assert "[an integer >= 1]" in " ".join(verbs["plan"].format_help().split())
+    assert "(default: 1; an integer >= 1)" in " ".join(verbs["plan"].format_help().split())
     assert "(default: 1; an integer >= 1)" in " ".join(verbs["generate"].format_help().split())  # a config's
     assert "a finite number in [0, 1)" in " ".join(verbs["finetune"].format_help().split())
 

@@ -14,16 +14,14 @@ EXIT_USAGE = 2
 def _cmd_init(args) -> int:
     from .hf.fields import get
     from .hf.init import init_model
+    from .hf.init_options import InitConfig
     from .hf.presets import make_config, param_count
     from .units import fmt_bytes
 
-    overrides = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "kv_heads", "intermediate",
-                                               "vocab", "max_positions") if getattr(args, k) is not None}
-    if args.dtype:
-        overrides["dtype"] = args.dtype
-    config = make_config(args.arch, args.preset, overrides)
-    out = init_model(args.out, config, seed=args.seed, tokenizer_text=args.tokenizer_text or None,
-                     overwrite=args.overwrite)
+    cfg = C.from_args(InitConfig, args)
+    config = make_config(cfg.arch, cfg.preset, cfg.overrides())
+    out = init_model(cfg.out, config, seed=cfg.seed, tokenizer_text=cfg.tokenizer_text or None,
+                     overwrite=cfg.overwrite)
     n = param_count(config)
     print(f"created {out}: {config.model_type}, {n / 1e6:,.1f}M parameters, "
           f"{get(config, 'layers')} layers, hidden {get(config, 'hidden')}; "
@@ -70,9 +68,9 @@ def _print_summary(s: dict) -> None:
 
 
 def _cmd_demo(args) -> int:
-    from .demo import run_demo
+    from .demo import DemoConfig, run_demo
 
-    run_demo(args.dir, cpu_mem=args.cpu_mem, steps=args.steps)
+    run_demo(C.from_args(DemoConfig, args))
     return 0
 
 
@@ -120,89 +118,52 @@ def _add_infer_verbs(sub) -> None:
 
 def _cmd_plan(args) -> int:
     from .advise.command import run_plan
-    from .plan.planner import Task
-    from .units import parse_bytes
+    from .advise.options import PlanConfig
 
-    task = Task(kind=args.task, batch=args.batch, seq_len=args.seq_len, new_tokens=args.tokens,
-                activations=args.activations, state_cache=not args.no_state_cache,
-                cpu_mem=parse_bytes(args.cpu_mem, "--cpu-mem") if args.cpu_mem else None, precision=args.precision,
-                clip=args.clip, weights=args.weights)
-    plans = run_plan(args.model, task, args.hardware, compare=args.compare, json_path=args.json,
-                     chart_path=args.chart, catalog_file=args.catalog, nvme=args.nvme)
-    return 0 if args.compare or plans[0].fits else 1
+    cfg = C.from_args(PlanConfig, args)
+    plans = run_plan(cfg)
+    return 0 if cfg.compare or plans[0].fits else 1
 
 
 def _cmd_bench(args) -> int:
-    from .advise.command import bench_text, run_bench
+    from .advise.options import BenchConfig
     from .units import parse_bytes
 
-    if args.what == "train":
+    cfg = C.from_args(BenchConfig, args)
+    if cfg.what == "train":
         import shlex
 
         from .train.bench_train import bench_train, report
-        if not args.model or not args.data:
+        if not cfg.model or not cfg.data:
             raise ValueError("bench train needs MODEL and --data FILE")
-        r = bench_train(args.model, args.data, args.cpu_mem, args.steps, args.work,
-                        shlex.split(args.finetune_args or ""), nvme=None if args.nvme == "." else args.nvme,
-                        inmemory=args.inmemory)
+        r = bench_train(cfg.model, cfg.data, cfg.cpu_mem, cfg.steps, cfg.work,
+                        shlex.split(cfg.finetune_args or ""), nvme=None if cfg.nvme == "." else cfg.nvme,
+                        inmemory=cfg.inmemory)
         print(report(r))
         return 0
-    res = run_bench(args.what, args.nvme, size=parse_bytes(args.size, "--size"))
-    print(bench_text(args.what, res))
+    from .advise.command import bench_text, run_bench
+    res = run_bench(cfg.what, cfg.nvme, size=parse_bytes(cfg.size, "--size"))
+    print(bench_text(cfg.what, res))
     return 0
 
 
 def _add_plan_verbs(sub) -> None:
+    from .advise.options import BenchConfig, PlanConfig
+
     q = sub.add_parser("plan", help="which hardware, which placement, how fast, at what cost",
                        description="Plan fine-tuning or serving MODEL on HARDWARE: placement per tier, each "
                                    "resource's time and the binding one, throughput, cost per million tokens.")
-    q.add_argument("model", help="a Hugging Face model directory, a config.json, or a preset (see `tierlm init --help`)")
-    q.add_argument("--task", choices=("finetune", "serve"), default="finetune")
-    q.add_argument("--hardware", default="this",
-                   help="'this' (measured), a system name, or parts joined by '+', e.g. rtx4090+256GiB+p5510*12")
-    q.add_argument("--batch", type=int, default=1, help="sequences per step (finetune) or concurrent requests (serve)")
-    q.add_argument("--seq-len", type=int, default=1024, help="training sequence length, or prompt length when serving")
-    q.add_argument("--tokens", type=int, default=256, help="serve: tokens generated per request")
-    q.add_argument("--weights", choices=("bf16", "int8", "int4"), default="bf16",
-                   help="serve: the decoder layers' weight format, as `tierlm generate --weights` holds them")
-    q.add_argument("--activations", choices=("auto", "keep", "swap", "recompute"), default="auto",
-                   help="saved activations: auto (the fastest split), keep in RAM, swap to NVMe, recompute")
-    q.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
-                   help="auto: bf16 on catalog hardware; on 'this', what `tierlm finetune` would measure and pick")
-    q.add_argument("--cpu-mem", default=None, metavar="SIZE", help="RAM the run may use (default: the machine's less a reserve)")
-    q.add_argument("--no-state-cache", action="store_true",
-                   help="stream all optimizer state through the SSD even when RAM has room (today's engine)")
-    q.add_argument("--clip", choices=("on", "off", "redo"), default="on",
-                   help="gradient clipping: on (gradients saved for an exact redo), off, redo (every step clips)")
-    q.add_argument("--compare", default=None, metavar="HW1,HW2,...|all", help="rank these options and chart them")
-    q.add_argument("--chart", default=None, metavar="PNG", help="where --compare draws throughput vs cost")
-    q.add_argument("--json", default=None, metavar="FILE", help="also write the plan as JSON")
-    q.add_argument("--catalog", default=None, metavar="TOML", help="your own parts: [gpu.NAME], [cpu.NAME], [drive.NAME], [system]")
-    q.add_argument("--nvme", default=None, metavar="DIR", help="with --hardware this: the NVMe directory to measure")
+    C.add_arguments(q, PlanConfig, positional=("model",))
     q.set_defaults(fn=_cmd_plan)
 
     q = sub.add_parser("bench", help="measure this machine (io, compute), or a training step in memory vs out-of-core")
-    q.add_argument("what", choices=("io", "compute", "train"),
-                   help="io: NVMe read/write and host memory; compute: matmul, a decoder layer, AdamW and the "
-                        "engine's fixed costs per step and layer (on --nvme); train: MODEL in memory and "
-                        "out-of-core side by side")
-    q.add_argument("model", nargs="?", help="train: the model directory")
-    q.add_argument("--data", help="train: the training data")
-    q.add_argument("--cpu-mem", default="4GiB", help="train: the out-of-core run's budget")
-    q.add_argument("--steps", type=int, default=5, help="train: steps of each run (the first two are warm-up: they create the state files)")
-    q.add_argument("--work", default="runs/bench-train", help="train: where both runs write")
-    q.add_argument("--finetune-args", default="", help="train: more finetune options for both runs, e.g. "
-                                                      "'--seq-len 1024 --batch-size 4'")
-    q.add_argument("--inmemory", choices=("auto", "always", "never"), default="auto",
-                   help="train: run the in-memory reference where its estimate fits the RAM (auto), anyway "
-                        "(always: it may be killed for memory), or not (never: compare with the I/O bound only)")
-    q.add_argument("--nvme", default=".", metavar="DIR", help="directory on the drive to measure (io)")
-    q.add_argument("--size", default="2GiB", help="bytes to write and read back (io)")
+    C.add_arguments(q, BenchConfig, positional=("what", "model"))
     q.set_defaults(fn=_cmd_bench)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .hf.presets import FAMILIES, NATIVE_PRESETS, PRESETS
+    from .demo import DemoConfig
+    from .hf.init_options import InitConfig
     from .train.finetune import FinetuneConfig
 
     p = argparse.ArgumentParser(prog="tierlm", description=(
@@ -211,18 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="verb", required=True)
 
     q = sub.add_parser("init", help="create a random-initialised Hugging Face model directory")
-    q.add_argument("out", help="directory to create")
-    q.add_argument("--arch", metavar="FAMILY", help=f"model family, a small model unless --preset: "
-                   f"{', '.join(FAMILIES)}, or any other decoder-only family transformers builds")
-    q.add_argument("--preset", choices=sorted(PRESETS) + sorted(NATIVE_PRESETS),
-                   help="the shapes of a published model")
-    for name in ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab", "max_positions"):
-        q.add_argument("--" + name.replace("_", "-"), type=int, default=None, help=f"override {name}")
-    q.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default=None)
-    q.add_argument("--seed", type=int, default=0)
-    q.add_argument("--tokenizer-text", nargs="*", metavar="FILE",
-                   help="train a BPE tokenizer on these text files (default: byte-level tokenizer)")
-    q.add_argument("--overwrite", action="store_true", help="replace a model already in OUT")
+    C.add_arguments(q, InitConfig, positional=("out",))
     q.set_defaults(fn=_cmd_init)
 
     q = sub.add_parser("finetune", help="fine-tune every parameter out-of-core",
@@ -232,15 +182,11 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(fn=_cmd_finetune)
 
     q = sub.add_parser("demo", help="create a small model, fine-tune it out-of-core under a tight budget, generate")
-    q.add_argument("--dir", default="runs/demo", help="where the demo model, data and run go (default: runs/demo)")
-    q.add_argument("--cpu-mem", default=None, help="the RAM budget (default: 160MiB in bf16, 256MiB in fp32)")
-    q.add_argument("--steps", type=int, default=30, help="optimizer steps (default: 30)")
+    C.add_arguments(q, DemoConfig)
     q.set_defaults(fn=_cmd_demo)
 
     _add_infer_verbs(sub)
     _add_plan_verbs(sub)  # plan, bench
-    from .validate import add_ranges_to_help
-    add_ranges_to_help(sub.choices)  # `--help` says each number's range, from where it is checked
     return p
 
 
@@ -248,9 +194,7 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        from .validate import check_args
-        check_args(args.verb, args)  # every number in its range before the verb writes anything
-        return args.fn(args)
+        return args.fn(args)  # each verb's config checks every number's range before it writes anything
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -72,17 +72,21 @@ def add_arguments(parser: argparse.ArgumentParser, cls, positional: tuple[str, .
         helptext = f.metadata.get("help", "")
         default = f.default if f.default is not dataclasses.MISSING else None
         rng = getattr(cls, "RANGES", {}).get(name)
-        if default not in (None, dataclasses.MISSING) or rng:
+        shown = default not in (None, dataclasses.MISSING, "")  # an empty default is no value to show
+        if shown or rng:
             helptext += " (" + "; ".join(filter(None, [
-                f"default: {default}" if default not in (None, dataclasses.MISSING) else "",
+                f"default: {default}" if shown else "",
                 rng.describe() if rng else ""])) + ")"
         base, _ = _base_type(hints[name])
         choices = f.metadata.get("choices")
         if name in positional:
-            parser.add_argument(name, help=helptext, nargs="?", default=None)
+            parser.add_argument(name, help=helptext, nargs="?", default=None, choices=choices)
             continue
         flag = "--" + name.replace("_", "-")
-        if typing.get_origin(base) is list:
+        if typing.get_origin(base) is list and f.metadata.get("nargs"):  # `--flag A B C`
+            parser.add_argument(flag, dest=name, nargs=f.metadata["nargs"], default=None, help=helptext,
+                                metavar=f.metadata.get("metavar"))
+        elif typing.get_origin(base) is list:
             parser.add_argument(flag, dest=name, action="append", default=None, help=helptext + " (repeatable)",
                                 metavar=f.metadata.get("metavar"))
         elif base is bool:
@@ -174,10 +178,15 @@ def to_dict(obj) -> dict:
     return dataclasses.asdict(obj)
 
 
-def option(default=dataclasses.MISSING, help: str = "", choices=None, metavar=None, default_factory=dataclasses.MISSING):
+def option(default=dataclasses.MISSING, help: str = "", choices=None, metavar=None, default_factory=dataclasses.MISSING,
+           nargs=None):
+    """nargs: a list option's values after one flag (argparse's nargs, e.g. "*"), where the flag is
+    not repeated for each."""
     md = {"help": help}
     if choices:
         md["choices"] = tuple(choices)
     if metavar:
         md["metavar"] = metavar
+    if nargs:
+        md["nargs"] = nargs
     return dataclasses.field(default=default, default_factory=default_factory, metadata=md)

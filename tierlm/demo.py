@@ -13,8 +13,11 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+from dataclasses import dataclass
 from pathlib import Path
 
+from . import validate as V
+from .config import check, option
 from .units import fmt_bytes, parse_bytes
 
 
@@ -46,16 +49,28 @@ def stdlib_corpus(out: Path, max_bytes: int = 3_000_000) -> Path:
 SETUPS = {"bf16": (8, "160MiB"), "fp32": (20, "256MiB")}
 
 
-def run_demo(directory: str = "runs/demo", cpu_mem: str | None = None, steps: int = 30) -> dict:
+@dataclass
+class DemoConfig:
+    """`tierlm demo`'s options: its flags and its --config file's keys (tierlm.config)."""
+    dir: str = option("runs/demo", help="where the demo model, data and run go")
+    cpu_mem: str | None = option(None, help="the RAM budget (default: 160MiB in bf16, 256MiB in fp32)")
+    steps: int = option(30, help="optimizer steps")
+
+    RANGES = V.DEMO
+
+
+def run_demo(cfg: DemoConfig | None = None) -> dict:
     from .hf.init import init_model
     from .hf.presets import make_config, param_count
     from .precision import resolve
 
-    d = Path(directory)
+    cfg = cfg or DemoConfig()
+    check(cfg)  # a config made in Python skips the ranges the command line's went through
+    d, steps = Path(cfg.dir), cfg.steps
     precision, why = resolve("auto")
     print(why)
     layers, default_mem = SETUPS[precision]
-    cpu_mem = cpu_mem or default_mem
+    cpu_mem = cfg.cpu_mem or default_mem
     corpus = stdlib_corpus(d / "data" / "stdlib_docstrings.txt")
     print(f"corpus: {corpus} ({fmt_bytes(corpus.stat().st_size)} of standard-library docstrings)")
     config = make_config("llama", None, {"layers": layers, "hidden": 512, "heads": 8, "kv_heads": 4,

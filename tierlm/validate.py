@@ -2,16 +2,14 @@
 
 torch.optim refuses an lr, a beta or an eps outside its range when the optimizer is built; a NaN
 that passes `lr < 0` (every comparison with NaN is false) trains a model of NaNs. Here every number
-a verb takes is checked once, when the options are read, before anything is written: finetune's,
-generate's, chat's and serve's through their configs' RANGES (flags, `--config` files and
-`tierlm.finetune()` alike, tierlm/config.py), the other verbs' argparse flags through `ARGS` below,
-which `tierlm.cli` applies to the parsed namespace before the verb runs.
+a verb takes is checked once, when the options are read, before anything is written: every verb's
+options are a typed config whose RANGES are one of the tables below, checked as the config is built
+(flags, `--config` files and `tierlm.finetune()` alike, tierlm/config.py).
 
 This module imports no torch: the checks must answer in the time `tierlm --help` does.
 """
 from __future__ import annotations
 
-import argparse
 import math
 from dataclasses import dataclass
 
@@ -150,32 +148,10 @@ GENERATE: dict[str, Num | Size] = _ENGINE | _SAMPLING | {"batch": POSITIVE_INT}
 CHAT: dict[str, Num | Size] = _ENGINE | _SAMPLING
 SERVE: dict[str, Num | Size] = _ENGINE | {"max_batch": POSITIVE_INT, "port": int_range(ge=1, le=65535)}
 
-# The argparse verbs' numeric flags: verb -> dest -> range.
-# tests/test_validation.py fails where a verb gains an int or float flag that is not listed here.
-ARGS: dict[str, dict[str, Num | Size]] = {
-    "init": {name: POSITIVE_INT for name in ("layers", "hidden", "heads", "kv_heads", "intermediate",
-                                             "vocab", "max_positions")} | {"seed": SEED},
-    "demo": {"cpu_mem": MEM, "steps": POSITIVE_INT},
-    "plan": {"batch": POSITIVE_INT, "seq_len": POSITIVE_INT, "tokens": POSITIVE_INT, "cpu_mem": MEM},
-    "bench": {"steps": POSITIVE_INT, "size": MEM, "cpu_mem": MEM},
-}
-
-
-def flag(dest: str) -> str:
-    return "--" + dest.replace("_", "-")
-
-
-def add_ranges_to_help(verbs: dict) -> None:
-    """Append each flag's range to its help: verbs maps a verb to its argparse (sub)parser."""
-    for verb, parser in verbs.items():
-        for action in parser._actions:
-            rng = ARGS.get(verb, {}).get(action.dest)
-            if rng is not None and action.help is not argparse.SUPPRESS:
-                action.help = ((action.help or "").rstrip() + f" [{rng.describe()}]").lstrip()
-
-
-def check_args(verb: str, args) -> None:
-    """Check the parsed flags of `verb` (an argparse namespace) against ARGS; ValueError names the flag."""
-    for dest, rng in ARGS.get(verb, {}).items():
-        if hasattr(args, dest):
-            rng.check(getattr(args, dest), flag(dest))
+# init's, demo's, plan's and bench's options: their configs' RANGES (tierlm/hf/init_options.py,
+# tierlm/demo.py, tierlm/advise/options.py)
+INIT: dict[str, Num | Size] = {name: POSITIVE_INT for name in (
+    "layers", "hidden", "heads", "kv_heads", "intermediate", "vocab", "max_positions")} | {"seed": SEED}
+DEMO: dict[str, Num | Size] = {"cpu_mem": MEM, "steps": POSITIVE_INT}
+PLAN: dict[str, Num | Size] = {"batch": POSITIVE_INT, "seq_len": POSITIVE_INT, "tokens": POSITIVE_INT, "cpu_mem": MEM}
+BENCH: dict[str, Num | Size] = {"steps": POSITIVE_INT, "size": MEM, "cpu_mem": MEM}

@@ -30,6 +30,29 @@ def test_plan_prints_placement_binding_cost_and_writes_json(tmp_path, capsys):
     assert data["binding"] in data["devices_s"] and data["cost"]["usd_per_million_tokens"] > 0
 
 
+def test_plan_json_logs_the_config_it_ran_with(tmp_path, capsys):
+    """flag = --config key = logged value: the --json holds the options under the flags' names, the
+    file's and the flags' merged; with --compare, each ranked plan holds them."""
+    from tierlm.advise.options import PlanConfig
+    from tierlm.cli import build_parser
+    from tierlm.config import from_args, to_dict
+
+    f = tmp_path / "plan.toml"
+    f.write_text('model = "gpt3-175b"\nbatch = 16\nclip = "redo"\nstate_cache = false\n')
+    argv = ["plan", "--config", str(f), "--hardware", "lohan", "--seq-len", "512", "--json", str(tmp_path / "p.json")]
+    assert main(argv) == 0
+    logged = json.loads((tmp_path / "p.json").read_text())["config"]
+    assert logged == to_dict(from_args(PlanConfig, build_parser().parse_args(argv)))
+    assert (logged["batch"], logged["seq_len"], logged["clip"], logged["state_cache"]) == (16, 512, "redo", False)
+    argv = ["plan", "llama-3.1-8b", "--task", "serve", "--compare", "h100-server,cpu-4s-ddr5",
+            "--chart", str(tmp_path / "c.png"), "--json", str(tmp_path / "c.json")]
+    assert main(argv) == 0
+    ranked = json.loads((tmp_path / "c.json").read_text())
+    assert len(ranked) == 2 and all(r["config"] == to_dict(from_args(PlanConfig, build_parser().parse_args(argv)))
+                                    for r in ranked)
+    capsys.readouterr()
+
+
 def test_plan_infeasible_exits_1_and_explains(capsys):
     assert main(["plan", "gpt3-175b", "--hardware", "lohan", "--batch", "64"]) == 1
     assert "more than its 24.00 GiB" in capsys.readouterr().out

@@ -1,6 +1,6 @@
 """What `tierlm plan` and `tierlm bench` do, so the CLI only maps verbs to these functions.
 
-This is the one module of `plan/` that may run the profiler (`tierlm.bench`): `--hardware this` with
+The recipe runs the profiler (`tierlm.bench`) where the plan needs it: `--hardware this` with
 no cached measurements measures the machine first, as `tierlm bench io` and `bench compute` would.
 """
 from __future__ import annotations
@@ -12,12 +12,14 @@ import torch
 
 from ..bench import cache, measure, model_step
 from ..bench.progress import Stages
+from ..config import to_dict
 from ..plan import cost as C
 from ..plan.catalog import CPU, Catalog, Drive, Hardware
 from ..plan.planner import Plan, Task, _usable_ram, plan
 from ..plan.shapes import _config_for, model_shape
-from ..units import fmt_bytes
+from ..units import fmt_bytes, parse_bytes
 from . import report
+from .options import PlanConfig
 
 
 def hardware_from_measurements(m: dict, spec: str = "this") -> Hardware:
@@ -253,27 +255,38 @@ def resolve(spec: str, catalog: Catalog, nvme: str | None = None) -> Hardware:
     return catalog.parse(spec)
 
 
-def run_plan(model: str, task: Task, hardware: str, compare: str | None = None, json_path: str | None = None,
-             chart_path: str | None = None, catalog_file: str | None = None, nvme: str | None = None) -> list[Plan]:
-    task.validate()  # a bad flag is said before `--hardware this` measures the machine (minutes)
+def task_of(cfg: PlanConfig) -> Task:
+    """The planner's Task for these options (cpu_mem in bytes)."""
+    return Task(kind=cfg.task, batch=cfg.batch, seq_len=cfg.seq_len, new_tokens=cfg.tokens,
+                activations=cfg.activations, state_cache=cfg.state_cache,
+                cpu_mem=parse_bytes(cfg.cpu_mem, "--cpu-mem") if cfg.cpu_mem else None, precision=cfg.precision,
+                clip=cfg.clip, weights=cfg.weights)
+
+
+def run_plan(cfg: PlanConfig) -> list[Plan]:
+    """`tierlm plan`: print the plan (or, with --compare, rank and chart several) and write --json,
+    each plan with the config it ran with (under the flags' names)."""
+    task = task_of(cfg).validate()  # a bad flag is said before `--hardware this` measures the machine (minutes)
+    model, nvme, logged = cfg.model, cfg.nvme, to_dict(cfg)
     catalog = Catalog()
-    if catalog_file:
-        catalog.load_toml(catalog_file)
+    if cfg.catalog:
+        catalog.load_toml(cfg.catalog)
     shape = model_shape(model)
-    if compare:
-        specs = catalog.everything() if compare.strip().lower() == "all" else [s for s in compare.split(",") if s.strip()]
+    if cfg.compare:
+        specs = (catalog.everything() if cfg.compare.strip().lower() == "all"
+                 else [s for s in cfg.compare.split(",") if s.strip()])
         plans = []
         for spec in specs:
             plans.append(plan(shape, _with_own(resolve(spec, catalog, nvme), model, shape, task, nvme), Task(**vars(task))))
         print(report.compare_text(plans))
-        chart = Path(chart_path or f"plan-{shape.name}-{task.kind}.png")
+        chart = Path(cfg.chart or f"plan-{shape.name}-{task.kind}.png")
         report.chart(plans, chart, f"{shape.name}, {task.kind}, batch {task.batch} x {task.seq_len}")
         print(f"trade-off chart: {chart}")
-        if json_path:
-            report.write_json([p.to_json() for p in report.rank(plans)], json_path)
+        if cfg.json:
+            report.write_json([{**p.to_json(), "config": logged} for p in report.rank(plans)], cfg.json)
         return plans
-    p = plan(shape, _with_own(resolve(hardware, catalog, nvme), model, shape, task, nvme), task)
+    p = plan(shape, _with_own(resolve(cfg.hardware, catalog, nvme), model, shape, task, nvme), task)
     print(report.text(p))
-    if json_path:
-        report.write_json(p.to_json(), json_path)
+    if cfg.json:
+        report.write_json({**p.to_json(), "config": logged}, cfg.json)
     return [p]
