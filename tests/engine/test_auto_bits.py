@@ -6,7 +6,7 @@ import itertools
 
 import torch
 
-from tierlm.engine import act_plan as P
+from tierlm.plan import activations as P
 from tierlm.engine.activations import ActivationSwapper
 
 from .test_exactness import batches, run_engine, run_reference

@@ -6,6 +6,7 @@ import time
 
 import torch
 
+from ..precision import resolve
 from ..storage.records import checksum
 from .timing import GB, best_seconds
 
@@ -81,7 +82,6 @@ def bench_layer(dtype: torch.dtype | None = None, repeats: int = 3, widths: tupl
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if dtype is None:
-        from ..precision import resolve
         dtype = torch.bfloat16 if resolve("auto")[0] == "bf16" else torch.float32
 
     shapes = []  # (hidden, tokens, FLOPs, step)

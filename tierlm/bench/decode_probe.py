@@ -7,6 +7,9 @@ import copy
 import torch
 
 from ..hf.fields import put
+from ..infer.kvcache import SlotKVCache
+from ..infer.lean import LeanDecoder, model_refusal
+from ..infer.quant import QLinear, replace_linears
 from .timing import GB, best_seconds
 
 DECODE_FORMATS = ("bf16", "int8", "int4")
@@ -16,8 +19,6 @@ def _one_layer_model(config, hidden: int):
     """A bf16 model of one decoder layer: `config`'s family and shapes (a small vocabulary, since
     the head is not what is timed), else a llama layer of `hidden`."""
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from ..infer.lean import model_refusal
 
     if config is not None:
         # a model's own layers (`tierlm plan --task serve --hardware this`): its family's code
@@ -44,9 +45,6 @@ def _one_layer_model(config, hidden: int):
 def _decode_step(model, fmt: str, total_bytes: int):
     """(weight bytes, one decode step, its decoder): the model's layer in `fmt`, copied until the
     copies hold `total_bytes`, decoding one token at position 32 on LeanDecoder."""
-    from ..infer.kvcache import SlotKVCache
-    from ..infer.lean import LeanDecoder
-    from ..infer.quant import QLinear, replace_linears
 
     layer = model.model.layers[0]
     if fmt != "bf16":

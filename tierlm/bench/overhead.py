@@ -17,6 +17,9 @@ from pathlib import Path
 
 import torch
 
+from ..engine.engine import Engine, EngineConfig
+from ..infer.engine import InferConfig, InferenceEngine
+
 SHALLOW, DEEP = 2, 8
 _TINY = dict(hidden_size=64, intermediate_size=176, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=128, max_position_embeddings=64)
@@ -31,8 +34,6 @@ def _tiny(layers: int):
 
 
 def _train_step_s(layers: int, root: Path, steps: int, activations: str) -> float:
-    from ..engine.engine import Engine, EngineConfig
-
     eng = Engine.from_model(_tiny(layers), EngineConfig(nvme_dir=str(root / f"t{layers}{activations}"),
                                                         cpu_mem="512MiB", activations=activations,
                                                         tokens_per_micro_batch=8))
@@ -51,8 +52,6 @@ def _train_step_s(layers: int, root: Path, steps: int, activations: str) -> floa
 
 
 def _decode_step_s(layers: int, root: Path, steps: int, stream: bool) -> float:
-    from ..infer.engine import InferConfig, InferenceEngine
-
     d = root / f"m{layers}"
     if not d.exists():
         _tiny(layers).save_pretrained(d)

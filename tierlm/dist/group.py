@@ -12,6 +12,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as td
 
+from .. import faults
+
 
 def in_torchrun() -> bool:
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
@@ -114,6 +116,5 @@ def _fault_only_on_chosen_rank(rank: int) -> None:
     chosen = os.environ.get("TIERLM_FAULT_RANK")
     if chosen is None:
         return
-    from .. import faults
     if int(chosen) != rank or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         faults._PLAN.clear()

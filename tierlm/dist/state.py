@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ..storage import commit as C
 from ..storage.layout import key
+from ..storage.file_io import save_json
 from ..storage.records import record_bytes
 
 PENDING_RE = re.compile(r"^reshard-(\d{8})\.json$")
@@ -180,12 +181,4 @@ def _link(src: Path, dst: Path) -> None:
 
 
 def _write_pending(root: Path, content: dict) -> Path:
-    path = root / f"reshard-{content['step']:08d}.json"
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(content, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    C.fsync_dir(root)
-    return path
+    return save_json(root / f"reshard-{content['step']:08d}.json", content)

@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .group import _attempt_store
+
 ATTN_COLS, ATTN_ROWS = ("q_proj", "k_proj", "v_proj"), "o_proj"
 MLP_COLS, MLP_ROWS = ("gate_proj", "up_proj"), "down_proj"
 
@@ -33,7 +35,6 @@ def init(tp: int) -> tuple[int, int]:
                              f"`torchrun --nproc-per-node {tp} -m tierlm generate|serve MODEL --tp {tp}`")
         from datetime import timedelta
 
-        from .group import _attempt_store
         # The same rendezvous as data parallelism: a prefix per torchrun attempt, so a restarted
         # group does not find the dead attempt's addresses.
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -22,30 +22,36 @@ import torch
 from torch import nn
 
 from .. import rss
-from ..hf.baseline import library_baseline
+from ..dist.grads import GradReducer, share_weights
+from ..dist.state import attach
 from ..faults import fault
+from ..hf.baseline import library_baseline
+from ..hf.names import model_to_checkpoint
+from ..hf.safetensors_io import SafetensorsDir
+from ..hf.structure import discover_blocks, empty_model, module_param_slots, weights_before_layers
+from ..plan.budget import chunk_tokens
+from ..plan.settings import Measured, ModelFacts, TrainSettings, resolve_train
+from ..precision import resolve
 from ..storage import HostBufferPool, TensorStore
+from ..storage.commit import committed_shard_elems
+from ..storage.layout import key, make_param_info
 from ..storage.packed import PACK_BELOW
 from ..units import fmt_bytes, parse_bytes
 from .act_engine import ActivationPlanner
-from .budget_plan import plan_budget
 from .block_fn import ParamRefHooks, wrap_layer
-from ..plan.budget import chunk_tokens
-from ..plan.settings import Measured, ModelFacts, TrainSettings, resolve_train
-from ..storage.commit import committed_shard_elems
-from .head_loss import causal_lm_loss
-from .heap import HeapGuard
-from ..storage.layout import key, make_param_info
-from ..hf.structure import discover_blocks, empty_model, module_param_slots, weights_before_layers
-from .next_rows import NextRows
-from .optimizer import AdamWConfig, OptimizerDeps, OutOfCoreAdamW, OutOfCoreOptions, StepResult
-from .device import Uploads, move_buffers, synchronize, to_host
+from .budget_plan import plan_budget
+from .device import Uploads, move_buffers, resolve_device, synchronize, to_host
 from .durable import DurableState
 from .export import Exports
+from .head_loss import causal_lm_loss
+from .heap import HeapGuard
+from .next_rows import NextRows
+from .optimizer import AdamWConfig, OptimizerDeps, OutOfCoreAdamW, OutOfCoreOptions, StepResult
 from .state_quant import check_mode
 from .tied import TiedHeadGrad
 from .timeline import Timeline
 from .weights import WeightWindow
+
 
 @dataclass
 class EngineConfig:
@@ -79,8 +85,6 @@ class EngineConfig:
         self.cpu_mem = parse_bytes(self.cpu_mem, "cpu_mem")
         if self.gpu_mem is not None:
             self.gpu_mem = parse_bytes(self.gpu_mem, "gpu_mem")
-        from ..precision import resolve
-        from .device import resolve_device
         self.device = str(resolve_device(self.device))
         self.precision = resolve(self.precision, self.device)[0]
         pols = self.activations.split(",")
@@ -153,7 +157,6 @@ class Engine(DurableState, Exports):
                                  direct_io=cfg.direct_io, on_event=on_event, pack_below=cfg.pack_below)
         self.fallbacks: list[str] = []  # committed states passed over on resume, and why
         if dist is not None:
-            from ..dist.state import attach
             attach(self, resume, overwrite)  # ownership; on resume, this rank's share of the state
         self.state = self._load_or_import(source, resume, overwrite)
         weight_dtype = None if self.dtype == torch.float32 else self.dtype
@@ -166,7 +169,6 @@ class Engine(DurableState, Exports):
             self.infos, [n for n in backward_order if self._owned(n)], self.names, cfg.optim, self.state["optim"],
             OutOfCoreOptions(weight_dtype, cfg.optim_states, max_pending_grad_bytes=self.split.pending_grads))
         if dist is not None:
-            from ..dist.grads import GradReducer
             self.reducer = GradReducer(dist, backward_order, self.optimizer, self.split.pending_grads)
         self.window = WeightWindow(self.store, self.window_pool, self.infos, self.dtype,
                                    lambda n, k: key(self._wkind(n), n, k, self.optimizer.slots[n]),
@@ -205,9 +207,6 @@ class Engine(DurableState, Exports):
         """measured: what the recipe read of this machine's measurements (`tierlm.bench.rates`), from
         which the run's settings are resolved; None: defaults."""
         from transformers import AutoConfig
-
-        from ..hf.names import model_to_checkpoint
-        from ..hf.safetensors_io import SafetensorsDir
 
         config = AutoConfig.from_pretrained(model_dir)
         model = empty_model(config)
@@ -498,7 +497,6 @@ class Engine(DurableState, Exports):
             self._result = self.optimizer.finish_step()
         self.acts.waited(time.perf_counter() - t0)
         if self.dist is not None and self._result.finite:
-            from ..dist.grads import share_weights
             with self.timeline.span("wait", "weights from owners"):
                 share_weights(self, self.optimizer.stepped)
         return self._result

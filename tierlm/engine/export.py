@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 
 from .. import rss
+from ..hf.names import checkpoint_names
+from ..hf.safetensors_io import SafetensorsWriter
 from ..storage.layout import key
 
 # What a model directory holds beside the weights and config.json that a saved model needs to be
@@ -60,8 +62,6 @@ class Exports:
 
     def save_pretrained(self, out_dir, dtype: torch.dtype | None = None, tokenizer_from=None) -> Path:
         """An HF model directory of the current weights, written tensor by tensor."""
-        from ..hf.names import checkpoint_names
-        from ..hf.safetensors_io import SafetensorsWriter
 
         dtype = dtype or self.dtype
         out = Path(out_dir)

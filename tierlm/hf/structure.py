@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from .fields import shrunk
+
 
 @contextlib.contextmanager
 def _params_on_meta():
@@ -87,10 +89,7 @@ def weights_before_layers(config) -> list[str]:
 
 def _trace_early(config) -> list[str]:
     import torch
-
     from transformers import AutoModelForCausalLM
-
-    from .fields import shrunk
 
     try:
         tiny = shrunk(config, layers=1)

@@ -22,14 +22,18 @@ from pathlib import Path
 import torch
 
 from .. import rss
+from ..dist.tp import TensorParallel, init
 from ..hf.baseline import library_baseline
-from ..plan.inference import InferConfig, plan_placement, scratch_bytes  # noqa: F401  (InferConfig: callers import it here)
+from ..hf.checks import check_model_dir
 from ..hf.names import model_to_checkpoint
+from ..hf.safetensors_io import SafetensorsDir
+from ..hf.structure import discover_blocks, empty_model, find_layers
+from ..plan.inference import InferConfig, plan_placement, scratch_bytes
 from ..storage import HostBufferPool
 from ..storage.aligned import round_up
 from . import packed as packed_attention
-from .generic import GenericStep, check as generic_check
 from .gemv import use_gemv
+from .generic import GenericStep, check as generic_check
 from .kvcache import SlotKVCache, kv_bytes
 from .lean import LeanDecoder
 from .quant import int4_layout
@@ -43,7 +47,6 @@ def _check_kv_attention(model, layers: int) -> None:
     cache slot per layer and sequence, and nothing else (a state-space layer's recurrent state, an
     RNN's, has no place in it). A layer attends where it holds one of transformers' attention
     modules that knows its layer index (what it hands the cache's `update`)."""
-    from ..hf.structure import find_layers
 
     _, mods = find_layers(model)
     without = [i for i, layer in enumerate(mods) if not packed_attention.attention_modules(layer)]
@@ -59,10 +62,6 @@ def _check_kv_attention(model, layers: int) -> None:
 class InferenceEngine:
     def __init__(self, model_dir, cfg: InferConfig, library_rss: int | None = None):
         from transformers import AutoConfig
-
-        from ..hf.structure import discover_blocks, empty_model
-        from ..hf.checks import check_model_dir
-        from ..hf.safetensors_io import SafetensorsDir
 
         check_model_dir(model_dir)
         self.model_dir, self.cfg = Path(model_dir), cfg
@@ -88,7 +87,6 @@ class InferenceEngine:
                              f"this model: {why}")
         self.tp = None
         if cfg.tp > 1:  # this process keeps 1/tp of every layer's heads and MLP width
-            from ..dist.tp import TensorParallel, init
             self.tp = TensorParallel(*init(cfg.tp))
             self.tp.shard(self.model, [b.module for b in self.blocks if b.kind == "layer"], config)
         cache_config = self.tp.local_config(config) if self.tp else config

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..precision import cpu_has_bf16_matmul
 from . import native
-
 
 UPCAST_MIN_ROWS = 16  # converting the weight costs about as much as 13 bf16 rows on the fallback kernel
 
@@ -36,7 +36,6 @@ def bf16_matmul_is_slow() -> bool:
     predicate `--precision auto` trains by). Which arithmetic a product uses (fp32 conversion, our
     kernel or F.linear) follows it, so it is read from the ISA flags, never timed: the same command
     gives the same tokens on the same machine."""
-    from ..precision import cpu_has_bf16_matmul
     return not cpu_has_bf16_matmul()
 
 

@@ -19,6 +19,7 @@ import json
 
 import torch
 
+from ..hf.fields import shrunk
 from . import packed as packed_attention
 from .gemv import use_gemv
 from .kvcache import SlotKVCache, cache_kwarg
@@ -110,7 +111,6 @@ class GenericStep:
 def check(model) -> str | None:
     """Why this path does not compute what transformers computes for `model`'s family (on a tiny
     copy), or None; None too where no tiny copy can be made and run (nothing to compare)."""
-    from ..hf.fields import shrunk
     try:
         cfg = shrunk(model.config, layers=2)
         key = (type(model), json.dumps(cfg.to_dict(), sort_keys=True, default=str))

@@ -49,9 +49,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..hf.fields import shrunk
 from . import native
 from .fused import FusedLayer, FusedStack, Norm, StepArgs, norm_of
 from .gemv import UPCAST_MIN_ROWS, bf16_matmul_is_slow
+from .kvcache import SlotKVCache
 from .quant import NATIVE_MAX_ROWS, QLinear
 
 # the modules a decoder layer, its attention and its MLP may have: any other is maths this path
@@ -173,7 +175,6 @@ def self_check(model) -> tuple[str | None, bool]:
     soft-capped after the head. Kept per config."""
     import json
 
-    from ..hf.fields import shrunk
     cfg = shrunk(model.config, layers=2)
     try:
         key = (type(model), json.dumps(cfg.to_dict(), sort_keys=True, default=str))
@@ -188,7 +189,6 @@ def self_check(model) -> tuple[str | None, bool]:
 
 
 def _self_check(cls, cfg) -> tuple[str | None, bool]:
-    from .kvcache import SlotKVCache
     n = 6
     cfg._attn_implementation = "eager"  # transformers' reference attention (soft-capping and all)
     if getattr(cfg, "sliding_window", None):  # windows past the probe: the masks are the engine's

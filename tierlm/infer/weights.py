@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..hf.structure import module_param_slots
 from ..storage import HostBufferPool, TensorStore
 from ..storage.aligned import aligned_empty, round_up
 from .quant import QLinear, replace_linears
@@ -57,7 +58,6 @@ class Piece:
 def plan_pieces(model: nn.Module, blocks, dtype: torch.dtype, mode: str | None) -> dict[int, list[Piece]]:
     """block index -> its pieces. Decoder layers' linear maps become QLinear when `mode` is set.
     A tied weight (one tensor in the embedding and the head) is one piece installed in both."""
-    from ..hf.structure import module_param_slots
 
     slots = module_param_slots(model)
     canon = {(id(m), a): n for n, ss in slots.items() for m, a in ss}

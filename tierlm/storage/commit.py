@@ -23,6 +23,7 @@ from pathlib import Path
 
 from ..faults import fault
 from .store import CorruptionError, StorageError
+from .file_io import save_json
 from .packed import pack_name, prune_packs
 from .records import record_file
 
@@ -62,15 +63,7 @@ def manifest_name(step: int) -> str:
 
 
 def write_manifest(root: Path, content: dict) -> Path:
-    path = root / manifest_name(content["step"])
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(content, f)
-        f.flush()
-        os.fsync(f.fileno())
-    fault("commit.manifest")
-    os.replace(tmp, path)
-    fsync_dir(root)
+    path = save_json(root / manifest_name(content["step"]), content, before_rename=lambda: fault("commit.manifest"))
     fault("commit.after")
     return path
 

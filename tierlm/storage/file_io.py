@@ -91,17 +91,22 @@ def open_for_write(path: Path, nbytes: int, direct: bool, in_place: bool) -> tup
         raise StorageError(f"{path}: cannot open for writing: {e.strerror}") from e
 
 
-def save_json(path: str | os.PathLike, obj) -> None:
-    """Atomically: temp file, fsync, rename, fsync the directory."""
+def save_json(path: str | os.PathLike, obj, before_rename=None) -> Path:
+    """Atomically: temp file, fsync, rename, fsync the directory. The one writer of every manifest
+    (the store's, a commit's, a data-parallel reshard's). before_rename: called between the
+    temp file's fsync and its rename (the fault tests' crash point)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
         json.dump(obj, f)
         f.flush()
         os.fsync(f.fileno())
+    if before_rename is not None:
+        before_rename()
     os.replace(tmp, path)
     dfd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dfd)
     finally:
         os.close(dfd)
+    return path

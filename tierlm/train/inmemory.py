@@ -19,14 +19,18 @@ import time
 
 import torch
 
+from ..config import add_arguments, from_args
+from ..hf.checks import load_tokenizer
+from ..hf.structure import causal_lm
+from ..rss import peak_rss
+from .data import Batches, load_dataset
+from .finetune import FinetuneConfig, _resolve
+from .progress import use_bar
+from .schedule import lr_factor
+
 
 def run(cfg) -> dict:
     from transformers import AutoModelForCausalLM
-
-    from ..rss import peak_rss
-    from ..hf.checks import load_tokenizer
-    from .data import Batches, load_dataset
-    from .schedule import lr_factor
 
     tokenizer = load_tokenizer(cfg.model)
     dataset = load_dataset(cfg.data, tokenizer, cfg.seq_len)
@@ -37,8 +41,6 @@ def run(cfg) -> dict:
     device = torch.device(cfg.device)
     from transformers.utils import logging as hf_logging
 
-    from ..hf.structure import causal_lm
-    from .progress import use_bar
     if not use_bar(sys.stderr):  # transformers' "Loading weights" bar: frames in a redirected log
         hf_logging.disable_progress_bar()
     model = causal_lm(AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)).to(device)
@@ -80,9 +82,6 @@ def run(cfg) -> dict:
 
 
 def main(argv=None) -> None:
-    from ..config import add_arguments, from_args
-    from .finetune import FinetuneConfig, _resolve
-
     ap = argparse.ArgumentParser(prog="python -m tierlm.train.inmemory")
     add_arguments(ap, FinetuneConfig, positional=("model",))
     ap.add_argument("--json", dest="_json", required=True)
