@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -24,80 +24,35 @@ from torch import nn
 from .. import rss
 from ..dist.grads import GradReducer, share_weights
 from ..dist.state import attach
-from ..faults import fault
 from ..hf.baseline import library_baseline
 from ..hf.names import model_to_checkpoint
 from ..hf.safetensors_io import SafetensorsDir
 from ..hf.structure import discover_blocks, empty_model, module_param_slots, weights_before_layers
 from ..plan.budget import chunk_tokens
-from ..plan.settings import Measured, ModelFacts, TrainSettings, resolve_train
-from ..precision import resolve
+from ..plan.settings import Measured, TrainSettings
 from ..storage import HostBufferPool, TensorStore
-from ..storage.commit import committed_shard_elems
 from ..storage.layout import key, make_param_info
-from ..storage.packed import PACK_BELOW
-from ..units import fmt_bytes, parse_bytes
+from ..units import fmt_bytes
 from .act_engine import ActivationPlanner
 from .block_fn import ParamRefHooks, wrap_layer
 from .budget_plan import plan_budget
-from .device import Uploads, move_buffers, resolve_device, synchronize, to_host
+from .device import Uploads, move_buffers, to_host
 from .durable import DurableState
 from .export import Exports
+from .options import EngineConfig, train_settings  # noqa: F401  (EngineConfig: callers import it here)
+from .residency import BlockResidency
 from .head_loss import causal_lm_loss
 from .heap import HeapGuard
 from .next_rows import NextRows
 from .optimizer import AdamWConfig, OptimizerDeps, OutOfCoreAdamW, OutOfCoreOptions, StepResult
-from .state_quant import check_mode
 from .tied import TiedHeadGrad
 from .timeline import Timeline
 from .weights import WeightWindow
 
 
-@dataclass
-class EngineConfig:
-    nvme_dir: str
-    cpu_mem: int | str = "4GiB"
-    precision: str = "auto"          # bf16: bf16 compute, fp32 master; fp32: everything fp32; auto: measured
-    grad_accum: int = 1
-    activations: str = "auto"        # auto | keep | swap | swap-host | recompute, or one per layer, comma-separated
-    prefetch: int | None = None      # blocks read ahead of the one computing; None: picked (io_settings)
-    shard_elems: int | None = None   # optimizer shard size; None: bench io's pick within the budget where it
-                                     # cannot change bits (one micro-batch a step), else the budget's (io_settings)
-    io_threads: int | None = None    # reads (and writes) in flight; None: `tierlm bench io`'s pick for this file system, else 4
-    direct_io: bool | None = None    # None: where the file system allows it
-    state_cache: bool = True         # keep optimizer state in RAM between steps where the budget has room
-    pack_below: int = PACK_BELOW     # tensors smaller (bytes) live in RAM, one pack file a commit (storage/packed.py); 0: none
-    optim_states: str = "fp32"       # fp32 | bf16 | int8: how Adam's m and v are stored (state_quant)
-    optim: AdamWConfig = field(default_factory=AdamWConfig)
-    tokens_per_micro_batch: int = 2048  # for the budget check; the trainer sets batch * seq_len
-    micro_batch_size: int = 1        # sequences per micro-batch (to name the longest --seq-len that fits)
-    plan_path: str | None = None     # where the activation planner writes plan.json
-    device: str = "cpu"              # where layers compute: cpu, cuda[:N], or auto (the GPU if there is one;
-                                     # finetune's default: the engine computes where it is told)
-    gpu_mem: int | str | None = None  # GPU memory the run may use; None: 90% of what is free at start
-    defer_commit: bool = True        # a step's last writes and its manifest land during the next forward
-    early_tied: bool = True          # a tied head's rows the batch does not look up update at the start of backward
-    next_rows: bool = True           # expect(): the next lookup's embedding rows are kept from the update
-    loss_chunk: int | None = None    # head + loss tokens a chunk: None = when the logits are large
-                                     # (head_loss.chunk_tokens), 0 = never, N = N tokens (tests)
-
-    def __post_init__(self):
-        self.cpu_mem = parse_bytes(self.cpu_mem, "cpu_mem")
-        if self.gpu_mem is not None:
-            self.gpu_mem = parse_bytes(self.gpu_mem, "gpu_mem")
-        self.device = str(resolve_device(self.device))
-        self.precision = resolve(self.precision, self.device)[0]
-        pols = self.activations.split(",")
-        allowed = ("keep", "swap", "swap-host", "recompute")
-        if not (pols == ["auto"] or all(p in allowed for p in pols)):
-            raise ValueError(f"--activations must be auto, keep, swap, swap-host or recompute, or one of the "
-                             f"last four per decoder layer separated by commas; got {self.activations!r}")
-        if self.grad_accum < 1:
-            raise ValueError("grad_accum must be >= 1")
-        check_mode(self.optim_states)
 
 
-class Engine(DurableState, Exports):
+class Engine(DurableState, Exports, BlockResidency):
     def __init__(self, model: nn.Module, source, cfg: EngineConfig, resume: bool = False, overwrite: bool = False,
                  library_rss: int | None = None, dist=None, settings: TrainSettings | None = None):
         """model: an HF causal LM whose parameters may be on `meta` (see from_pretrained);
@@ -118,6 +73,30 @@ class Engine(DurableState, Exports):
             raise ValueError("data parallelism (--nproc, torchrun) computes on the CPU for now: pass --device cpu")
         self.training = True
         self.model = model
+        self._take_model(model, settings or train_settings(cfg, model, resume))
+        self.timeline = Timeline()
+        self._memory(library_rss)
+        self.fallbacks: list[str] = []  # committed states passed over on resume, and why
+        if dist is not None:
+            attach(self, resume, overwrite)  # ownership; on resume, this rank's share of the state
+        self.state = self._load_or_import(source, resume, overwrite)
+        self._optimizer_and_window()
+        self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierlm-commit")
+        self._commit_fut: Future | None = None
+        self.micro = 0
+        self.lr = cfg.optim.lr
+        self._held_head: list[str] = []
+        self._t_head: float | None = None
+        self._t_bwd: float | None = None
+        self._pins: dict[str, int] = {}
+        self.tied_grad = TiedHeadGrad.attach(self)
+        # last, so a constructor that raises leaves glibc's settings alone: between blocks, RSS at
+        # most the budget less what the next block's compute may add
+        self.heap = HeapGuard(self.library_rss + self.split.budget - self.split.compute, self.split.transient)
+
+    def _take_model(self, model: nn.Module, settings: TrainSettings) -> None:
+        """The model's parameters become the engine's (empty until a block needs them), cut in
+        the settings' shards; its layers, embedding and head get the engine's hooks."""
         early = weights_before_layers(model.config)
         if early:
             raise ValueError(f"{model.config.model_type}: {', '.join(early)} run before the decoder layers and are "
@@ -125,8 +104,10 @@ class Engine(DurableState, Exports):
         move_buffers(model, self.device)
         self.blocks, params = discover_blocks(model)
         self.names = list(params)  # canonical order: model.parameters()
-        self.settings = settings or train_settings(cfg, model, resume)
-        self.shard_elems, self.shard_why = self.settings.shard_elems.value, self.settings.shard_elems.why
+        self.settings = settings
+        self.shard_elems, self.shard_why = settings.shard_elems.value, settings.shard_elems.why
+        self.prefetch, self.prefetch_why = settings.prefetch.value, settings.prefetch.why
+        self.io_threads, self.io_threads_why = settings.io_threads.value, settings.io_threads.why
         self.infos = {n: make_param_info(n, tuple(p.shape), self.shard_elems) for n, p in params.items()}
         self._install_params(model)
         self.hooks = ParamRefHooks()
@@ -136,29 +117,28 @@ class Engine(DurableState, Exports):
                 wrap_layer(self, blk, blk.module)
         self._hook_embed_and_head()
 
-        self.timeline = Timeline()
-        on_event = self.timeline.event
-        root = Path(cfg.nvme_dir)
-        root.mkdir(parents=True, exist_ok=True)
-        self.root = root
+    def _memory(self, library_rss: int | None) -> None:
+        """The budget split beyond the libraries' RSS, its pools, and the store on cfg.nvme_dir."""
+        cfg = self.cfg
+        self.root = Path(cfg.nvme_dir)
+        self.root.mkdir(parents=True, exist_ok=True)
         rss.trim()
         self.library_rss = library_rss if library_rss is not None else \
             library_baseline(self.config, self.dtype, self.device)
         baseline = rss.current_rss() - self.library_rss
-        self.prefetch, self.prefetch_why = self.settings.prefetch.value, self.settings.prefetch.why
         self.split, self.act_allowance = plan_budget(self, max(baseline, 0))
         # pinned where a GPU reads it: copies from pageable memory are neither async nor fast
         self.window_pool = HostBufferPool(self.split.window, pin=self.on_gpu, name="weight window", arena=True)
         self.opt_pool = HostBufferPool(self.split.optimizer, name="optimizer buffers", arena=True)
         self.cache_pool = HostBufferPool(self.split.state_cache, name="optimizer state cache") \
             if self.split.state_cache > 0 and cfg.state_cache else None
-        self.io_threads, self.io_threads_why = self.settings.io_threads.value, self.settings.io_threads.why
-        self.store = TensorStore(root, self.opt_pool, io_threads=self.io_threads,
-                                 direct_io=cfg.direct_io, on_event=on_event, pack_below=cfg.pack_below)
-        self.fallbacks: list[str] = []  # committed states passed over on resume, and why
-        if dist is not None:
-            attach(self, resume, overwrite)  # ownership; on resume, this rank's share of the state
-        self.state = self._load_or_import(source, resume, overwrite)
+        self.store = TensorStore(self.root, self.opt_pool, io_threads=self.io_threads,
+                                 direct_io=cfg.direct_io, on_event=self.timeline.event, pack_below=cfg.pack_below)
+
+    def _optimizer_and_window(self) -> None:
+        """The activation planner, the out-of-core optimizer (and a rank's gradient reducer), and
+        the weight window the steps read through."""
+        cfg, dist, on_event = self.cfg, self.dist, self.timeline.event
         weight_dtype = None if self.dtype == torch.float32 else self.dtype
         backward_order = [n for blk in reversed(self.blocks) for n in blk.owns]
         self.acts = ActivationPlanner(self, on_event)
@@ -178,18 +158,6 @@ class Engine(DurableState, Exports):
         # its file) and writes nothing; the next backward's first write waits for the manifest.
         # Ranks commit together through collectives, on their main threads: not deferred there.
         self.optimizer.defer_writes = cfg.defer_commit and dist is None
-        self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierlm-commit")
-        self._commit_fut: Future | None = None
-        self.micro = 0
-        self.lr = cfg.optim.lr
-        self._held_head: list[str] = []
-        self._t_head: float | None = None
-        self._t_bwd: float | None = None
-        self._pins: dict[str, int] = {}
-        self.tied_grad = TiedHeadGrad.attach(self)
-        # last, so a constructor that raises leaves glibc's settings alone: between blocks, RSS at
-        # most the budget less what the next block's compute may add
-        self.heap = HeapGuard(self.library_rss + self.split.budget - self.split.compute, self.split.transient)
 
     def settings_record(self) -> dict:
         """Every automatic choice of this run with its reason, and the budget split made from them:
@@ -254,167 +222,6 @@ class Engine(DurableState, Exports):
                 mod._parameters[attr] = p
             self.params[name] = p
 
-    def _hook_embed_and_head(self) -> None:
-        by_kind = {b.kind: b for b in self.blocks if b.kind != "layer"}
-        slots = module_param_slots(self.model)
-        for kind in ("embed", "head"):
-            blk = by_kind[kind]
-            # Tied weights sit in an Embedding and in lm_head: each block hooks its own kind.
-            mods = {id(m): (m, attr) for n in blk.uses for m, attr in slots[n]
-                    if isinstance(m, nn.Embedding) == (kind == "embed")}
-            for mod, attr in mods.values():
-                names = [self._canon(mod, a) for a in mod._parameters if mod._parameters[a] is not None]
-                if kind == "embed":
-                    if len(mods) == 1 and names == blk.uses and len(names) == 1 and NextRows.usable(mod):
-                        self.next_rows = NextRows(names[0], self.infos[names[0]], self.dtype)
-                    mod.register_forward_pre_hook(lambda m, a, ns=names: self._embed_in(m, a, ns))
-                    mod.register_forward_hook(lambda m, a, o, ns=names: self._embed_out(m, a, ns))
-                else:
-                    mod.register_forward_pre_hook(lambda m, a, ns=names: self._hold_head(ns))
-
-    def _embed_in(self, mod: nn.Module, args, names) -> None:
-        nr = self.next_rows
-        got = nr.take(args[0]) if nr is not None and names == [nr.name] and args else None
-        if got is not None:
-            mod._tierlm_rows = got  # the lookup takes the expected rows: the weight stays unread
-        else:
-            self._load(names)
-
-    def _embed_out(self, mod: nn.Module, args, names):
-        got = mod.__dict__.pop("_tierlm_rows", None)
-        if got is None:
-            self._unload(names)
-            return None
-        # replaces the output F.embedding computed from the unloaded (placeholder) weight
-        tied = self.tied_grad if self.tied_grad is not None and self.tied_grad.name == self.next_rows.name else None
-        return self.next_rows.lookup(mod, self.params[self.next_rows.name], args[0], *got, taker=tied)
-
-    def expect(self, input_ids: torch.Tensor) -> None:
-        """The input ids of the forward after this step, when known before its (last) backward: the
-        embedding rows they look up are kept from this step's update, and that forward reads no
-        embedding (next_rows). Any other forward reads it as before."""
-        if self.next_rows is not None and self.cfg.next_rows:
-            self.next_rows.expect(input_ids)
-
-    def _new_weights(self, name: str, shard: int, values: torch.Tensor) -> None:
-        self.window.offer(name, shard, values)
-        if self.next_rows is not None and name == self.next_rows.name:
-            self.next_rows.offer(shard, values)
-
-    def _canon(self, mod: nn.Module, attr: str) -> str:
-        p = mod._parameters[attr]
-        return next(n for n, q in self.params.items() if q is p)
-
-    # ---- weights in and out of the modules ---------------------------------------------
-    def _load(self, names) -> None:
-        t0 = time.perf_counter()
-        with self.timeline.span("wait", "weights"):
-            if self.uploads is None:
-                tensors = self.window.acquire(names)
-            else:
-                tensors = {n: self.uploads.get(n) for n in names}
-        self.acts.waited(time.perf_counter() - t0)
-        for n, t in tensors.items():
-            self._pins[n] = self._pins.get(n, 0) + 1
-            if self._pins[n] == 1:
-                p = self.params[n]
-                p.data = t
-                self.hooks.track(p)
-
-    def _unload(self, names) -> None:
-        for n in names:
-            self._pins[n] -= 1
-            if self._pins[n] == 0:  # a tied weight stays while another block still uses it
-                p = self.params[n]
-                self.hooks.untrack(p)
-                p.data = self._placeholder(p.shape)
-                if self.uploads is not None:
-                    self.uploads.drop(n)
-        if self.uploads is None:
-            self.window.release(names)
-
-    def _placeholder(self, shape) -> torch.Tensor:
-        """An unloaded parameter: the right shape (autograd checks it when accumulating a
-        gradient) over a single element of memory."""
-        return torch.zeros(1, dtype=self.dtype, device=self.device).expand(shape)
-
-    def _hold_head(self, names) -> None:
-        self.heap.check()
-        new = [n for n in names if n not in self._held_head]
-        if new:
-            self._load(new)
-            self._held_head.extend(new)
-        if self._t_head is None:
-            self._t_head = time.perf_counter()  # the head and loss compute from here (timeline)
-
-    def _head_computed(self, phase: str, t0: float | None) -> None:
-        if t0 is not None:
-            synchronize(self.device)
-            self.timeline.event("compute", f"{phase} head and loss", t0, time.perf_counter())
-
-    def _drop_head(self) -> None:
-        if self._held_head:
-            held, self._held_head = self._held_head, []
-            self._unload(held)
-
-    def _upload_ahead(self, j: int) -> None:
-        """The next layer's weights to the GPU while this one computes, if its read has landed
-        (only layers: the embedding has no backward use, the head is held by its own hook)."""
-        if self.uploads is not None and 0 <= j < len(self.blocks) and self.blocks[j].kind == "layer":
-            self.uploads.upload(self.blocks[j].uses, blocking=False)
-
-    def _prefetch_from(self, index: int, step: int) -> None:
-        for d in range(1, self.prefetch + 1):
-            j = index + d * step
-            if 0 <= j < len(self.blocks):
-                if self.blocks[j].kind == "embed" and self.next_rows is not None and self.next_rows.pending():
-                    continue  # the next lookup has its rows
-                self.window.prefetch(self.blocks[j].uses)
-
-    # called by the layer wrappers
-    def block_forward_begin(self, blk) -> None:
-        fault("forward.layer")
-        self.heap.check()
-        self._prefetch_from(blk.index, +1)
-        self._load(blk.uses)
-        self._upload_ahead(blk.index + 1)
-        self.hooks.begin_count()
-        self.acts.forward_begin(blk)
-        self._t_compute = time.perf_counter()
-
-    def block_forward_end(self, blk) -> None:
-        synchronize(self.device)
-        t1 = time.perf_counter()
-        self.timeline.event("compute", f"fwd {blk.name}", self._t_compute, t1)
-        self.acts.forward_end(blk, t1 - self._t_compute, self.hooks.end_count())
-        self._unload(blk.uses)
-
-    def block_backward_begin(self, blk) -> None:
-        fault("backward.layer")
-        self.heap.check()
-        if self._held_head:
-            self._head_computed("bwd", self._t_bwd)
-        self._drop_head()  # the head's backward is over once a layer's starts
-        self._load(blk.uses)
-        self._prefetch_from(blk.index, -1)
-        self._upload_ahead(blk.index - 1)
-        self.acts.backward_begin(blk)
-        self.hooks.begin_count()
-        self._blocked0 = self.optimizer.blocked_s
-        self._t_compute = time.perf_counter()
-
-    def block_backward_end(self, blk) -> None:
-        synchronize(self.device)
-        t1 = time.perf_counter()
-        self.timeline.event("compute", f"bwd {blk.name}", self._t_compute, t1)
-        # time spent handing gradients to an optimizer that was behind is a wait, not compute
-        blocked = self.optimizer.blocked_s - self._blocked0
-        self.acts.waited(blocked)
-        self.acts.backward_end(blk, t1 - self._t_compute - blocked, self.hooks.end_count())
-        self._unload(blk.uses)
-
-    def policy_for(self, blk) -> str:
-        return self.acts.policy_for(blk)
 
     # ---- training API ------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, **kwargs):
@@ -579,17 +386,3 @@ class Engine(DurableState, Exports):
 
 
 __all__ = ["Engine", "EngineConfig", "AdamWConfig"]
-
-
-def model_facts(model: nn.Module) -> ModelFacts:
-    """The largest decoder layer's parameters and the width: what the run's choices need of it."""
-    blocks, params = discover_blocks(model)
-    layer = max((sum(params[n].numel() for n in b.uses) for b in blocks if b.kind == "layer"), default=0)
-    return ModelFacts(layer, model.config.hidden_size)
-
-
-def train_settings(cfg: EngineConfig, model: nn.Module, resume: bool, measured: Measured | None = None) -> TrainSettings:
-    """The run's automatic choices for this model: from what the recipe measured (`tierlm.bench.rates`),
-    or from defaults; a resumed run keeps its committed state's shard size."""
-    committed = committed_shard_elems(Path(cfg.nvme_dir)) if resume else None
-    return resolve_train(cfg, measured or Measured(), model_facts(model), committed)
