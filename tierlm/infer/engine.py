@@ -61,11 +61,35 @@ def _check_kv_attention(model, layers: int) -> None:
 
 class InferenceEngine:
     def __init__(self, model_dir, cfg: InferConfig, library_rss: int | None = None):
-        from transformers import AutoConfig
-
         check_model_dir(model_dir)
         self.model_dir, self.cfg = Path(model_dir), cfg
         self.dtype = DTYPES[cfg.dtype]
+        config = self._build_model(model_dir)
+        cache_config = self.tp.local_config(config) if self.tp else config
+        # weights a token multiplies (2 FLOPs each): everything but the embedding lookup, plus the head
+        total = sum(p.numel() for p in self.model.parameters())
+        self.flop_params = total - self.model.get_input_embeddings().weight.numel() + \
+            config.vocab_size * config.hidden_size
+        self.pieces = plan_pieces(self.model, self.blocks, self.dtype, cfg.quant)
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        if self.dtype == torch.bfloat16:
+            use_gemv(self.model)  # after plan_pieces: the quantised linears are QLinear already
+        resident, streamed = self._place(cache_config, library_rss)
+        self._load_weights(model_dir, resident, streamed)
+        self.cache = SlotKVCache(cache_config, cfg.max_batch, self.max_len, self.dtype)
+        self.generic = GenericStep(self.model, config, self.cache, packed=cfg.packed)
+        self.base, self.head = self.generic.base, self.generic.head
+        self._window, self._sliding = self.generic.window, self.generic.sliding
+        self.lean = LeanDecoder.build(self) if cfg.lean else None
+        rss.trim()
+
+    def _build_model(self, model_dir):
+        """The model on `meta`, checked for what the engine can run, and this process's share of it
+        under tensor parallelism; returns its config."""
+        from transformers import AutoConfig
+
+        cfg = self.cfg
         config = AutoConfig.from_pretrained(model_dir)
         # built with the one implementation every model accepts (Gemma2 refuses SDPA: it cannot
         # soft-cap); packed.install then names the attention the steps run (masks: boolean, True
@@ -89,21 +113,15 @@ class InferenceEngine:
         if cfg.tp > 1:  # this process keeps 1/tp of every layer's heads and MLP width
             self.tp = TensorParallel(*init(cfg.tp))
             self.tp.shard(self.model, [b.module for b in self.blocks if b.kind == "layer"], config)
-        cache_config = self.tp.local_config(config) if self.tp else config
-        # weights a token multiplies (2 FLOPs each): everything but the embedding lookup, plus the head
-        total = sum(p.numel() for p in self.model.parameters())
-        self.flop_params = total - self.model.get_input_embeddings().weight.numel() + \
-            config.vocab_size * config.hidden_size
-        self.pieces = plan_pieces(self.model, self.blocks, self.dtype, cfg.quant)
-        tp_tag = f"-tp{self.tp.rank}of{self.tp.world}" if self.tp else ""
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
-        if self.dtype == torch.bfloat16:
-            use_gemv(self.model)  # after plan_pieces: the quantised linears are QLinear already
+        return config
+
+    def _place(self, cache_config, library_rss: int | None) -> tuple[set[int], list[int]]:
+        """Which decoder layers stay in RAM under --cpu-mem (tierlm.plan.inference.plan_placement,
+        as `tierlm plan` predicts it): the resident layers' indices and the streamed ones'."""
+        cfg, config = self.cfg, self.config
         layer_idx = [b.index for b in self.blocks if b.kind == "layer"]
         fixed = sum(round_up(p.nbytes) for b in self.blocks if b.kind != "layer" for p in self.pieces[b.index])
         lbytes = max(sum(round_up(p.nbytes) for p in self.pieces[i]) for i in layer_idx)
-
         rss.trim()
         self.library_rss = library_rss if library_rss is not None else library_baseline(config, self.dtype)
         baseline = max(rss.current_rss() - self.library_rss, 0)
@@ -113,8 +131,11 @@ class InferenceEngine:
                                                       eager=not getattr(self.model, "_supports_sdpa", True),
                                                       packs=packed_attention.packs(self.model)))
         resident = set(layer_idx[: self.placement.resident])
-        streamed = [i for i in layer_idx if i not in resident]
+        return resident, [i for i in layer_idx if i not in resident]
 
+    def _load_weights(self, model_dir, resident: set[int], streamed: list[int]) -> None:
+        """The resident blocks' weights read into RAM, the streamed layers' written once to the store
+        in their final form, each read from the checkpoint by the model's own names."""
         st = SafetensorsDir(model_dir)
         in_file = model_to_checkpoint(self.model, st.names(), {n for b in self.blocks for n in b.uses},
                                       where=str(model_dir))
@@ -135,33 +156,33 @@ class InferenceEngine:
         self.store = self.stream = None
         self.store_written = 0
         if streamed:
-            root = Path(cfg.nvme_dir or Path("runs") / "infer-store" / f"{self.model_dir.name}-{cfg.weights}-{cfg.dtype}")
-            if self.tp:  # each shard streams its own slices
-                root = root / tp_tag[1:]
-            self.pool = HostBufferPool(self.placement.window, name="layer stream window")
-            layout = f"-{int4_layout()}" if cfg.quant == "int4" else ""
-            self.store = PieceStore(root, self.pool, fingerprint(self.model_dir, self.dtype, f"{cfg.quant}{layout}{tp_tag}"),
-                                    cfg.io_threads, cfg.direct_io)
-            for i in streamed:
-                for p in self.pieces[i]:
-                    p.install(None)
-                self.store_written += self.store.ensure(self.pieces[i], src)
-            self.stream = LayerStream(self.store.store, self.pool, {i: self.pieces[i] for i in streamed},
-                                      cfg.prefetch)
-            by_index = {b.index: b for b in self.blocks}
-            for i in streamed:
-                mod = by_index[i].module
-                mod.register_forward_pre_hook(lambda m, a, i=i: self.stream.acquire(i))
-                mod.register_forward_hook(lambda m, a, o, i=i: self.stream.release(i))
+            self._stream(streamed, src)
         st.close()
         self.load_s = time.perf_counter() - t0
         self.streamed_bytes = sum(self.stream.layer_bytes.values()) if self.stream else 0
-        self.cache = SlotKVCache(cache_config, cfg.max_batch, self.max_len, self.dtype)
-        self.generic = GenericStep(self.model, config, self.cache, packed=cfg.packed)
-        self.base, self.head = self.generic.base, self.generic.head
-        self._window, self._sliding = self.generic.window, self.generic.sliding
-        self.lean = LeanDecoder.build(self) if cfg.lean else None
-        rss.trim()
+
+    def _stream(self, streamed: list[int], src) -> None:
+        """The streamed layers: in the store (written where it does not hold them already), read
+        through a window of prefetch + 1 layers around each one's forward."""
+        cfg = self.cfg
+        tp_tag = f"-tp{self.tp.rank}of{self.tp.world}" if self.tp else ""
+        root = Path(cfg.nvme_dir or Path("runs") / "infer-store" / f"{self.model_dir.name}-{cfg.weights}-{cfg.dtype}")
+        if self.tp:  # each shard streams its own slices
+            root = root / tp_tag[1:]
+        self.pool = HostBufferPool(self.placement.window, name="layer stream window")
+        layout = f"-{int4_layout()}" if cfg.quant == "int4" else ""
+        self.store = PieceStore(root, self.pool, fingerprint(self.model_dir, self.dtype, f"{cfg.quant}{layout}{tp_tag}"),
+                                cfg.io_threads, cfg.direct_io)
+        for i in streamed:
+            for p in self.pieces[i]:
+                p.install(None)
+            self.store_written += self.store.ensure(self.pieces[i], src)
+        self.stream = LayerStream(self.store.store, self.pool, {i: self.pieces[i] for i in streamed}, cfg.prefetch)
+        by_index = {b.index: b for b in self.blocks}
+        for i in streamed:
+            mod = by_index[i].module
+            mod.register_forward_pre_hook(lambda m, a, i=i: self.stream.acquire(i))
+            mod.register_forward_hook(lambda m, a, o, i=i: self.stream.release(i))
 
     # ---- compute ------------------------------------------------------------------------
     @torch.no_grad()
