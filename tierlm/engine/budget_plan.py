@@ -91,27 +91,32 @@ def plan_budget(eng, baseline: int) -> tuple[B.Split, int]:
         out = split(eng.cfg.tokens_per_micro_batch)
         allowance = gpu(eng.cfg.tokens_per_micro_batch) if eng.on_gpu else out.activations
     except BudgetError as e:
-        # Under every activation policy the layer inputs, one layer's activations and the
-        # logits stay: name the longest sequence that fits, if any does.
-        lo, hi = 0, eng.cfg.tokens_per_micro_batch
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            try:
-                split(mid)
-                if eng.on_gpu:
-                    gpu(mid)
-                lo = mid
-            except BudgetError:
-                hi = mid
-        if lo >= bsz:
-            hint = (f" Whatever the activation policy (keep, swap, recompute), the longest micro-batch that fits "
-                    f"is {lo} tokens: --seq-len {lo // bsz} at --batch-size {bsz}.")
-        else:
-            hint = " Not even a one-token micro-batch fits: the budget is below the weights' working set."
-        raise BudgetError(str(e) + hint) from None
+        def fits(tokens: int) -> None:
+            split(tokens)
+            if eng.on_gpu:
+                gpu(tokens)
+        raise BudgetError(str(e) + _longest_that_fits(fits, eng.cfg.tokens_per_micro_batch, bsz)) from None
     check_kept(eng, n_layers, sizes(eng.cfg.tokens_per_micro_batch)[0], allowance,
                lambda budget: split(eng.cfg.tokens_per_micro_batch, budget).activations)
     return out, allowance
+
+
+def _longest_that_fits(fits, tokens: int, bsz: int) -> str:
+    """Under every activation policy the layer inputs, one layer's activations and the logits stay:
+    the longest micro-batch (fewer than `tokens`) for which `fits` raises no BudgetError, named as
+    the flags that give it, if any fits."""
+    lo, hi = 0, tokens
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        try:
+            fits(mid)
+            lo = mid
+        except BudgetError:
+            hi = mid
+    if lo >= bsz:
+        return (f" Whatever the activation policy (keep, swap, recompute), the longest micro-batch that fits "
+                f"is {lo} tokens: --seq-len {lo // bsz} at --batch-size {bsz}.")
+    return " Not even a one-token micro-batch fits: the budget is below the weights' working set."
 
 
 def check_kept(eng, n_layers: int, act: int, allowance: int, acts_at) -> None:

@@ -90,48 +90,28 @@ def _check_finetune_args(argv: list[str]) -> None:
     from_args(FinetuneConfig, ap.parse_args(argv))
 
 
-def bench_train(model: str, data: str, cpu_mem: str, steps: int, work: str, finetune_args: list[str],
-                nvme: str | None = None, inmemory: str = "auto") -> dict:
-    """inmemory: auto (run the in-memory reference where its estimate fits the RAM available),
-    always (run it anyway: the estimate keeps a fifth of the RAM spare, and TinyLlama-1.1B at
-    1x512 tokens, estimated 18.44 GiB against 22 available, peaked 21.3 GiB and ran), never."""
-    from ..hf.checks import check_model_dir, load_tokenizer
-    _check_finetune_args([model, "--data", data, "--steps", str(steps), "--cpu-mem", cpu_mem, *finetune_args])
-    check_model_dir(model)  # both runs would fail on these: one clear line now, not two tracebacks later
-    load_tokenizer(model)
-    work_dir = Path(work)
-    work_dir.mkdir(parents=True, exist_ok=True)
-    from ..engine.device import resolve_device
-    given = [finetune_args[i + 1] for i, a in enumerate(finetune_args[:-1]) if a == "--device"]
-    device = str(resolve_device(given[-1] if given else "auto"))  # both runs compute on the same device
-    finetune_args = [*finetune_args, "--device", device]
-    if not any(a.split("=")[0] == "--precision" for a in finetune_args):
-        from ..precision import resolve  # once, so that both runs compute in the same dtype
-        precision, why = resolve("auto", device)
-        print(why, file=sys.stderr)
-        finetune_args = [*finetune_args, "--precision", precision]
-    common = [model, "--data", data, "--steps", str(steps), *finetune_args]
-    result: dict = {"model": model, "steps": steps, "cpu_mem": cpu_mem, "device": device}
-
+def _inmemory_run(model: str, common: list[str], work_dir: Path, inmemory: str) -> tuple[dict | None, str | None]:
+    """The in-memory reference's steps and peak, or None and why it was skipped."""
     fits, need = _inmemory_fits(model)
     if inmemory not in ("auto", "always", "never"):
         raise ValueError(f"--inmemory must be auto, always or never; got {inmemory!r}")
-    if inmemory == "always" or (fits and inmemory == "auto"):
-        out = work_dir / "inmemory.json"
-        # plain PyTorch, as a user would run it: glibc's own malloc settings, not tierlm's (which
-        # give every large tensor fresh pages, ~9% slower in memory)
-        _run("in-memory", [sys.executable, "-m", "tierlm.train.inmemory", *common, "--json", str(out)],
-             env=dict(os.environ, TIERLM_MALLOC="glibc"))
-        mem = json.loads(out.read_text())
-        result["inmemory"] = {"s_per_step": _steady(mem["rows"], "s_per_step"),
-                              "steps_s": [r["s_per_step"] for r in mem["rows"]], "peak_rss_bytes": mem["peak_rss_bytes"],
-                              "peak_gpu_bytes": mem.get("peak_gpu_bytes"), "losses": [r["loss"] for r in mem["rows"]]}
-    else:
-        result["inmemory"] = None
-        result["inmemory_skipped"] = ("--inmemory never" if inmemory == "never" else
-                                      f"needs ~{fmt_bytes(need)}, more than the RAM available; "
-                                      f"--inmemory always runs it anyway")
+    if not (inmemory == "always" or (fits and inmemory == "auto")):
+        return None, ("--inmemory never" if inmemory == "never" else
+                      f"needs ~{fmt_bytes(need)}, more than the RAM available; --inmemory always runs it anyway")
+    out = work_dir / "inmemory.json"
+    # plain PyTorch, as a user would run it: glibc's own malloc settings, not tierlm's (which
+    # give every large tensor fresh pages, ~9% slower in memory)
+    _run("in-memory", [sys.executable, "-m", "tierlm.train.inmemory", *common, "--json", str(out)],
+         env=dict(os.environ, TIERLM_MALLOC="glibc"))
+    mem = json.loads(out.read_text())
+    return {"s_per_step": _steady(mem["rows"], "s_per_step"),
+            "steps_s": [r["s_per_step"] for r in mem["rows"]], "peak_rss_bytes": mem["peak_rss_bytes"],
+            "peak_gpu_bytes": mem.get("peak_gpu_bytes"), "losses": [r["loss"] for r in mem["rows"]]}, None
 
+
+def _outofcore_run(common: list[str], work_dir: Path, nvme: str | None, cpu_mem: str, steps: int) -> tuple[dict, dict]:
+    """The out-of-core run's steps, SSD traffic against the drive's measured rates, stalls and peak;
+    and the drive's rates, measured before and after it."""
     run = work_dir / "outofcore"
     shutil.rmtree(run, ignore_errors=True)
     nvme_dir = nvme or str(run / "nvme")
@@ -157,6 +137,36 @@ def bench_train(model: str, data: str, cpu_mem: str, steps: int, work: str, fine
            "io_bound_by_probe_s": [rd / (p["read_gbps"] * 1e9) + wr / (p["write_gbps"] * 1e9) for p in io["probes"]],
            "losses": [r["loss"] for r in rows], "timeline": str(run / "timeline.png")}
     ooc["ssd_read_share"], ooc["ssd_write_share"] = t_rd / ooc["s_per_step"], t_wr / ooc["s_per_step"]  # sum: bound / step
+    return ooc, io
+
+
+def bench_train(model: str, data: str, cpu_mem: str, steps: int, work: str, finetune_args: list[str],
+                nvme: str | None = None, inmemory: str = "auto") -> dict:
+    """inmemory: auto (run the in-memory reference where its estimate fits the RAM available),
+    always (run it anyway: the estimate keeps a fifth of the RAM spare, and TinyLlama-1.1B at
+    1x512 tokens, estimated 18.44 GiB against 22 available, peaked 21.3 GiB and ran), never."""
+    from ..hf.checks import check_model_dir, load_tokenizer
+    _check_finetune_args([model, "--data", data, "--steps", str(steps), "--cpu-mem", cpu_mem, *finetune_args])
+    check_model_dir(model)  # both runs would fail on these: one clear line now, not two tracebacks later
+    load_tokenizer(model)
+    work_dir = Path(work)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    from ..engine.device import resolve_device
+    given = [finetune_args[i + 1] for i, a in enumerate(finetune_args[:-1]) if a == "--device"]
+    device = str(resolve_device(given[-1] if given else "auto"))  # both runs compute on the same device
+    finetune_args = [*finetune_args, "--device", device]
+    if not any(a.split("=")[0] == "--precision" for a in finetune_args):
+        from ..precision import resolve  # once, so that both runs compute in the same dtype
+        precision, why = resolve("auto", device)
+        print(why, file=sys.stderr)
+        finetune_args = [*finetune_args, "--precision", precision]
+    common = [model, "--data", data, "--steps", str(steps), *finetune_args]
+    result: dict = {"model": model, "steps": steps, "cpu_mem": cpu_mem, "device": device}
+
+    result["inmemory"], skipped = _inmemory_run(model, common, work_dir, inmemory)
+    if skipped:
+        result["inmemory_skipped"] = skipped
+    ooc, io = _outofcore_run(common, work_dir, nvme, cpu_mem, steps)
     result["outofcore"] = ooc
     result["measured_io"] = io
     (work_dir / "bench_train.json").write_text(json.dumps(result, indent=2) + "\n")
