@@ -310,3 +310,34 @@ def test_model_step_probe_replays_any_familys_layer_call():
                                     num_key_value_heads=2, vocab_size=128, tie_word_embeddings=True))):
         r = model_step.bench_model_step(AutoConfig.for_model(arch, **kw), 32, 16, torch.float32, repeats=1)
         assert r["layer_s"] > 0 and r["model_s"] > 0 and r["model_type"] == arch
+
+
+def test_the_plan_predicts_the_runs_own_settings(shape, tmp_path):
+    """What `tierlm plan --hardware this` predicts the engine will choose (read-ahead, shard size,
+    I/O depth) is what the engine chooses from the same measurements: both resolve them with
+    plan.settings.resolve_train."""
+    from tierlm.engine.engine import Engine, EngineConfig
+    from tierlm.hf.init import init_model
+    from tierlm.plan.settings import Measured
+
+    s, d = shape
+    from transformers import AutoConfig
+    model = tmp_path / "model"
+    init_model(model, AutoConfig.from_pretrained(d))
+    m = measurements()
+    # a drive whose slow requests come late beside slow compute: a read-ahead other than the default
+    m["io"].update(dir=str(tmp_path), queue_depth=8, shard_bytes=1 << 20, read_ms_p50=1.0, read_ms_p99=200.0)
+    m["compute"].update(layer_dtype="fp32", layer_tflops_by_tokens={"128": {"256": 1e-3}})
+    cpu_mem = 1 << 30
+    p = plan(s, hardware_from_measurements(m), Task(batch=1, seq_len=128, cpu_mem=cpu_mem, precision="fp32"))
+    compute = {k: m["compute"].get(k) for k in ("matmul_tflops", "layer_dtype", "layer_tflops_by_tokens")}
+    eng = Engine.from_pretrained(model, EngineConfig(nvme_dir=str(tmp_path / "nvme"), cpu_mem=cpu_mem, precision="fp32",
+                                                     tokens_per_micro_batch=128),
+                                 overwrite=True, measured=Measured(io=m["io"], compute=compute))
+    try:
+        ran = eng.settings.to_dict()
+    finally:
+        eng.close()
+    for k in ("prefetch", "shard_elems", "io_threads"):
+        assert p.settings[k] == ran[k], k
+    assert ran["prefetch"]["value"] > 2 and ran["io_threads"]["value"] == 8  # the measurements' picks, not defaults

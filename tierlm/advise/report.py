@@ -45,6 +45,9 @@ def text(p: Plan) -> str:
         a = p.activations
         lines.append(f"    activations        {fmt_bytes(a['per_layer_bytes'])}/layer: {a['on_device']} on device, "
                      f"{a['in_ram']} in RAM, {a['on_nvme']} swapped to NVMe, {a['recomputed']} recomputed")
+    if p.settings:  # this machine: what `tierlm finetune` will choose, as it will print it
+        lines.append("  the run's settings: " + "; ".join(
+            f"{k} {v['value']} ({v['why']})" for k, v in p.settings.items() if k in ("prefetch", "shard_elems", "io_threads")))
     if p.step_s is None:
         return "\n".join(lines)
     label = "per step" if t["kind"] == "finetune" else "per decode step"

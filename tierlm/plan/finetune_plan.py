@@ -2,6 +2,7 @@
 fastest placement of the activations that fits, and its step (finetune_time.py times each one)."""
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import NamedTuple
 
 from ..storage import BudgetError
@@ -9,9 +10,10 @@ from ..units import fmt_bytes
 from . import budget
 from . import cost as C
 from .catalog import Hardware
-from .finetune_time import ENGINE_PREFETCH, Layout, Mix, StepTimes, layout, step_times
+from .finetune_time import Layout, Mix, StepTimes, layout, step_times
 from .pipeline import combine
 from .records import Plan, Task, usable_ram
+from .settings import Measured, ModelFacts, TrainSettings, resolve_train
 from .shapes import ModelShape
 
 # The engine's process baseline beyond the libraries (Python and transformers objects, the model's
@@ -116,7 +118,7 @@ def _resident_state(p: Plan, s: ModelShape, hw: Hardware, task: Task, room: _Roo
     if hw.measured is not None and not room.gpu and task.cpu_mem is not None:
         # This machine under --cpu-mem: the state the engine will cache is what its own budget split
         # leaves (activations of every layer come first), not the planner's greedy order.
-        split = _engine_split(s, task, room.T, room.act, p)
+        split = _engine_split(s, task, room.T, room.act, p, hw)
         resident = min(s.params, split.state_cache // C.OPT_BYTES) if split and task.state_cache else 0
     return resident, split
 
@@ -214,7 +216,7 @@ def _record_step(p: Plan, s: ModelShape, task: Task, T: int, times: StepTimes, r
                "model_flops": C.train_flops(s, T, task.seq_len), "resident_params": resident}
 
 
-def _engine_split(s: ModelShape, task: Task, T: int, act: int, p: Plan) -> budget.Split | None:
+def _engine_split(s: ModelShape, task: Task, T: int, act: int, p: Plan, hw: Hardware) -> budget.Split | None:
     """The engine's budget split (`tierlm.plan.budget.plan_split`) for this model and --cpu-mem."""
     block = max(s.layer_params, s.embed_params, s.head_params)
     tied = s.head_params < s.vocab * s.hidden
@@ -223,10 +225,12 @@ def _engine_split(s: ModelShape, task: Task, T: int, act: int, p: Plan) -> budge
     blocks = ([{"tok": tok, "pos": s.embed_params * lay.w - tok}]
               + [{f"layer{i}": s.layer_params * lay.w} for i in range(s.layers)]
               + [{"tok": tok, "head": s.head_params * lay.w} if tied else {"head": s.head_params * lay.w}])
-    shard = min(budget.shard_elems_for(task.cpu_mem), max(s.hidden * s.intermediate, s.vocab * s.hidden))
+    run = _run_settings(s, task, T, hw)
+    p.settings = run.to_dict()
+    shard = min(run.shard_elems.value, max(s.hidden * s.intermediate, s.vocab * s.hidden))
     try:
         needs = budget.Needs(
-            budget.window_size(blocks, ENGINE_PREFETCH), block * lay.grad, shard * (C.OPT_BYTES + 4 + lay.w),
+            budget.window_size(blocks, run.prefetch.value), block * lay.grad, shard * (C.OPT_BYTES + 4 + lay.w),
             act, C.layer_input_bytes(s, T, lay.w), s.layers,
             budget.head_loss_bytes(C.hf_like_config(s), T, lay.dtype, tied=tied),
             # a tied head (no matrix of its own) holds its gradient through backward
@@ -238,3 +242,14 @@ def _engine_split(s: ModelShape, task: Task, T: int, act: int, p: Plan) -> budge
     except BudgetError as e:
         p.problems.append(str(e))
         return None
+
+
+def _run_settings(s: ModelShape, task: Task, T: int, hw: Hardware) -> TrainSettings:
+    """What `tierlm finetune` on this machine will choose (plan.settings.resolve_train, from the
+    same `bench` measurements the run reads): its read-ahead and shard size size the split here."""
+    m = hw.measured or {}
+    compute = {k: m.get(k) for k in ("matmul_tflops", "layer_dtype", "layer_tflops_by_tokens")}
+    cfg = SimpleNamespace(shard_elems=None, io_threads=None, prefetch=None, cpu_mem=task.cpu_mem, grad_accum=1,
+                          precision="fp32" if task.precision == "fp32" else "bf16", optim_states="fp32",
+                          tokens_per_micro_batch=T, device="cpu", activations=task.activations)
+    return resolve_train(cfg, Measured(io=m.get("nvme"), compute=compute), ModelFacts(s.layer_params, s.hidden))

@@ -59,6 +59,7 @@ class Plan:
     cost: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)
     assumptions: list[str] = field(default_factory=list)
+    settings: dict = field(default_factory=dict)  # this machine: the run's own choices (plan.settings), and why
 
     def to_json(self) -> dict:
         return asdict(self)
