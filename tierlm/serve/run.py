@@ -86,7 +86,9 @@ def generate_cmd(args: GenerateConfig, out=None, err=None) -> dict:
     rates, lines, rep = rated_report(batcher, eng, reqs, err)
     for line in lines:
         print(line, file=err)
-    rep.update({"placement": eng.placement.__dict__, "completion_tokens": [len(r.out_ids) for r in reqs],
+    # the run's automatic choices, as describe() printed them at the start: the placement under
+    # --cpu-mem (plan.inference, what `tierlm plan --task serve` predicts) and the decode path
+    rep.update({"placement": eng.placement.__dict__, "decode_path": eng.decode_path(), "completion_tokens": [len(r.out_ids) for r in reqs],
                 "text": reqs[0].text, "token_ids": reqs[0].out_ids, "rates": rates, "config": to_dict(args)})
     from ..rss import peak_rss
     rep["peak_rss_bytes"], rep["library_rss_bytes"] = peak_rss(), eng.library_rss
