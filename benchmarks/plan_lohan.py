@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from tierlm.plan.catalog import Catalog
 from tierlm.plan.planner import Task, plan
-from tierlm.plan.shapes import model_shape
+from tierlm.advise.models import model_shape
 
 CASES = [("gpt3-13b", 64, 156.0), ("llama-2-13b", 64, 156.0), ("gpt3-175b", 16, 87.0)]
 

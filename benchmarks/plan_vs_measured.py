@@ -30,7 +30,7 @@ from pathlib import Path
 from tierlm.demo import stdlib_corpus
 from tierlm.advise.command import hardware_from_measurements
 from tierlm.plan.planner import Task, plan
-from tierlm.plan.shapes import model_shape
+from tierlm.advise.models import model_shape
 from tierlm.units import parse_bytes
 
 # Realistic shapes (head dim 64, grouped KV heads), small enough for a few minutes a run.

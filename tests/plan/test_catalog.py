@@ -3,6 +3,7 @@ import dataclasses
 
 import pytest
 
+from tierlm.advise.models import load_catalog
 from tierlm.plan.catalog import CPUS, DRIVES, GPUS, Catalog
 
 
@@ -115,7 +116,7 @@ source = "NVIDIA L40S datasheet"
 [system]
 mybox = "l40s+512GiB+pm9a3*2"
 """)
-    cat = Catalog().load_toml(f)
+    cat = load_catalog(f)
     hw = cat.parse("mybox")
     assert hw.gpu.name == "l40s" and hw.gpu.memory_bytes == 48 << 30
 
@@ -124,7 +125,7 @@ def test_toml_part_missing_fields_is_named(tmp_path):
     f = tmp_path / "bad.toml"
     f.write_text('[drive.x]\nread_gbps = 3\nsource = "mine"\n')
     with pytest.raises(ValueError, match=r"bad.toml \[drive.x\]: missing field\(s\) capacity_bytes"):
-        Catalog().load_toml(f)
+        load_catalog(f)
 
 
 @pytest.mark.parametrize("read, cap, words", [
@@ -139,5 +140,5 @@ def test_toml_part_numbers_are_in_range(tmp_path, read, cap, words):
     f.write_text(f'[drive.x]\nread_gbps = {read}\nwrite_gbps = 3\ncapacity_bytes = {cap}\nprice_usd = 0\n'
                  f'power_w = 1\nsource = "mine"\n')
     with pytest.raises(ValueError) as e:
-        Catalog().load_toml(f)
+        load_catalog(f)
     assert words in str(e.value)

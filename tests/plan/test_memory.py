@@ -5,7 +5,7 @@ import sys
 CHILD = r"""
 from tierlm.plan.catalog import Catalog
 from tierlm.plan.planner import Task, plan
-from tierlm.plan.shapes import model_shape
+from tierlm.advise.models import model_shape
 s = model_shape("llama-3.1-405b")
 assert s.params > 400e9
 for kind in ("finetune", "serve"):

@@ -6,7 +6,7 @@ import pytest
 
 from tierlm.plan.catalog import Catalog
 from tierlm.plan.planner import Task, plan
-from tierlm.plan.shapes import model_shape
+from tierlm.advise.models import model_shape
 
 
 @pytest.fixture(scope="module")
@@ -103,3 +103,11 @@ def test_quantised_weights_decode_faster_where_memory_binds(cat):
     rate = {f: p[f].extra["decode_tokens_per_s"] for f in p}
     assert rate["int4"] > rate["int8"] > rate["bf16"]
     assert "int4 weights" in __import__("tierlm.advise.report", fromlist=["text"]).text(p["int4"])
+
+
+def test_a_shape_is_named_for_the_model_asked_about(tmp_path):
+    from transformers import AutoConfig
+    assert model_shape("llama-2-13b").name == "llama-2-13b"
+    AutoConfig.for_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         vocab_size=128).save_pretrained(tmp_path / "mine")
+    assert model_shape(str(tmp_path / "mine")).name == "mine"

@@ -7,7 +7,7 @@ from tierlm.plan import budget as B
 from tierlm.plan import cost as C
 from tierlm.advise.command import hardware_from_measurements
 from tierlm.plan.planner import Task, plan
-from tierlm.plan.shapes import model_shape
+from tierlm.advise.models import model_shape
 
 OVERHEAD = {"train_per_step_s": 0.05, "train_per_layer_s": 0.02, "train_per_step_recompute_s": 0.05,
             "train_per_layer_recompute_s": 0.03, "decode_resident_per_step_s": 0.001,

@@ -16,9 +16,9 @@ from ..config import to_dict
 from ..plan import cost as C
 from ..plan.catalog import CPU, Catalog, Drive, Hardware
 from ..plan.planner import Plan, Task, _usable_ram, plan
-from ..plan.shapes import _config_for, model_shape
 from ..units import fmt_bytes, parse_bytes
 from . import report
+from .models import _config_for, load_catalog, model_shape
 from .options import PlanConfig
 
 
@@ -268,9 +268,7 @@ def run_plan(cfg: PlanConfig) -> list[Plan]:
     each plan with the config it ran with (under the flags' names)."""
     task = task_of(cfg).validate()  # a bad flag is said before `--hardware this` measures the machine (minutes)
     model, nvme, logged = cfg.model, cfg.nvme, to_dict(cfg)
-    catalog = Catalog()
-    if cfg.catalog:
-        catalog.load_toml(cfg.catalog)
+    catalog = load_catalog(cfg.catalog) if cfg.catalog else Catalog()
     shape = model_shape(model)
     if cfg.compare:
         specs = (catalog.everything() if cfg.compare.strip().lower() == "all"

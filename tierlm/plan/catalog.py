@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from ..units import parse_bytes
 from ..validate import Num, Size
@@ -214,15 +213,16 @@ class Catalog:
         self.gpus, self.cpus, self.drives = dict(GPUS), dict(CPUS), dict(DRIVES)
         self.systems = dict(SYSTEMS)
 
-    def load_toml(self, path: str | Path) -> "Catalog":
-        """Add or replace parts from a TOML file: [gpu.NAME], [cpu.NAME], [drive.NAME] tables with
-        every field of that class (sizes may be strings like "48GiB"), [system] NAME = "spec"."""
+    def add_toml(self, text: str, where: str) -> "Catalog":
+        """Add or replace parts from a TOML text (a `--catalog` file's, read by the recipe):
+        [gpu.NAME], [cpu.NAME], [drive.NAME] tables with every field of that class (sizes may be
+        strings like "48GiB"), [system] NAME = "spec". where: the file, for the errors."""
         import tomllib
 
-        path = Path(path)
+        path = where
         try:
-            data = tomllib.loads(path.read_text())
-        except (OSError, tomllib.TOMLDecodeError) as e:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
             raise ValueError(f"--catalog {path}: cannot read it as TOML: {e}") from None
         kinds = {"gpu": (GPU, self.gpus), "cpu": (CPU, self.cpus), "drive": (Drive, self.drives)}
         for kind, table in data.items():

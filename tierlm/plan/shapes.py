@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass
-from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from ..hf.fields import get, head_dim as head_dim_of
 
 # Shapes of models the planner is asked about that tierlm has no `init` preset for (planning only).
 PLAN_SHAPES = {
@@ -64,37 +68,10 @@ class ModelShape:
         return asdict(self)
 
 
-def _config_for(model: str):
-    """An HF config from a model directory, a config.json path, an init preset or a plan shape."""
-    from ..hf.presets import NATIVE_PRESETS, PRESETS, make_config, preset_names
-
-    p = Path(model)
-    if p.is_dir() or p.name == "config.json":
-        cfg_file = p / "config.json" if p.is_dir() else p
-        if not cfg_file.is_file():
-            raise ValueError(f"{model}: no config.json there; give a Hugging Face model directory or a preset "
-                             f"({', '.join(preset_names() + sorted(PLAN_SHAPES))})")
-        from transformers import AutoConfig
-        return AutoConfig.from_pretrained(cfg_file.parent), str(cfg_file)
-    key = model.lower()
-    if key in PRESETS or key in NATIVE_PRESETS:
-        return make_config(None, key, {}), (PRESETS.get(key) or NATIVE_PRESETS[key]).source
-    if key in PLAN_SHAPES:
-        arch, source, over = PLAN_SHAPES[key]
-        return make_config(arch, None, over), source
-    raise ValueError(f"model {model!r}: not a directory with config.json, nor a preset; presets: "
-                     f"{', '.join(preset_names() + sorted(PLAN_SHAPES))}")
-
-
-def model_shape(model: str) -> ModelShape:
-    """The shape of `model` (a directory, a config.json, or a preset name), counted on `meta`."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    config, source = _config_for(model)
+def shape_of(config, model_name: str, source: str) -> ModelShape:
+    """The shape of the model `config` describes, counted on `meta`; model_name and source say which it is."""
     with torch.device("meta"):  # parameters and buffers take no memory
         m = AutoModelForCausalLM.from_config(config)
-    from ..hf.fields import get, head_dim as head_dim_of
     n = get(config, "layers")
     layers_name = next(name for name, mod in m.named_modules()
                        if isinstance(mod, torch.nn.ModuleList) and len(mod) == n)
@@ -117,11 +94,11 @@ def model_shape(model: str) -> ModelShape:
     gated = any("gate" in name for name, _ in m.get_submodule(layers_name)[0].named_modules())
     del m
     if len(set(per_layer)) != 1:
-        raise ValueError(f"{model}: decoder layers of different sizes are not planned yet ({sorted(set(per_layer))})")
+        raise ValueError(f"{model_name}: decoder layers of different sizes are not planned yet ({sorted(set(per_layer))})")
     hidden, heads = get(config, "hidden"), get(config, "heads")
     inter = get(config, "intermediate") or 4 * hidden
     return ModelShape(
-        name=Path(model).name if Path(model).exists() else model.lower(), model_type=config.model_type,
+        name=model_name, model_type=config.model_type,
         source=source, params=sum(per_layer) + embed + head, embed_params=embed, head_params=head,
         layer_params=per_layer[0], layers=n, hidden=hidden, intermediate=inter, heads=heads,
         kv_heads=get(config, "kv_heads") or heads, head_dim=head_dim_of(config),
