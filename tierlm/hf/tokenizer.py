@@ -11,6 +11,7 @@ model. With Qwen2's, every architecture loads exactly the tokenizer written here
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -113,3 +114,21 @@ def special_token_ids(tok) -> dict[str, int]:
     """bos/eos/pad ids plus the ChatML end-of-turn id, as config / generation_config want them."""
     return {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
             "pad_token_id": tok.pad_token_id, "im_end_token_id": tok.convert_tokens_to_ids(IM_END)}
+
+
+def eos_ids_of(tokenizer, model_dir) -> list[int]:
+    """End-of-sequence ids: the tokenizer's, and the model's as transformers' generate takes them:
+    generation_config.json's (a list in chat models: end of text and end of turn), or, where the
+    directory has no generation_config.json (older uploads), config.json's. A generation config
+    without one adds none."""
+    ids = set()
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    d = Path(model_dir)
+    for name in ("generation_config.json", "config.json"):
+        f = d / name
+        if f.is_file():
+            e = json.loads(f.read_text()).get("eos_token_id")
+            ids.update(int(i) for i in (e if isinstance(e, list) else [e]) if i is not None)
+            break  # transformers takes config.json's only when there is no generation_config.json
+    return sorted(ids)

@@ -14,6 +14,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from ..hf.tokenizer import eos_ids_of
 from ..storage import BudgetError
 from .sampling import SamplingParams, TextStream, choose, make_generator
 
@@ -190,27 +191,6 @@ class Batcher:
         r.t_done = time.perf_counter()
         if r.on_done:
             r.on_done(r)
-
-
-def eos_ids_of(tokenizer, model_dir) -> list[int]:
-    """End-of-sequence ids: the tokenizer's, and the model's as transformers' generate takes them:
-    generation_config.json's (a list in chat models: end of text and end of turn), or, where the
-    directory has no generation_config.json (older uploads), config.json's. A generation config
-    without one adds none."""
-    import json
-    from pathlib import Path
-
-    ids = set()
-    if getattr(tokenizer, "eos_token_id", None) is not None:
-        ids.add(tokenizer.eos_token_id)
-    d = Path(model_dir)
-    for name in ("generation_config.json", "config.json"):
-        f = d / name
-        if f.is_file():
-            e = json.loads(f.read_text()).get("eos_token_id")
-            ids.update(int(i) for i in (e if isinstance(e, list) else [e]) if i is not None)
-            break  # transformers takes config.json's only when there is no generation_config.json
-    return sorted(ids)
 
 
 __all__ = ["Batcher", "Request", "SamplingParams", "BudgetError", "eos_ids_of"]

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..hf.tokenizer import eos_ids_of
+
 
 @dataclass
 class SamplingParams:
@@ -104,8 +106,6 @@ def generate_ids(engine, input_ids: torch.Tensor, max_new_tokens: int, temperatu
 def generate(engine, tokenizer, prompt: str, max_new_tokens: int = 40, temperature: float = 0.0,
              seed: int = 0) -> str:
     """The completion of `prompt` as text (the fine-tuning run's sample)."""
-    from .batcher import eos_ids_of
-
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     model_dir = getattr(engine, "model_dir", None)  # an engine from_model has none: the tokenizer's eos
     eos = eos_ids_of(tokenizer, model_dir) if model_dir else tokenizer.eos_token_id
