@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from .. import rss
-from ..units import count, fmt_bytes, parse_bytes
+from ..units import count, fmt_bytes
 
 
 def use_bar(stream) -> bool:
@@ -47,7 +47,7 @@ class Progress:
     def __init__(self, total: int, start: int, engine, cfg, metrics_path: Path, data_summary: str,
                  fresh: bool = True):
         self.total, self.engine, self.cfg = total, engine, cfg
-        self.budget = parse_bytes(cfg.cpu_mem)
+        self.budget = engine.cfg.cpu_mem  # parsed once, by the engine's options
         self.metrics = open(metrics_path, "w" if fresh else "a")
         self.rows: list[dict] = []
         self.t_start = time.perf_counter()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 
 from .progress import Progress
-from ..units import parse_bytes
 
 
 class _Silent:
@@ -22,7 +21,7 @@ class _Silent:
 class RankProgress(Progress):
     def __init__(self, total, start, engine, cfg, metrics_path, fresh=True):
         self.total, self.engine, self.cfg = total, engine, cfg
-        self.budget = parse_bytes(cfg.cpu_mem)
+        self.budget = engine.cfg.cpu_mem  # parsed once, by the engine's options
         self.metrics = open(metrics_path, "w" if fresh else "a")
         self.rows = []
         self.t_start = time.perf_counter()
