@@ -49,6 +49,6 @@ def __getattr__(name):
         from .engine import engine as _engine
         return getattr(_engine, name)
     if name == "FinetuneConfig":
-        from .train.finetune import FinetuneConfig
+        from .train.options import FinetuneConfig
         return FinetuneConfig
     raise AttributeError(name)

@@ -164,7 +164,7 @@ def _add_plan_verbs(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from .demo import DemoConfig
     from .hf.init_options import InitConfig
-    from .train.finetune import FinetuneConfig
+    from .train.options import FinetuneConfig
 
     p = argparse.ArgumentParser(prog="tierlm", description=(
         "Fine-tune language models larger than memory: weights and optimizer states on NVMe, "

@@ -84,7 +84,7 @@ def _check_finetune_args(argv: list[str]) -> None:
     import argparse
 
     from ..config import add_arguments, from_args
-    from .finetune import FinetuneConfig
+    from .options import FinetuneConfig
     ap = argparse.ArgumentParser(prog="tierlm bench train --finetune-args", add_help=False)
     add_arguments(ap, FinetuneConfig, positional=("model",))
     from_args(FinetuneConfig, ap.parse_args(argv))

@@ -9,12 +9,37 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-# No torch at import (nor modules that import it): the command line builds its flags from
-# FinetuneConfig, and `tierlm finetune --help` answers without torch's seconds; the run imports it.
-from ..config import check, to_dict
+import torch
+from transformers import AutoConfig
+
+# torch at import: the command line builds its flags from train/options.py, which has none, and
+# imports this module only when a run starts.
+from ..bench import rates
+from ..config import build, check, to_dict
+from ..dist import from_env
+from ..dist.data import global_losses, split_batch
+from ..dist.state import rank_dir
+from ..engine.baseline import warm_kernels
+from ..engine.device import resolve_device
+from ..engine.engine import Engine, EngineConfig
+from ..engine.optimizer import AdamWConfig
+from ..engine.timeline import fmt_share
 from ..faults import fault
+from ..hf.baseline import library_baseline
+from ..hf.checks import check_model_dir, load_tokenizer
+from ..hf.presets import param_count
+from ..infer.sampling import generate
+from ..plan.budget import moment_bytes_per_param
+from ..precision import resolve
+from ..storage import BudgetError
+from ..storage.commit import list_manifests, read_manifest
 from ..units import count
+from .data import Batches, load_dataset
 from .options import FinetuneConfig
+from .progress import Progress
+from .rank_progress import RankProgress
+from .rundir import (RESULT_OPTIONS, RunLock, check_nvme, config_diff, created_by_us, rng_state, set_rng_state,
+                     truncate_metrics, undo_refused)
 from .schedule import lr_at
 
 
@@ -27,7 +52,6 @@ def _resolve(cfg: FinetuneConfig) -> FinetuneConfig:
     check(cfg)
     if cfg.max_grad_norm is not None and cfg.max_grad_norm <= 0:
         cfg.max_grad_norm = None
-    from ..engine.device import resolve_device
     cfg.device = str(resolve_device(cfg.device))
     if cfg.precision == "auto":
         saved = _saved_precision(cfg)
@@ -43,7 +67,6 @@ def _saved_precision(cfg: FinetuneConfig) -> str | None:
     """A resumed run keeps the precision its state was made in (the state's fingerprint has it)."""
     if cfg.resume != "auto":
         return None
-    from ..storage.commit import list_manifests, read_manifest
     for root in (Path(cfg.nvme), Path(cfg.nvme) / "rank0"):
         for m in list_manifests(root):
             try:
@@ -55,7 +78,6 @@ def _saved_precision(cfg: FinetuneConfig) -> str | None:
 
 def _auto_precision(cfg: FinetuneConfig) -> str:
     """From the CPU's ISA flags or the GPU's capability, never timed; summary.json records why."""
-    from ..precision import resolve
     chosen, why = resolve("auto", cfg.device)
     print(why, file=sys.stderr)
     cfg.precision_reason = why
@@ -66,7 +88,6 @@ def _save_timeline(tl, out: Path, step: int, end: float, progress) -> None:
     """The step's timeline to [its start, `end`]: the window of its s/step (its log line and metrics
     row), so the picture's title, axis and lane shares are that step's numbers. Called after the
     step, outside its time."""
-    from ..engine.timeline import fmt_share
     tl.stop(end)
     dt, stall = tl.span_s(), tl.stall_s()
     tl.save_chrome(out / "timeline.json")
@@ -87,21 +108,17 @@ def finetune(cfg: FinetuneConfig | None = None, **options) -> dict:
 
     Accepts a FinetuneConfig or the same options as keywords: finetune(model=..., data=..., cpu_mem="4GiB").
     """
-    from ..config import build
 
     if cfg is None:
         cfg = build(FinetuneConfig, options, source="finetune() arguments")
     cfg = _resolve(cfg)
     out = Path(cfg.output)
-    from .rundir import created_by_us, undo_refused
     created = created_by_us(out, cfg.nvme)  # what a refusal removes again, before mkdir makes it exist
     out.mkdir(parents=True, exist_ok=True)
-    from ..dist import from_env
     dist = from_env(cfg.dist_timeout)
     if dist is not None:
         # Ranks started by torchrun directly measured on their own: they must have chosen alike.
         dist.same_on_all(int(cfg.precision == "bf16"), "--precision (pass it explicitly)")
-    from .rundir import RunLock
     lock = RunLock(out) if dist is None or dist.rank == 0 else None
     try:
         return _run(cfg, out, dist)
@@ -110,7 +127,6 @@ def finetune(cfg: FinetuneConfig | None = None, **options) -> dict:
         # was recorded: the directories this call made go again, so the refusal leaves nothing
         # behind. A failure (a disk error, an interrupt) or anything after a step keeps them: its
         # message may point at the state, and --resume auto continues from it.
-        from ..storage import BudgetError
         if dist is None and (isinstance(e, BudgetError) or not isinstance(e, RuntimeError)):
             undo_refused(out, created)
         raise
@@ -162,10 +178,6 @@ def _run(cfg: FinetuneConfig, out: Path, dist=None) -> dict:
 
 def _model_config(cfg: FinetuneConfig, dist):
     """The model's config, once the directory, an earlier run's state and --seq-len are checked."""
-    from transformers import AutoConfig
-
-    from ..hf.checks import check_model_dir
-
     check_model_dir(cfg.model)
     if dist is None and any((Path(cfg.nvme) / "rank0").glob("manifest-*.json")):
         raise ValueError(f"--nvme {cfg.nvme} holds a data-parallel run's state (rank folders); continue it "
@@ -181,15 +193,11 @@ def _model_config(cfg: FinetuneConfig, dist):
 def _nvme_dir(cfg: FinetuneConfig, dist, hf_config) -> str:
     """This rank's state directory, checked for room: two slots of master, m, v and weights, and the
     saved gradients (a rank holds its share of the states and all working weights)."""
-    from ..hf.presets import param_count
-    from ..plan.budget import moment_bytes_per_param
-    from .rundir import check_nvme
 
     wbytes = 2 if cfg.precision == "bf16" else 0
     per_param = 2 * (4 + moment_bytes_per_param(cfg.optim_states) + wbytes) + 4
     nvme = cfg.nvme
     if dist is not None:
-        from ..dist.state import rank_dir
         nvme = str(rank_dir(cfg.nvme, dist.rank))
         per_param = per_param / dist.world + 2 * max(wbytes, 4)
     check_nvme(nvme, int(per_param * param_count(hf_config)))
@@ -198,9 +206,6 @@ def _nvme_dir(cfg: FinetuneConfig, dist, hf_config) -> str:
 
 def _engine(cfg: FinetuneConfig, out: Path, dist, nvme: str, library_rss: int):
     """The engine, its settings resolved from what `tierlm bench` measured of this machine."""
-    from ..bench import rates
-    from ..engine.engine import Engine, EngineConfig
-    from ..engine.optimizer import AdamWConfig
 
     optim = AdamWConfig(lr=cfg.lr, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps,
                         weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm, impl=cfg.optim_impl)
@@ -216,14 +221,6 @@ def _engine(cfg: FinetuneConfig, out: Path, dist, nvme: str, library_rss: int):
 
 
 def _start(cfg: FinetuneConfig, out: Path, dist) -> _Run:
-    import torch
-
-    from ..engine.baseline import warm_kernels
-    from ..hf.baseline import library_baseline
-    from ..hf.checks import load_tokenizer
-    from .data import Batches, load_dataset
-    from .rundir import RESULT_OPTIONS
-
     hf_config = _model_config(cfg, dist)
     dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
     # measured first: what the tokenizer and the data hold counts against --cpu-mem
@@ -252,10 +249,6 @@ def _metrics_name(dist) -> str:
 def _resume_or_seed(run: _Run) -> dict | None:
     """A resumed run's trainer state (data position, RNG), checked against this run's options; a new
     run's seed. Returns the trainer state, or None for a new run."""
-    import torch
-
-    from .rundir import config_diff, set_rng_state, truncate_metrics
-
     cfg, engine = run.cfg, run.engine
     trainer = engine.state.get("trainer")
     for fb in engine.fallbacks:
@@ -281,11 +274,9 @@ def _resume_or_seed(run: _Run) -> dict | None:
 def _progress(run: _Run, dataset, fresh: bool):
     """The lead rank prints, and writes config.json and settings.json (every automatic choice and
     why); the others only record their own metrics."""
-    from .progress import Progress
 
     metrics = run.out / _metrics_name(run.dist)
     if not run.lead:
-        from .rank_progress import RankProgress
         return RankProgress(run.total, run.start, run.engine, run.cfg, metrics, fresh=fresh)
     (run.out / "config.json").write_text(json.dumps(to_dict(run.cfg), indent=2) + "\n")
     (run.out / "settings.json").write_text(json.dumps(run.engine.settings_record(), indent=2) + "\n")
@@ -301,7 +292,6 @@ def _micro_batches(run: _Run, step: int) -> tuple[list[float], int]:
         tokens += ids.numel()
         weight = 1.0
         if dist is not None:  # this rank's rows of the global batch
-            from ..dist.data import split_batch
             ids, labels, weight = split_batch(dist, ids, labels)
         loss = engine.forward(ids, labels=labels).loss
         if dist is not None:
@@ -314,14 +304,11 @@ def _micro_batches(run: _Run, step: int) -> tuple[list[float], int]:
         engine.backward(loss)
         losses.append(loss.item())
     if dist is not None:
-        from ..dist.data import global_losses
         losses = global_losses(dist, losses)
     return losses, tokens
 
 
 def _steps(run: _Run) -> None:
-    from .rundir import rng_state
-
     cfg, engine = run.cfg, run.engine
     # A step's time and bytes run from the end of the one before (its commit included: the
     # commit's writes land during this step's forward) to this one's end; drawing a timeline,
@@ -364,8 +351,6 @@ def _stop_if_stuck(run: _Run, step: int) -> None:
 
 def _finish(run: _Run) -> dict:
     """The final model, the summary (and a sample of the fine-tuned model, where asked)."""
-    import torch
-
     cfg, engine = run.cfg, run.engine
     engine.release_step_memory()
     save_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(cfg.save_dtype or "", None)
@@ -375,7 +360,6 @@ def _finish(run: _Run) -> dict:
     summary["precision"] = cfg.precision
     summary["precision_reason"] = getattr(cfg, "precision_reason", f"--precision {cfg.precision}")
     if cfg.sample_prompt:
-        from ..infer.sampling import generate
         summary["sample"] = generate(engine, run.tokenizer, cfg.sample_prompt, cfg.sample_tokens,
                                      cfg.sample_temperature, seed=cfg.seed)
     (run.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
