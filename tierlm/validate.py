@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .units import parse_bytes
+
 # torch.manual_seed and torch.Generator.manual_seed accept exactly this range.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
@@ -80,7 +82,6 @@ class Size:
     def check(self, value, name: str):
         if value is None:
             return value
-        from .units import parse_bytes
         n = parse_bytes(value, name)  # its own error names `name` and the form
         if n <= self.gt:
             raise ValueError(f"{name} must be {self.describe()}; got {value!r}")

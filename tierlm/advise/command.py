@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ..bench import cache, measure, model_step
+from ..bench import cache, measure, model_step, overhead, overlap
 from ..bench.progress import Stages
 from ..config import to_dict
 from ..plan import cost as C
@@ -55,8 +55,7 @@ def measured_this(nvme: str | None, quiet: bool = False) -> dict:
     data = cache.load()
     if "io" not in data or (nvme and Path(data["io"]["dir"]) != Path(nvme).resolve()):
         where = nvme or "."
-        from ..bench.measure import probe_size
-        size, why = probe_size(where, 2 << 30)
+        size, why = measure.probe_size(where, 2 << 30)
         if not size:
             raise ValueError(f"--hardware this: cannot measure the drive under {Path(where).resolve()}: {why}; "
                              f"pass --nvme DIR on the drive the runs will use")
@@ -113,8 +112,6 @@ def run_bench(what: str, nvme: str | None, size: int = 2 << 30, quiet: bool = Fa
         res.update(st(measure.bench_block_size, nvme, res["queue_depth"], size_bytes=sweep))
         res.update(st(measure.bench_memory))
     else:
-        from ..bench.overhead import bench_overhead
-        from ..bench.overlap import bench_overlap
         st = Stages("bench compute", COMPUTE_STAGES, note=f"{torch.get_num_threads()} threads",
                     quiet=quiet)
         res = st(measure.bench_compute)
@@ -123,8 +120,8 @@ def run_bench(what: str, nvme: str | None, size: int = 2 << 30, quiet: bool = Fa
         res.update(st(measure.bench_checksum))
         # The commit's syncfs is part of the overhead: measure on the drive the runs use.
         where = nvme if nvme and nvme != "." else _existing(cache.load().get("io", {}).get("dir", "."))
-        res["overhead"] = st(bench_overhead, where)
-        res.update(st(bench_overlap, where))
+        res["overhead"] = st(overhead.bench_overhead, where)
+        res.update(st(overlap.bench_overlap, where))
     res_machine = measure.machine()
     path = cache.update(what, res, also_next_to=nvme if what == "io" else None)
     cache.update("machine", res_machine)

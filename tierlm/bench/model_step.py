@@ -16,10 +16,15 @@ from pathlib import Path
 import psutil
 import torch
 
+from ..engine.engine import Engine, EngineConfig
+from ..engine.head_loss import causal_lm_loss
+from ..engine.heap import MIN_COMPUTE_SHARE, HeapGuard
+from ..engine.optim_types import AdamWConfig
 from ..hf.fields import put
-
+from ..hf.structure import find_layers
+from ..plan import budget as B
+from ..plan.budget import chunk_tokens
 from . import measure
-
 
 MODEL_STEP_S = 4.0        # one layer's timed step at most about this (fewer rows of the run's length)
 MODEL_MAX_PARAMS = 2e9    # beyond: building the probe model takes longer than the plan is worth
@@ -64,8 +69,6 @@ def bench_model_step(config, tokens: int, seq: int, dtype: torch.dtype, repeats:
     Each part's best of `repeats` rounds or more (MODEL_PROBE_S), interleaved. The steps run as the engine's do: with freed
     blocks kept in the heap for reuse (HeapGuard); under tierlm's import settings every transient
     tensor would be fresh pages zeroed by the kernel, a cost the step it predicts does not pay."""
-    from ..engine.heap import MIN_COMPUTE_SHARE, HeapGuard
-    from ..plan import budget as B
 
     per_row = B.layer_activation_bytes(config, seq, dtype) + B.logits_bytes(config, seq, dtype)
     built = _one_layer_model(config, dtype, per_row)
@@ -118,8 +121,6 @@ def _one_layer_model(config, dtype: torch.dtype, per_row: int):
 def _model_step(model, config, seq: int, dtype: torch.dtype, rows: int):
     """A training step of `rows` random rows of `seq` tokens through the whole model, its head and
     loss in chunks where the engine chunks them (head_loss)."""
-    from ..engine.head_loss import causal_lm_loss
-    from ..plan.budget import chunk_tokens
 
     head = model.get_output_embeddings()
     plain_head = type(head) is torch.nn.Linear and not getattr(config, "final_logit_softcapping", None)
@@ -140,7 +141,6 @@ def _model_step(model, config, seq: int, dtype: torch.dtype, rows: int):
 def _layer_step(model, whole):
     """The decoder layer's own forward + backward, on the arguments the model's forward passed it
     in `whole` (captured by a hook: any family's signature)."""
-    from ..hf.structure import find_layers
 
     layer = find_layers(model)[1][0]
     got = {}
@@ -245,8 +245,6 @@ def bench_engine_step(config, tokens: int, seq: int, dtype: torch.dtype, directo
     import statistics
     import tempfile
 
-    from ..engine.engine import Engine
-
     model = _probe_model(config, layers)
     if model is None:
         return None
@@ -293,8 +291,6 @@ def _engine_config(root: Path, dtype: torch.dtype, cpu_mem: int | None, clip: st
                    rows: int, seq: int):
     """The probe engine's settings: the run's precision, budget (4 GiB where none is given),
     clipping and state cache, its activations kept, its store under `root`."""
-    from ..engine.engine import EngineConfig
-    from ..engine.optim_types import AdamWConfig
 
     precision = "bf16" if dtype == torch.bfloat16 else "fp32"
     # clipping on (or redo): the gradients are saved for the exact redo, as in the run; the limit is

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..dist.grads import gather_norms
 from .grad_norm import chunked, piece_norms
 from .optim_types import EARLY, ShardItem, StepResult
 
@@ -13,7 +14,6 @@ class NormsMixin:
         """After the last micro-batch: global norm, and the clip redo when torch would clip."""
         per_param = self._norms
         if self.dist is not None:
-            from ..dist.grads import gather_norms
             per_param = gather_norms(self.dist, self._norms, self.canonical)
         self.stepped = [n for n in self.canonical if n in per_param]  # on every rank alike
         norms = [per_param[n] for n in self.stepped]

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..hf.tokenizer import eos_ids_of
+from .kvcache import cache_kwarg
 
 
 @dataclass
@@ -76,8 +77,6 @@ def generate_ids(engine, input_ids: torch.Tensor, max_new_tokens: int, temperatu
     Stops when every row has produced one of `eos_token_id` (one id or several: chat models end a
     turn with their own token besides end-of-text); the eos token is kept in the output."""
     from transformers import DynamicCache
-
-    from .kvcache import cache_kwarg
 
     params = SamplingParams(temperature=temperature, top_p=top_p)
     gen = make_generator(seed)

@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..hf.tokenizer import chat_ids
 from ..infer.sampling import SamplingParams
 
 
@@ -107,7 +108,6 @@ def completion_prompt(body: CompletionBody, tokenizer, vocab: int) -> list[int]:
 
 def chat_prompt(body: ChatBody, tokenizer) -> list[int]:
     """The conversation through the model's chat template ("developer" is OpenAI's "system")."""
-    from ..hf.tokenizer import chat_ids
 
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions", "messages")

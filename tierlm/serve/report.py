@@ -7,6 +7,7 @@ and matmul rates) come in as data: tierlm.bench.rooflines measures and caches th
 """
 from __future__ import annotations
 
+from ..infer import gemv
 from ..units import count
 
 
@@ -40,8 +41,7 @@ def compute_dtype(engine) -> str:
     EPYC, a decode phase read as 89x its compute roofline)."""
     import torch
 
-    from ..infer.gemv import bf16_matmul_is_slow
-    return "bf16" if engine.dtype == torch.bfloat16 and not bf16_matmul_is_slow() else "fp32"
+    return "bf16" if engine.dtype == torch.bfloat16 and not gemv.bf16_matmul_is_slow() else "fp32"
 
 
 def report(batcher, engine, requests, rates: dict) -> tuple[list[str], dict]:

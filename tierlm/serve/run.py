@@ -5,11 +5,17 @@ from __future__ import annotations
 import json
 import sys
 
+from ..bench import rooflines
 from ..config import to_dict
+from ..hf.checks import check_model_dir, load_tokenizer
+from ..hf.tokenizer import chat_ids
+from ..infer.batcher import Batcher, Request, eos_ids_of
 from ..infer.engine import InferConfig, InferenceEngine
 from ..infer.sampling import SamplingParams
+from ..rss import peak_rss
 from ..units import count
 from .options import ChatConfig, EngineOptions, GenerateConfig
+from .report import read_past_the_roofline, report
 
 
 def infer_config(args: EngineOptions, max_batch: int, max_seq_len: int | None) -> InferConfig:
@@ -33,9 +39,6 @@ def sampling(args) -> SamplingParams:
 
 
 def load(model_dir, cfg: InferConfig, tok=None):
-    from ..hf.checks import check_model_dir, load_tokenizer
-    from ..infer.batcher import Batcher, eos_ids_of
-
     check_model_dir(model_dir)
     tok = tok or load_tokenizer(model_dir)
     eng = InferenceEngine(model_dir, cfg)
@@ -49,7 +52,6 @@ def load(model_dir, cfg: InferConfig, tok=None):
 
 
 def _chat_ids(tok, messages) -> list[int]:
-    from ..hf.tokenizer import chat_ids
     try:
         return chat_ids(tok, messages)
     except ValueError as e:
@@ -62,8 +64,6 @@ def generate_cmd(args: GenerateConfig, out=None, err=None) -> dict:
     """`tierlm generate`: stream the completion to `out`, the phase report to `err` (default: the
     process's stdout and stderr at the call)."""
     out, err = out or sys.stdout, err or sys.stderr
-    from ..hf.checks import check_model_dir, load_tokenizer
-    from ..infer.batcher import Request
 
     check_model_dir(args.model)
     tok = load_tokenizer(args.model)
@@ -90,7 +90,6 @@ def generate_cmd(args: GenerateConfig, out=None, err=None) -> dict:
     # --cpu-mem (plan.inference, what `tierlm plan --task serve` predicts) and the decode path
     rep.update({"placement": eng.placement.__dict__, "decode_path": eng.decode_path(), "completion_tokens": [len(r.out_ids) for r in reqs],
                 "text": reqs[0].text, "token_ids": reqs[0].out_ids, "rates": rates, "config": to_dict(args)})
-    from ..rss import peak_rss
     rep["peak_rss_bytes"], rep["library_rss_bytes"] = peak_rss(), eng.library_rss
     if args.json:
         with open(args.json, "w") as f:
@@ -104,20 +103,18 @@ def rated_report(batcher, engine, requests, err) -> tuple[dict, list[str], dict]
 
     A phase that read memory faster than the cached roofline proves the roofline low: the memory is
     measured again, once, and the roofline is the faster of the two, kept in the cache."""
-    from ..bench.rooflines import machine_rates
-    from .report import read_past_the_roofline, report
 
     nvme = str(engine.store.root) if getattr(engine, "store", None) else None
-    rates = machine_rates(nvme)
+    rates = rooflines.machine_rates(nvme)
     lines, out = report(batcher, engine, requests, rates)
     if read_past_the_roofline(out) and not rates.get("remeasured"):
         print("tierlm: a phase read memory faster than the measured roofline; measuring it again", file=err)
-        new = machine_rates(nvme, fresh=True)
+        new = rooflines.machine_rates(nvme, fresh=True)
         if new.get("mem_gbps"):
             best = max(new["mem_gbps"], rates.get("mem_gbps") or 0.0)
             rates.update(new)
             rates["mem_gbps"], rates["remeasured"] = best, True
-            machine_rates(nvme, store={**rates})
+            rooflines.machine_rates(nvme, store={**rates})
             lines, out = report(batcher, engine, requests, rates)
     return rates, lines, out
 
@@ -125,7 +122,6 @@ def rated_report(batcher, engine, requests, err) -> tuple[dict, list[str], dict]
 def chat_cmd(args: ChatConfig, inp=None, out=None, err=None) -> int:
     """`tierlm chat`: a conversation on the terminal; /reset forgets it, /exit (or end of input) ends."""
     inp, out, err = inp or sys.stdin, out or sys.stdout, err or sys.stderr
-    from ..infer.batcher import Request
 
     cfg = infer_config(args, 1, None)
     eng, tok, batcher = load(args.model, cfg)

@@ -15,9 +15,9 @@ import uuid
 from ..infer.batcher import Request
 from ..infer.sampling import SamplingParams
 from ..storage import BudgetError
-from .api import (APIError, ChatBody, CompletionBody, _Body, chat_prompt, completion_prompt, error_json,
-                  sampling_of)
+from .api import APIError, ChatBody, CompletionBody, _Body, chat_prompt, completion_prompt, error_json, sampling_of
 from .options import ServeConfig
+from .run import infer_config, load
 
 
 def _fit_to_slot(p: SamplingParams, body: _Body, ids: list[int], max_len: int) -> None:
@@ -174,8 +174,6 @@ def serve_cmd(args: ServeConfig) -> int:
     from pathlib import Path
 
     import uvicorn
-
-    from .run import infer_config, load
 
     cfg = infer_config(args, args.max_batch, None)
     eng, tok, batcher = load(args.model, cfg)

@@ -24,8 +24,14 @@ from pathlib import Path
 
 import psutil
 
+from ..bench.measure import bench_io
+from ..config import add_arguments, from_args
+from ..engine.device import resolve_device
+from ..hf import checks
+from ..hf.presets import param_count
+from ..precision import resolve
 from ..units import fmt_bytes
-
+from .options import FinetuneConfig
 
 # Steps left out of the steady means: the out-of-core run's first two create the files of its two
 # state slots (a step writes the slot the last one did not), and creating a file writes 2-3x slower
@@ -59,14 +65,12 @@ def _steady(rows: list[dict], key: str) -> float:
 def _inmemory_fits(model_dir: str) -> tuple[bool, int]:
     from transformers import AutoConfig
 
-    from ..hf.presets import param_count
     need = 18 * param_count(AutoConfig.from_pretrained(model_dir))  # bf16 + fp32 master + m, v + grads
     return need < 0.8 * psutil.virtual_memory().available, need
 
 
 def _probe_io(nvme_dir: str) -> dict:
     """`bench io` of the run's own NVMe folder, measured now (not the cache)."""
-    from ..bench.measure import bench_io
 
     io = bench_io(nvme_dir)
     return {"read_gbps": io["read_gbps"], "write_gbps": io["write_gbps"], "dir": io["dir"]}
@@ -83,8 +87,6 @@ def _check_finetune_args(argv: list[str]) -> None:
     work directory exists: a `--lr nan` is one clear line, not a child's failure and a directory."""
     import argparse
 
-    from ..config import add_arguments, from_args
-    from .options import FinetuneConfig
     ap = argparse.ArgumentParser(prog="tierlm bench train --finetune-args", add_help=False)
     add_arguments(ap, FinetuneConfig, positional=("model",))
     from_args(FinetuneConfig, ap.parse_args(argv))
@@ -145,18 +147,15 @@ def bench_train(model: str, data: str, cpu_mem: str, steps: int, work: str, fine
     """inmemory: auto (run the in-memory reference where its estimate fits the RAM available),
     always (run it anyway: the estimate keeps a fifth of the RAM spare, and TinyLlama-1.1B at
     1x512 tokens, estimated 18.44 GiB against 22 available, peaked 21.3 GiB and ran), never."""
-    from ..hf.checks import check_model_dir, load_tokenizer
     _check_finetune_args([model, "--data", data, "--steps", str(steps), "--cpu-mem", cpu_mem, *finetune_args])
-    check_model_dir(model)  # both runs would fail on these: one clear line now, not two tracebacks later
-    load_tokenizer(model)
+    checks.check_model_dir(model)  # both runs would fail on these: one clear line now, not two tracebacks later
+    checks.load_tokenizer(model)
     work_dir = Path(work)
     work_dir.mkdir(parents=True, exist_ok=True)
-    from ..engine.device import resolve_device
     given = [finetune_args[i + 1] for i, a in enumerate(finetune_args[:-1]) if a == "--device"]
     device = str(resolve_device(given[-1] if given else "auto"))  # both runs compute on the same device
     finetune_args = [*finetune_args, "--device", device]
     if not any(a.split("=")[0] == "--precision" for a in finetune_args):
-        from ..precision import resolve  # once, so that both runs compute in the same dtype
         precision, why = resolve("auto", device)
         print(why, file=sys.stderr)
         finetune_args = [*finetune_args, "--precision", precision]
