@@ -29,6 +29,13 @@ def test_finetune_on_chat_messages(model_dir, tmp_path):
     assert summary["lookups_from_update"] == 3  # steps 2-4 read no embedding for their lookup
     assert (tmp_path / "run" / "final" / "config.json").exists()
     assert (tmp_path / "run" / "final" / "tokenizer_config.json").exists()
+    # every automatic choice of the run, with its reason, is kept beside its config
+    settings = json.loads((tmp_path / "run" / "settings.json").read_text())
+    assert settings["precision"] == {"value": "fp32", "why": "--precision fp32"}
+    assert settings["device"]["value"] == "cpu"
+    for k in ("shard_elems", "io_threads", "prefetch", "activations"):
+        assert settings[k]["value"] and settings[k]["why"], k
+    assert settings["budget_split"]["value"]["budget"] == 256 << 20
 
 
 def test_unknown_option_is_an_error(model_dir):

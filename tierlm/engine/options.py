@@ -43,6 +43,7 @@ class EngineConfig:
     defer_commit: bool = True        # a step's last writes and its manifest land during the next forward
     early_tied: bool = True          # a tied head's rows the batch does not look up update at the start of backward
     next_rows: bool = True           # expect(): the next lookup's embedding rows are kept from the update
+    precision_why: str = ""          # why this precision (the recipe's reason, where it resolved `auto` itself)
     loss_chunk: int | None = None    # head + loss tokens a chunk: None = when the logits are large
                                      # (head_loss.chunk_tokens), 0 = never, N = N tokens (tests)
 
@@ -50,8 +51,12 @@ class EngineConfig:
         self.cpu_mem = parse_bytes(self.cpu_mem, "cpu_mem")
         if self.gpu_mem is not None:
             self.gpu_mem = parse_bytes(self.gpu_mem, "gpu_mem")
-        self.device = str(resolve_device(self.device))
-        self.precision = resolve(self.precision, self.device)[0]
+        asked = self.device
+        self.device = str(resolve_device(asked))
+        # why each was chosen, for the run's settings record (plan.settings)
+        self.device_why = f"--device {asked}" + ("" if asked == self.device else f" chose {self.device}")
+        self.precision, why = resolve(self.precision, self.device)
+        self.precision_why = self.precision_why or why
         pols = self.activations.split(",")
         allowed = ("keep", "swap", "swap-host", "recompute")
         if not (pols == ["auto"] or all(p in allowed for p in pols)):

@@ -85,7 +85,8 @@ def resolve_train(cfg, measured: Measured, model: ModelFacts, committed: int | N
                           cfg.device.startswith("cuda"))
     acts = cfg.activations
     acts_why = ("planned per layer from the profiled step and the measured rates" if acts == "auto" else "set")
-    return TrainSettings(precision=Choice(cfg.precision, "resolved from --precision for this device"),
-                         device=Choice(cfg.device, "resolved from --device"),
+    precision_why = getattr(cfg, "precision_why", "") or f"--precision {cfg.precision}"
+    device_why = getattr(cfg, "device_why", "") or f"--device {cfg.device}"
+    return TrainSettings(precision=Choice(cfg.precision, precision_why), device=Choice(cfg.device, device_why),
                          shard_elems=Choice(*shard), io_threads=Choice(*depth), prefetch=Choice(*ahead),
                          activations=Choice(acts, acts_why), measured=measured)

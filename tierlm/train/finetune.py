@@ -215,7 +215,7 @@ def _engine(cfg: FinetuneConfig, out: Path, dist, nvme: str, library_rss: int):
                         direct_io=cfg.direct_io, optim=optim, optim_states=cfg.optim_states,
                         device=cfg.device, gpu_mem=cfg.gpu_mem,
                         tokens_per_micro_batch=cfg.batch_size * cfg.seq_len, micro_batch_size=cfg.batch_size,
-                        plan_path=str(out / plan))
+                        plan_path=str(out / plan), precision_why=getattr(cfg, "precision_reason", ""))
     return Engine.from_pretrained(cfg.model, ecfg, resume=cfg.resume == "auto", overwrite=cfg.overwrite,
                                   measured=rates.measured(nvme), library_rss=library_rss, dist=dist)
 
