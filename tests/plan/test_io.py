@@ -8,8 +8,8 @@ import pytest
 
 from tierlm.bench import cache, rates
 from tierlm.engine.engine import Engine, EngineConfig
-from tierlm.plan.io import (DEFAULT_IO_THREADS, DEFAULT_READ_AHEAD, MAX_READ_AHEAD, compute_rate, io_depth,
-                            pick_read_ahead, read_ahead, shard_size)
+from tierlm.plan.io import (DEFAULT_IO_THREADS, DEFAULT_READ_AHEAD, MAX_READ_AHEAD, LayerWork, compute_rate,
+                            io_depth, pick_read_ahead, read_ahead as plan_read_ahead, shard_size)
 
 
 def _measured(root):
@@ -64,6 +64,9 @@ def test_read_ahead_from_the_cache_for_this_file_system(monkeypatch, tmp_path):
     # (an optimizer state kept in RAM would move none: a step that only reads its weights is 2)
     args = dict(layer_params=15_000_000, weight_bytes=2, step_bytes=(2.0, 1.0), tokens=128, micros=1,
                 precision="bf16", hidden=896, on_gpu=False)
+
+    def read_ahead(asked, io, compute, **kw):
+        return plan_read_ahead(asked, io, compute, LayerWork(**kw))
     assert read_ahead(None, *_measured(nvme), **args) == (
         DEFAULT_READ_AHEAD, "default; `tierlm bench io` and `tierlm bench compute` measure it")
     cache.update("io", {"dir": str(nvme), "read_gbps": 3.0, "write_gbps": 3.0, "read_ms_p50": 20.0,

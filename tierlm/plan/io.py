@@ -17,6 +17,7 @@ the noise too).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from .budget import shard_elems_for
 
@@ -86,18 +87,31 @@ def pick_read_ahead(read_s: float, compute_s: float, spread_s: float, step_io_s:
     return max(DEFAULT_READ_AHEAD, min(MAX_READ_AHEAD, 1 + math.ceil((read_s + spread_s) / compute_s)))
 
 
-def read_ahead(asked: int | None, io: dict | None, compute: dict | None, layer_params: int, weight_bytes: int,
-               step_bytes: tuple[float, float], tokens: int, micros: int, precision: str, hidden: int,
-               on_gpu: bool) -> tuple[int, str]:
-    """The weight window's read-ahead in blocks, and where the number comes from. weight_bytes: a
-    working weight's bytes a parameter; step_bytes: what a step reads and writes on the SSD a
-    parameter (weights and optimizer state, no state cache); tokens: a micro-batch's, `micros` of
-    them a step; io, compute: `bench io`'s and `bench compute`'s measurements, or None."""
+@dataclass(frozen=True)
+class LayerWork:
+    """A decoder layer's step, as the read-ahead sees it. weight_bytes: a working weight's bytes a
+    parameter; step_bytes: what a step reads and writes on the SSD a parameter (weights and
+    optimizer state, no state cache); tokens: a micro-batch's, `micros` of them a step."""
+    layer_params: int
+    weight_bytes: int
+    step_bytes: tuple[float, float]
+    tokens: int
+    micros: int
+    precision: str
+    hidden: int
+    on_gpu: bool
+
+
+def read_ahead(asked: int | None, io: dict | None, compute: dict | None, work: LayerWork) -> tuple[int, str]:
+    """The weight window's read-ahead in blocks, and where the number comes from. io, compute:
+    `bench io`'s and `bench compute`'s measurements, or None."""
     if asked is not None:
         return asked, "set"
-    if on_gpu:  # bench compute measures the CPU's products
+    if work.on_gpu:  # bench compute measures the CPU's products
         return DEFAULT_READ_AHEAD, "default with a GPU computing"
-    flops = compute_rate(compute, precision, hidden, tokens)
+    layer_params, weight_bytes, step_bytes = work.layer_params, work.weight_bytes, work.step_bytes
+    tokens, micros = work.tokens, work.micros
+    flops = compute_rate(compute, work.precision, work.hidden, tokens)
     if not io or not io.get("read_gbps") or not io.get("write_gbps") or not flops:
         return DEFAULT_READ_AHEAD, "default; `tierlm bench io` and `tierlm bench compute` measure it"
     rd, wr = io["read_gbps"] * 1e9, io["write_gbps"] * 1e9

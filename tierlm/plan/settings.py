@@ -80,9 +80,9 @@ def resolve_train(cfg, measured: Measured, model: ModelFacts, committed: int | N
     # a step reads the weights once a micro-batch and the state once; writes the state and the
     # new bf16 weights (fp32 runs compute on the master itself)
     traffic = (w * cfg.grad_accum + state, state + (w if w != 4 else 0))
-    ahead = io.read_ahead(cfg.prefetch, measured.io, measured.compute, model.layer_params, w, traffic,
-                          cfg.tokens_per_micro_batch, cfg.grad_accum, cfg.precision, model.hidden,
-                          cfg.device.startswith("cuda"))
+    ahead = io.read_ahead(cfg.prefetch, measured.io, measured.compute, io.LayerWork(
+        model.layer_params, w, traffic, cfg.tokens_per_micro_batch, cfg.grad_accum, cfg.precision, model.hidden,
+        cfg.device.startswith("cuda")))
     acts = cfg.activations
     acts_why = ("planned per layer from the profiled step and the measured rates" if acts == "auto" else "set")
     precision_why = getattr(cfg, "precision_why", "") or f"--precision {cfg.precision}"
