@@ -59,7 +59,7 @@ def test_swap_for_every_architecture(make_model_dir, tmp_path, arch):
 
 def test_auto_profiles_plans_and_logs_measured_beside_predicted(make_model_dir, tmp_path, monkeypatch):
     # Any two profiles agree: the plan is final after step 3 (steps 2 and 3 profiled), and step 4
-    # is measured against it. (Whether real timings agree is act_plan.settle's test below.)
+    # is measured against it. (Whether real timings agree is plan.activations.settle's test below.)
     monkeypatch.setattr(P, "SETTLE_TOLERANCE", float("inf"))
     model_dir, _ = make_model_dir("llama")
     run_engine(model_dir, tmp_path, batches(8, seq=16), activations="auto", **HP)

@@ -6,7 +6,7 @@ the layer's shapes, FLOPs at the measured matmul rate); every step is profiled (
 and backward time, saved bytes; per phase: SSD bytes of weights and optimizer; time outside the
 layers), and the planner re-plans from the measurements after step 1, then after every step until
 two consecutive steps agree (step 1 pays for first-touch page faults and kernel set-up and is left
-out; one step slowed by another process must not fix the plan: `act_plan.settle`).
+out; one step slowed by another process must not fix the plan: `plan.activations.settle`).
 """
 from __future__ import annotations
 

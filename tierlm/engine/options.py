@@ -25,9 +25,9 @@ class EngineConfig:
     precision: str = "auto"          # bf16: bf16 compute, fp32 master; fp32: everything fp32; auto: measured
     grad_accum: int = 1
     activations: str = "auto"        # auto | keep | swap | swap-host | recompute, or one per layer, comma-separated
-    prefetch: int | None = None      # blocks read ahead of the one computing; None: picked (io_settings)
+    prefetch: int | None = None      # blocks read ahead of the one computing; None: picked (plan.settings)
     shard_elems: int | None = None   # optimizer shard size; None: bench io's pick within the budget where it
-                                     # cannot change bits (one micro-batch a step), else the budget's (io_settings)
+                                     # cannot change bits (one micro-batch a step), else the budget's (plan.io.shard_size)
     io_threads: int | None = None    # reads (and writes) in flight; None: `tierlm bench io`'s pick for this file system, else 4
     direct_io: bool | None = None    # None: where the file system allows it
     state_cache: bool = True         # keep optimizer state in RAM between steps where the budget has room
