@@ -23,8 +23,8 @@ import torch
 
 from .. import rss
 from ..dist.tp import TensorParallel, init
+from ..hf import checks  # called through the module: tests replace its checks
 from ..hf.baseline import library_baseline
-from ..hf.checks import check_model_dir
 from ..hf.names import model_to_checkpoint
 from ..hf.safetensors_io import SafetensorsDir
 from ..hf.structure import discover_blocks, empty_model, find_layers
@@ -61,7 +61,7 @@ def _check_kv_attention(model, layers: int) -> None:
 
 class InferenceEngine:
     def __init__(self, model_dir, cfg: InferConfig, library_rss: int | None = None):
-        check_model_dir(model_dir)
+        checks.check_model_dir(model_dir)
         self.model_dir, self.cfg = Path(model_dir), cfg
         self.dtype = DTYPES[cfg.dtype]
         config = self._build_model(model_dir)

@@ -7,7 +7,7 @@ import sys
 
 from ..bench import rooflines
 from ..config import to_dict
-from ..hf.checks import check_model_dir, load_tokenizer
+from ..hf import checks  # called through the module: tests replace its checks
 from ..hf.tokenizer import chat_ids
 from ..infer.batcher import Batcher, Request, eos_ids_of
 from ..infer.engine import InferConfig, InferenceEngine
@@ -39,8 +39,8 @@ def sampling(args) -> SamplingParams:
 
 
 def load(model_dir, cfg: InferConfig, tok=None):
-    check_model_dir(model_dir)
-    tok = tok or load_tokenizer(model_dir)
+    checks.check_model_dir(model_dir)
+    tok = tok or checks.load_tokenizer(model_dir)
     eng = InferenceEngine(model_dir, cfg)
     if eng.tp and eng.tp.rank:
         # a tensor-parallel follower replays rank 0's steps, then the process ends: the command's
@@ -65,8 +65,8 @@ def generate_cmd(args: GenerateConfig, out=None, err=None) -> dict:
     process's stdout and stderr at the call)."""
     out, err = out or sys.stdout, err or sys.stderr
 
-    check_model_dir(args.model)
-    tok = load_tokenizer(args.model)
+    checks.check_model_dir(args.model)
+    tok = checks.load_tokenizer(args.model)
     params = sampling(args)
     ids = _chat_ids(tok, [{"role": "user", "content": args.prompt}]) if args.chat \
         else tok(args.prompt).input_ids

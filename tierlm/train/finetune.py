@@ -15,6 +15,7 @@ from transformers import AutoConfig
 # torch at import: the command line builds its flags from train/options.py, which has none, and
 # imports this module only when a run starts.
 from ..bench import rates
+from ..bench.cpu_time import describe as describe_cpu
 from ..config import build, check, to_dict
 from ..dist import from_env
 from ..dist.data import global_losses, split_batch
@@ -25,8 +26,8 @@ from ..engine.engine import Engine, EngineConfig
 from ..engine.optimizer import AdamWConfig
 from ..engine.timeline import fmt_share
 from ..faults import fault
+from ..hf import checks  # called through the module: tests replace its checks
 from ..hf.baseline import library_baseline
-from ..hf.checks import check_model_dir, load_tokenizer
 from ..hf.presets import param_count
 from ..infer.sampling import generate
 from ..plan.budget import moment_bytes_per_param
@@ -91,8 +92,10 @@ def _save_timeline(tl, out: Path, step: int, end: float, progress) -> None:
     tl.stop(end)
     dt, stall = tl.span_s(), tl.stall_s()
     tl.save_chrome(out / "timeline.json")
+    cpu = progress.rows[-1].get("cpu_s", {}) if progress.rows else {}
     tl.save_png_in_child(out / "timeline.json", out / "timeline.png",
-                         title=f"step {step}: {dt:.2f} s, compute waited {stall:.2f} s on I/O")
+                         title=f"step {step}: {dt:.2f} s, compute waited {stall:.2f} s on I/O"
+                         + (f"; CPU s: {describe_cpu(dict(list(cpu.items())[:5]))}" if cpu else ""))
     progress.bar.write(f"timeline of step {step} ({dt:.2f} s): {out / 'timeline.json'} (Perfetto), "
                        f"{out / 'timeline.png'}; busy: "
                        + ", ".join(f"{k} {fmt_share(v)}" for k, v in tl.lane_shares().items())
@@ -178,7 +181,7 @@ def _run(cfg: FinetuneConfig, out: Path, dist=None) -> dict:
 
 def _model_config(cfg: FinetuneConfig, dist):
     """The model's config, once the directory, an earlier run's state and --seq-len are checked."""
-    check_model_dir(cfg.model)
+    checks.check_model_dir(cfg.model)
     if dist is None and any((Path(cfg.nvme) / "rank0").glob("manifest-*.json")):
         raise ValueError(f"--nvme {cfg.nvme} holds a data-parallel run's state (rank folders); continue it "
                          f"with --nproc N --resume auto (any N, 1 included), or choose another --nvme")
@@ -226,7 +229,7 @@ def _start(cfg: FinetuneConfig, out: Path, dist) -> _Run:
     # measured first: what the tokenizer and the data hold counts against --cpu-mem
     library_rss = library_baseline(hf_config, dtype, cfg.device, warm=lambda: warm_kernels(
         hf_config, dtype, cfg.device, (cfg.batch_size, cfg.seq_len)))
-    tokenizer = load_tokenizer(cfg.model)
+    tokenizer = checks.load_tokenizer(cfg.model)
     dataset = load_dataset(cfg.data, tokenizer, cfg.seq_len)
     batches = Batches(dataset, cfg.batch_size, seed=cfg.seed)
     total = cfg.steps if cfg.steps is not None else \
