@@ -36,6 +36,11 @@ def test_finetune_on_chat_messages(model_dir, tmp_path):
     for k in ("shard_elems", "io_threads", "prefetch", "activations"):
         assert settings[k]["value"] and settings[k]["why"], k
     assert settings["budget_split"]["value"]["budget"] == 256 << 20
+    # each step's CPU seconds by component: the layers' thread and the engine's own threads (the
+    # kernel counts them in 10 ms ticks, so a tiny step's component may read 0)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all("cpu_s" in r for r in rows) and sum(r["cpu_s"].get("main", 0) for r in rows) > 0, rows
+    assert "main" in summary["cpu_s_per_step"]
 
 
 def test_unknown_option_is_an_error(model_dir):

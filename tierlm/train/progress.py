@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from .. import rss
+from ..bench.cpu_time import CpuClock, describe
 from ..units import count, fmt_bytes
 
 
@@ -50,6 +51,7 @@ class Progress:
         self.budget = engine.cfg.cpu_mem  # parsed once, by the engine's options
         self.metrics = open(metrics_path, "w" if fresh else "a")
         self.rows: list[dict] = []
+        self.cpu = CpuClock()  # each row's CPU seconds by component (the engine's own work beside the layers')
         self.t_start = time.perf_counter()
         self.bar = make_bar(total, start)
         self.bar.write(f"data: {data_summary}")
@@ -72,7 +74,8 @@ class Progress:
                "clip_coef": res.clip_coef, "skipped": not res.finite, "s_per_step": dt,
                "tokens": tokens, "tokens_per_s": tokens / dt, "rss_bytes": now, "peak_rss_bytes": peak, "library_rss_bytes": lib,
                "budget_bytes": self.budget, "ssd_read_bytes": rd, "ssd_write_bytes": wr,
-               "ssd_read_gbps": rd / dt / 1e9, "ssd_write_gbps": wr / dt / 1e9, "time": time.time()}
+               "ssd_read_gbps": rd / dt / 1e9, "ssd_write_gbps": wr / dt / 1e9, "cpu_s": self.cpu.lap(),
+               "time": time.time()}
         self.rows.append(row)
         self.metrics.write(json.dumps(row) + "\n")
         self.metrics.flush()
@@ -82,7 +85,7 @@ class Progress:
             f"step {step + 1}/{self.total} loss {loss:.4f} lr {lr:.2e} gnorm {res.grad_norm:.3f}{clip} | "
             f"{dt:.2f} s/step {tokens / dt:,.0f} tok/s | RAM {fmt_bytes(now)} (peak {fmt_bytes(peak)}) "
             f"of {fmt_bytes(self.budget)} | SSD read {rd / dt / 1e9:.2f} GB/s "
-            f"write {wr / dt / 1e9:.2f} GB/s{skipped}")
+            f"write {wr / dt / 1e9:.2f} GB/s | CPU s {describe(dict(list(row['cpu_s'].items())[:4]))}{skipped}")
         self.bar.update(1)
 
     def summary(self, final_dir) -> dict:
@@ -96,9 +99,19 @@ class Progress:
                 "heap_kept": self.engine.heap.active, "heap_trims": self.engine.heap.trims,
                 # forwards whose embedding lookup took its rows from the step before (next_rows)
                 "lookups_from_update": self.engine.next_rows.used if self.engine.next_rows is not None else 0,
-                "final_model": str(final_dir), "wall_s": time.perf_counter() - self.t_start}
+                "final_model": str(final_dir), "wall_s": time.perf_counter() - self.t_start,
+                "cpu_s_per_step": cpu_per_step(rows)}
 
     def close(self) -> None:
         if not self.metrics.closed:
             self.bar.close()
             self.metrics.close()
+
+
+def cpu_per_step(rows: list[dict]) -> dict[str, float]:
+    """Mean CPU seconds a step by component, over the steps after the first (which creates the
+    state files), or over the one step there is."""
+    steady = rows[1:] or rows
+    comps = {k for r in steady for k in r.get("cpu_s", {})}
+    mean = {k: sum(r.get("cpu_s", {}).get(k, 0.0) for r in steady) / max(len(steady), 1) for k in comps}
+    return {k: round(v, 3) for k, v in sorted(mean.items(), key=lambda kv: -kv[1])}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from ..bench.cpu_time import CpuClock
 from .progress import Progress
 
 
@@ -24,5 +25,6 @@ class RankProgress(Progress):
         self.budget = engine.cfg.cpu_mem  # parsed once, by the engine's options
         self.metrics = open(metrics_path, "w" if fresh else "a")
         self.rows = []
+        self.cpu = CpuClock()
         self.t_start = time.perf_counter()
         self.bar = _Silent()
