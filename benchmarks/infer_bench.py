@@ -11,6 +11,12 @@ batch against the SSD roofline (SSD bandwidth / streamed bytes per forward x bat
 tokens/s and GFLOP/s against the measured bf16 matmul rate. `--kernels ours torch` runs each format
 twice, on tierlm's own few-row kernels (tierlm.infer.native) and on PyTorch's, side by side. The rates are measured again at the
 start of the run (not the cached ones), and the last lines are a markdown table of the ratios.
+
+The machine kind (CPU model, ISA flags, cores) is printed first and last. Where llama.cpp is installed
+(--llama-cpp DIR, a build by benchmarks/peers/build_llama_cpp.sh, or llama-bench on PATH), the same
+model is converted to GGUF (BF16, Q8_0, Q4_0 for bf16, int8, int4), llama-bench measures each right
+after tierlm's run of that format (the same prompt, tokens and threads), and a table puts its
+prefill and decode tokens/s beside ours; --no-peer leaves it out.
 """
 from __future__ import annotations
 
@@ -30,7 +36,9 @@ from tierlm.infer import native
 from tierlm.infer.batcher import Batcher, Request
 from tierlm.infer.gemv import bf16_matmul_is_slow
 from tierlm.infer.engine import InferConfig, InferenceEngine
+from tierlm.bench.machine import machine_kind, machine_line
 from tierlm.bench.rooflines import machine_rates
+from peers import llamacpp
 from tierlm.infer.sampling import SamplingParams
 
 
@@ -368,7 +376,13 @@ def main():
                        help=f"side by side on one engine, round after round: {' / '.join(values)} (see AXES)")
     p.add_argument("--prefetch", nargs="*", type=int, default=[1024],
                    help="bytes our kernels prefetch ahead of the row they multiply (0: off), side by side")
+    p.add_argument("--llama-cpp", default=None, help="llama.cpp build directory: its figures beside ours (default: "
+                   "llama-bench on PATH, if there)")
+    p.add_argument("--no-peer", action="store_true", help="leave llama.cpp out even where it is installed")
     a = p.parse_args()
+    kind = machine_kind()
+    print(f"machine: {machine_line(kind)}", flush=True)
+    peer = None if a.no_peer or a.stream_budget else llamacpp.find(a.llama_cpp)
     root = Path(a.dir or tempfile.mkdtemp(prefix="tierlm-bench-"))
     over = {k: v for k, v in (("layers", a.layers), ("hidden", a.hidden)) if v is not None}
     config = make_config(None if a.preset else "llama", a.preset, over)
@@ -378,11 +392,18 @@ def main():
         init_model(model, config, dtype="bfloat16", tokenizer=False)
         print(f"created {model} ({param_count(config) / 1e9:.2f}B parameters) in {time.perf_counter() - t:.0f} s",
               file=sys.stderr)
+    ggufs = None
+    if peer is not None:
+        llamacpp.ensure_tokenizer(model, config.vocab_size)
+        ggufs, _ = llamacpp.gguf_files(peer, model, root / "gguf", [w for w in a.formats if w in llamacpp.FORMATS],
+                                       max(a.threads),
+                                       log=lambda m: print(m, file=sys.stderr))
     print(json.dumps({"load_before": os.getloadavg()}), flush=True)
     rates = machine_rates(str(root / "nvme"), fresh=True)
     print(json.dumps({"rates": rates}), flush=True)
     results = []
     compare = {axis: tuple(getattr(a, axis)) for axis in AXES if getattr(a, axis)}
+    peer_rows = []
     if not a.stream_budget:
         for w in a.formats:
             for kern in a.kernels:
@@ -397,6 +418,10 @@ def main():
                         results.append(r | {"weights": f"{w} ({k}, {r['layers']} layers)"})
                 native.set_prefetch(1024)
             native.use(True)
+            for th in a.threads if ggufs and w in ggufs else []:  # right after ours: drift hits both alike
+                p = llamacpp.measure(peer, ggufs[w], a.prompt_len, a.tokens, th, max(a.rounds, 3))
+                peer_rows.append({"format": w, "threads": th, "llama.cpp": p})
+                print(json.dumps({k: v for k, v in p.items() if k != "commands"}), flush=True)
         if not a.no_hf:
             results += hf_generate(model, a.tokens, a.prompt_len, a.threads)
         rows = table_ram(results, rates)
@@ -411,7 +436,25 @@ def main():
     print(f"\nrates: memory {rates['mem_gbps']:.1f} GB/s (by threads {rates.get('mem_gbps_by_threads')}), "
           f"bf16 matmul {rates['matmul_bf16_gflops']:.0f} GFLOP/s, fp32 {rates['matmul_fp32_gflops']:.0f}, SSD {rates.get('ssd_gbps', 0):.2f} GB/s")
     print("\n".join(rows))
+    if peer_rows:
+        print_peer(peer_rows, results)
+    print(f"\nmachine: {machine_line(kind)}")
     return results
+
+
+def print_peer(peer_rows, results):
+    """llama.cpp's figures beside ours: our first run of each format and thread count (tierlm's own
+    kernels where --kernels has them), as a markdown table, with llama.cpp's build and commands."""
+    for row in peer_rows:
+        ours = [r for r in results if r["weights"].startswith(f"{row['format']} (") and r["threads"] == row["threads"]]
+        ours.sort(key=lambda r: "(torch" in r["weights"])
+        row["tierlm"] = ours[0]
+    p = peer_rows[0]["llama.cpp"]
+    print(f"\nllama.cpp {p['build']} ({p['backends']}), prompt {p['prompt_len']} tokens, {p['tokens']} decoded "
+          "after it, mean ± sd of its runs:")
+    for c in p["commands"]:
+        print("  " + " ".join(c))
+    print("\n".join(llamacpp.side_by_side(peer_rows)))
 
 
 if __name__ == "__main__":
