@@ -138,7 +138,7 @@ def _cmd_bench(args) -> int:
             raise ValueError("bench train needs MODEL and --data FILE")
         r = bench_train(cfg.model, cfg.data, cfg.cpu_mem, cfg.steps, cfg.work,
                         shlex.split(cfg.finetune_args or ""), nvme=None if cfg.nvme == "." else cfg.nvme,
-                        inmemory=cfg.inmemory)
+                        inmemory=cfg.inmemory, peers=cfg.peers)
         print(report(r))
         return 0
     from .advise.command import bench_text, run_bench

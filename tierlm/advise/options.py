@@ -64,6 +64,9 @@ class BenchConfig:
                            help="train: run the in-memory reference where its estimate fits the RAM (auto), anyway "
                                 "(always: it may be killed for memory), or not (never: compare with the I/O bound "
                                 "only)")
+    peers: str = option("auto", choices=("auto", "none"),
+                        help="train: also run DeepSpeed ZeRO-3 offloaded to NVMe on the same model, data and batch "
+                             "where it is installed (auto), or not (none)")
     nvme: str = option(".", metavar="DIR", help="directory on the drive to measure (io)")
     size: str = option("2GiB", help="bytes to write and read back (io)")
 

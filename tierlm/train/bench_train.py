@@ -15,6 +15,8 @@ over its own rate: the share of the step the drive would be busy at those rates 
 """
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import json
 import os
 import shutil
@@ -24,6 +26,7 @@ from pathlib import Path
 
 import psutil
 
+from ..bench.machine import machine_kind, machine_line
 from ..bench.measure import bench_io
 from ..config import add_arguments, from_args
 from ..engine.device import resolve_device
@@ -142,11 +145,53 @@ def _outofcore_run(common: list[str], work_dir: Path, nvme: str | None, cpu_mem:
     return ooc, io
 
 
+PEERS = ("auto", "none")
+
+
+def deepspeed_version() -> str | None:
+    """DeepSpeed's version where it is installed, else None; without importing it (its import picks
+    an accelerator and takes seconds)."""
+    if importlib.util.find_spec("deepspeed") is None:
+        return None
+    try:
+        return importlib.metadata.version("deepspeed")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _peer_run(common: list[str], work_dir: Path, nvme: str | None, peers: str) -> tuple[dict | None, str | None]:
+    """DeepSpeed ZeRO-3 offloaded (tierlm.train.peer_deepspeed) on the same model, data and batch;
+    or None and why not. A peer that fails is a line in the report, not the benchmark's failure."""
+    if peers not in PEERS:
+        raise ValueError(f"--peers must be auto or none; got {peers!r}")
+    if peers == "none":
+        return None, "--peers none"
+    version = deepspeed_version()
+    if version is None:
+        return None, "DeepSpeed is not installed (pip install deepspeed to compare with it)"
+    out = work_dir / "deepspeed.json"
+    out.unlink(missing_ok=True)
+    swap = str(Path(nvme) / "deepspeed" if nvme else work_dir / "deepspeed" / "nvme")
+    try:
+        _run("DeepSpeed", [sys.executable, "-m", "tierlm.train.peer_deepspeed", *common, "--nvme", swap,
+                           "--json", str(out)], env=dict(os.environ, TIERLM_MALLOC="glibc"))
+    except RunFailed as e:
+        return None, f"DeepSpeed {version}: {e}"
+    ds = json.loads(out.read_text())
+    return {"s_per_step": _steady(ds["rows"], "s_per_step"), "steps_s": [r["s_per_step"] for r in ds["rows"]],
+            "peak_rss_bytes": ds["peak_rss_bytes"], "losses": [r["loss"] for r in ds["rows"]],
+            "offload": ds["offload"], "offload_why": ds["offload_why"], "version": ds["deepspeed_version"],
+            "swap_bytes": ds["swap_bytes"], "tuning": ds["tuning"]}, None
+
+
 def bench_train(model: str, data: str, cpu_mem: str, steps: int, work: str, finetune_args: list[str],
-                nvme: str | None = None, inmemory: str = "auto") -> dict:
+                nvme: str | None = None, inmemory: str = "auto", peers: str = "auto") -> dict:
     """inmemory: auto (run the in-memory reference where its estimate fits the RAM available),
     always (run it anyway: the estimate keeps a fifth of the RAM spare, and TinyLlama-1.1B at
-    1x512 tokens, estimated 18.44 GiB against 22 available, peaked 21.3 GiB and ran), never."""
+    1x512 tokens, estimated 18.44 GiB against 22 available, peaked 21.3 GiB and ran), never.
+    peers: auto (run DeepSpeed ZeRO-3 offloaded as a third process where it is installed), none."""
+    if peers not in PEERS:
+        raise ValueError(f"--peers must be auto or none; got {peers!r}")
     _check_finetune_args([model, "--data", data, "--steps", str(steps), "--cpu-mem", cpu_mem, *finetune_args])
     checks.check_model_dir(model)  # both runs would fail on these: one clear line now, not two tracebacks later
     checks.load_tokenizer(model)
@@ -160,7 +205,7 @@ def bench_train(model: str, data: str, cpu_mem: str, steps: int, work: str, fine
         print(why, file=sys.stderr)
         finetune_args = [*finetune_args, "--precision", precision]
     common = [model, "--data", data, "--steps", str(steps), *finetune_args]
-    result: dict = {"model": model, "steps": steps, "cpu_mem": cpu_mem, "device": device}
+    result: dict = {"model": model, "steps": steps, "cpu_mem": cpu_mem, "device": device, "machine": machine_kind()}
 
     result["inmemory"], skipped = _inmemory_run(model, common, work_dir, inmemory)
     if skipped:
@@ -168,22 +213,50 @@ def bench_train(model: str, data: str, cpu_mem: str, steps: int, work: str, fine
     ooc, io = _outofcore_run(common, work_dir, nvme, cpu_mem, steps)
     result["outofcore"] = ooc
     result["measured_io"] = io
+    result["deepspeed"], why = _peer_run(common, work_dir, nvme, peers)
+    if why:
+        result["deepspeed_skipped"] = why
     (work_dir / "bench_train.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+def _agreement(losses: list[float], reference: list[float]) -> str:
+    if losses == reference:
+        return "identical"
+    rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, reference))
+    return f"differ by at most {rel:.1e} (relative)"
+
+
+def _each(run: dict) -> str:
+    return ", ".join(f"{t:.2f}" for t in run.get("steps_s", []))
+
+
+def peer_lines(r: dict) -> list[str]:
+    """The DeepSpeed row: its steady s/step, its ratio to in-memory (to out-of-core where in-memory did
+    not run), its peak RSS, where it offloaded to; or one line saying why it did not run."""
+    d = r.get("deepspeed")
+    if not d:
+        return [f"  DeepSpeed:    not run ({r['deepspeed_skipped']})"] if r.get("deepspeed_skipped") else []
+    base, name = (r["inmemory"], "in-memory") if r.get("inmemory") else (r["outofcore"], "out-of-core")
+    where = {"nvme": "NVMe", "cpu": "CPU RAM (not NVMe: async_io unavailable or --offload cpu)"}.get(d["offload"],
+                                                                                                d["offload"])
+    return [f"  DeepSpeed:    {d['s_per_step']:.2f} s/step, peak RSS {fmt_bytes(d['peak_rss_bytes'])} "
+            f"(DeepSpeed {d['version']} ZeRO-3, parameters and optimizer offloaded to {where}; steps {_each(d)})",
+            f"  ratio DeepSpeed / {name}: {d['s_per_step'] / base['s_per_step']:.2f}x; "
+            f"out-of-core / DeepSpeed: {r['outofcore']['s_per_step'] / d['s_per_step']:.2f}x; "
+            f"losses against {name} {_agreement(d['losses'], base['losses'])} (its own AdamW kernel and rounding)"]
 
 
 def report(r: dict) -> str:
     o = r["outofcore"]
     lines = [f"bench train {r['model']}: {r['steps']} steps (steady = from step {WARMUP_STEPS + 1}; the first "
              f"{WARMUP_STEPS} create the state files), computing on {r.get('device', 'cpu')}"]
-    each = lambda run: ", ".join(f"{t:.2f}" for t in run.get("steps_s", []))
+    if r.get("machine"):
+        lines.append(f"  machine: {machine_line(r['machine'])}")
+    each = _each
     if r["inmemory"]:
         m = r["inmemory"]
-        if m["losses"] == o["losses"]:
-            same = "identical"
-        else:
-            rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(o["losses"], m["losses"]))
-            same = f"differ by at most {rel:.1e} (relative)"
+        same = _agreement(o["losses"], m["losses"])
         lines.append(f"  in memory:    {m['s_per_step']:.2f} s/step, peak RSS {fmt_bytes(m['peak_rss_bytes'])} "
                      f"(steps {each(m)})")
         lines.append(f"  out-of-core:  {o['s_per_step']:.2f} s/step, peak RSS {fmt_bytes(o['peak_rss_bytes'])} "
@@ -197,6 +270,7 @@ def report(r: dict) -> str:
         lines.append(f"  in memory: not run ({r['inmemory_skipped']})")
         lines.append(f"  out-of-core:  {o['s_per_step']:.2f} s/step, peak RSS {fmt_bytes(o['peak_rss_bytes'])} "
                      f"(steps {each(o)})")
+    lines += peer_lines(r)
     io = r["measured_io"]
     probes = "; ".join(f"{p['read_gbps']:.2f} / {p['write_gbps']:.2f}" for p in io.get("probes", []))
     lines.append(f"  SSD per step: read {fmt_bytes(o['ssd_read_bytes'])}, write {fmt_bytes(o['ssd_write_bytes'])}; "
@@ -224,9 +298,10 @@ def report(r: dict) -> str:
 
 def main_args(args) -> int:
     extra = list(args.finetune_args or [])
-    r = bench_train(args.model, args.data, args.cpu_mem, args.steps, args.work, extra, nvme=args.nvme)
+    r = bench_train(args.model, args.data, args.cpu_mem, args.steps, args.work, extra, nvme=args.nvme,
+                    peers=args.peers)
     print(report(r))
     return 0
 
 
-__all__ = ["bench_train", "report", "main_args", "RunFailed"]
+__all__ = ["PEERS", "bench_train", "deepspeed_version", "peer_lines", "report", "main_args", "RunFailed"]
