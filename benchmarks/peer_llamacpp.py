@@ -88,6 +88,12 @@ def git_commit() -> str:
     return p.stdout.strip() or "unknown"
 
 
+def git_changed() -> list[str]:
+    """tierlm's files that differ from the commit (a figure from a dirty tree names what it ran)."""
+    p = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "tierlm"], capture_output=True, text=True)
+    return [ln[3:] for ln in p.stdout.splitlines()]
+
+
 def compare(peer, model: Path, ggufs: dict, a, nvme: Path) -> list[dict]:
     """Per format and thread count, llama.cpp and tierlm one after the other, the order swapped each time."""
     rows, flip = [], False
@@ -154,13 +160,15 @@ def main(argv=None):
     report = {"machine": kind, "load_after": load_after, "llama_cpp": {"build": build,
               "features": info[a.formats[0]].get("features"), "repacked": {f: i["repacked"] for f, i in info.items()},
               "cpu_info": rows[0]["llama.cpp"]["cpu_info"], "prepare": prep},
-              "tierlm_commit": git_commit(), "preset": a.preset, "layers": config.num_hidden_layers,
+              "tierlm_commit": git_commit(), "tierlm_changed": git_changed(), "preset": a.preset, "layers": config.num_hidden_layers,
               "params": param_count(config), "prompt_len": a.prompt_len, "tokens": a.tokens, "reps": a.reps,
               "command": " ".join(sys.argv), "rows": rows}
     print(f"\nmachine: {machine_line(kind)}")
     print(f"llama.cpp {build}; {report['llama_cpp']['features'] or 'features: build llama-system-info to see them'}")
     print("llama.cpp repacked the weights to: " + "; ".join(f"{f}: {', '.join(i['repacked']) or 'none'}"
                                                            for f, i in info.items()))
+    if report["tierlm_changed"]:
+        print("tierlm's files changed since that commit: " + " ".join(report["tierlm_changed"]))
     print(f"tierlm {report['tierlm_commit']}; model {a.preset} ({param_count(config) / 1e9:.2f}B, "
           f"{config.num_hidden_layers} layers); prompt {a.prompt_len} tokens, {a.tokens} decoded after it, "
           f"mean ± sd of {a.reps} runs; load average after {load_after[0]:.2f}")
