@@ -437,12 +437,12 @@ def main():
           f"bf16 matmul {rates['matmul_bf16_gflops']:.0f} GFLOP/s, fp32 {rates['matmul_fp32_gflops']:.0f}, SSD {rates.get('ssd_gbps', 0):.2f} GB/s")
     print("\n".join(rows))
     if peer_rows:
-        print_peer(peer_rows, results)
+        print_peer(peer, peer_rows, results)
     print(f"\nmachine: {machine_line(kind)}")
     return results
 
 
-def print_peer(peer_rows, results):
+def print_peer(peer, peer_rows, results):
     """llama.cpp's figures beside ours: our first run of each format and thread count (tierlm's own
     kernels where --kernels has them), as a markdown table, with llama.cpp's build and commands."""
     for row in peer_rows:
@@ -450,7 +450,7 @@ def print_peer(peer_rows, results):
         ours.sort(key=lambda r: "(torch" in r["weights"])
         row["tierlm"] = ours[0]
     p = peer_rows[0]["llama.cpp"]
-    print(f"\nllama.cpp {p['build']} ({p['backends']}), prompt {p['prompt_len']} tokens, {p['tokens']} decoded "
+    print(f"\nllama.cpp {p['build']} ({p['backends']}; {llamacpp.source_version(peer)}), prompt {p['prompt_len']} tokens, {p['tokens']} decoded "
           "after it, mean ± sd of its runs:")
     for c in p["commands"]:
         print("  " + " ".join(c))

@@ -157,14 +157,16 @@ def main(argv=None):
         if not a.keep:
             shutil.rmtree(work, ignore_errors=True)
     build = rows[0]["llama.cpp"]["build"]
-    report = {"machine": kind, "load_after": load_after, "llama_cpp": {"build": build,
-              "features": info[a.formats[0]].get("features"), "repacked": {f: i["repacked"] for f, i in info.items()},
-              "cpu_info": rows[0]["llama.cpp"]["cpu_info"], "prepare": prep},
-              "tierlm_commit": git_commit(), "tierlm_changed": git_changed(), "preset": a.preset, "layers": config.num_hidden_layers,
+    peer_info = {"build": build, "source": llamacpp.source_version(peer), "features": info[a.formats[0]].get("features"),
+                 "repacked": {f: i["repacked"] for f, i in info.items()},
+                 "cpu_info": rows[0]["llama.cpp"]["cpu_info"], "prepare": prep}
+    report = {"machine": kind, "load_after": load_after, "llama_cpp": peer_info, "tierlm_commit": git_commit(),
+              "tierlm_changed": git_changed(), "preset": a.preset, "layers": config.num_hidden_layers,
               "params": param_count(config), "prompt_len": a.prompt_len, "tokens": a.tokens, "reps": a.reps,
               "command": " ".join(sys.argv), "rows": rows}
     print(f"\nmachine: {machine_line(kind)}")
-    print(f"llama.cpp {build}; {report['llama_cpp']['features'] or 'features: build llama-system-info to see them'}")
+    print(f"llama.cpp {build}, {report['llama_cpp']['source']}")
+    print(f"llama.cpp {report['llama_cpp']['features'] or 'features: build llama-system-info to see them'}")
     print("llama.cpp repacked the weights to: " + "; ".join(f"{f}: {', '.join(i['repacked']) or 'none'}"
                                                            for f, i in info.items()))
     if report["tierlm_changed"]:

@@ -35,6 +35,22 @@ class LlamaCpp:
         return self.source / "convert_hf_to_gguf.py"
 
 
+def source_version(peer: LlamaCpp) -> str:
+    """Where the build's source came from and its ggml version (a shallow checkout, as in the
+    llama-cpp-python sdist, gives every build the build number 1: the commit and this identify it)."""
+    if peer.source is None:
+        return "source unknown"
+    cm = peer.source / "ggml" / "CMakeLists.txt"
+    parts = {}
+    if cm.is_file():
+        for line in cm.read_text(errors="replace").splitlines():
+            for k in ("MAJOR", "MINOR", "PATCH"):
+                if line.strip().startswith(f"set(GGML_VERSION_{k} "):
+                    parts[k] = line.split()[1].rstrip(")")
+    ggml = ".".join(parts[k] for k in ("MAJOR", "MINOR", "PATCH")) if len(parts) == 3 else "?"
+    return f"ggml {ggml}, source {peer.source}"
+
+
 def _source_of(build: Path) -> Path | None:
     """The source tree a CMake build directory was configured from (its CMakeCache.txt says)."""
     if os.environ.get("LLAMA_CPP_SOURCE"):
@@ -211,4 +227,4 @@ def system_info(peer: LlamaCpp, gguf: Path) -> dict:
 
 
 __all__ = ["FORMATS", "LlamaCpp", "convert", "ensure_tokenizer", "find", "gguf_files", "measure", "quantize",
-           "side_by_side", "system_info"]
+           "side_by_side", "source_version", "system_info"]
