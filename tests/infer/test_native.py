@@ -345,15 +345,15 @@ def test_int8_qlinear_uses_ours_for_few_rows_and_agrees_with_pytorchs_kernel():
     lin = QLinear(256, 96, "int8")
     for name, t in lin.quantize(torch.randn(96, 256), None, torch.float32).items():
         setattr(lin, name, t)
-    for rows in (1, 7, 33):  # 33: above NATIVE_MAX_ROWS, PyTorch's kernel itself
+    for rows in (1, 7, 33):  # 33: above NATIVE_MAX_ROWS, PyTorch's kernel itself (or, on VNNI, qgemm)
         x = torch.randn(rows, 256)
         xr = x
         if rows == 1:  # ours rounds one row (kernels/gemv.c); PyTorch's is given the same x
             xr = one_row_x(x, "int8")
         torch_y = torch.ops.aten._weight_int8pack_mm(xr, lin.qweight, lin.scales)
         y = lin(x)
-        if rows == 33:
-            assert torch.equal(y, torch_y)
+        if rows == 33:  # (tests/infer/test_qgemm.py tests qgemm's products)
+            assert torch.equal(y, native.qgemm(x, lin.qweight, lin.scales) if native.qgemm_fast() else torch_y)
         else:  # the same rounded x, fp32 sums in two orders (and sign-flipped weights for 8-bit x)
             flipped = rows == 1 and LIGHT and on("avx512vnni")
             w = (lin.qweight.double().abs() + 128 * flipped) * lin.scales.double()[:, None]
@@ -361,7 +361,7 @@ def test_int8_qlinear_uses_ours_for_few_rows_and_agrees_with_pytorchs_kernel():
 
 
 @needs_kernels
-def test_int4_qlinear_uses_ours_for_few_rows_and_fp32_for_many():
+def test_int4_qlinear_uses_ours_for_few_rows_and_integers_or_fp32_for_many():
     from tierlm.infer.quant import dequant_int4
     lin = QLinear(256, 96, "int4", group=64)
     assert lin.layout == "tierlm"
@@ -371,7 +371,9 @@ def test_int4_qlinear_uses_ours_for_few_rows_and_fp32_for_many():
     for rows in (1, 7, 33):  # 33: above NATIVE_MAX_ROWS, dequantised and F.linear
         x = torch.randn(rows, 256)
         y = lin(x)
-        if rows == 33:
+        if rows == 33 and native.qgemm_fast():  # 8-bit x a group, integer sums (test_qgemm.py)
+            assert torch.equal(y, native.qgemm(x, lin.qweight, lin.scales, 64))
+        elif rows == 33:
             assert torch.equal(y, torch.nn.functional.linear(x, native.dequant_int4(lin.qweight, lin.scales, 64)))
             torch.testing.assert_close(y, x @ w.T, rtol=1e-5, atol=1e-4)
         else:

@@ -4,10 +4,16 @@ int8: symmetric, one scale per output channel, `aten._weight_int8pack_mm`; up to
 (decoding) on our own kernel (`tierlm.infer.native`) where it builds: PyTorch's is compute-bound at a
 few rows on AVX2 CPUs (benchmarks/infer_gemv.py on a 2-vCPU EPYC, 2 threads: one row 15.3 GB/s of
 int8 against 9.4, 32 rows 1.15 against 1.13).
+
+More rows (a prefill) of either format, where our kernels run on AVX512-VNNI: x is rounded to 8 bits
+a group (int8: 128, 64 or 32 inputs, the first that divides K; int4: the weights' group) and the
+product is integer sums per group on the CPU's int8 dot products (kernels/qgemm.c), as llama.cpp's
+Q8_0/Q4_0 products are; elsewhere the products below (x as it is, fp32 or bf16 sums).
 int4: asymmetric, one scale and offset per group of `group` input elements (w = q * scale + lo,
 q in 0..15). Where our kernels build, in their own layout (`int4_layout()` "tierlm": nibbles in
 kernels/gemv.c's order, fp32 (scale, lo) pairs [N, K/group, 2]): up to NATIVE_MAX_ROWS rows on
-our kernel, more rows dequantised to fp32 a matrix at a time and multiplied by `F.linear`.
+our kernel, more rows in integers as above or, without VNNI, dequantised to fp32 a matrix at a
+time and multiplied by `F.linear`.
 PyTorch's `aten._weight_int4pack_mm_for_cpu` reads int4 at ~5 GB/s at one row here, a quarter of
 our int8 kernel, so int4 was the slowest format to decode. Without a compiler, PyTorch's layout
 ("torch": `aten._convert_weight_to_int4pack_for_cpu`, the layout gpt-fast/torchao use:
@@ -29,6 +35,14 @@ from . import native
 MODES = ("int8", "int4")
 NATIVE_MAX_ROWS = 32  # ours measured faster up to 16 rows (2.4 against 1.8 GB/s), level at 32
 INT4_GROUPS = (32, 64, 128, 256)
+_integer_rows = True  # use_integer_rows(False): benchmarks compare with the fallback in one process
+
+
+def use_integer_rows(on: bool) -> None:
+    """Whether many-row products take the 8-bit integer kernel where it is fast (the default) or
+    the dequantised fallback, from now on; for side-by-side benchmarks."""
+    global _integer_rows
+    _integer_rows = bool(on)
 
 
 def _int8(w: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -120,7 +134,9 @@ class QLinear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         few = x2.shape[0] <= NATIVE_MAX_ROWS and x2.device.type == "cpu" and native.available()
-        if self.mode == "int8" and few:
+        if not few and self.integer_rows(x2):
+            y = native.qgemm(x2, self.qweight, self.scales, self.group).to(x.dtype)
+        elif self.mode == "int8" and few:
             y = native.gemv_int8(x2, self.qweight, self.scales).to(x.dtype)
         elif self.layout == "tierlm" and few:
             y = native.gemv_int4(x2, self.qweight, self.scales, self.group).to(x.dtype)
@@ -138,6 +154,17 @@ class QLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
+
+    def integer_rows(self, x2: torch.Tensor) -> bool:
+        """Whether x2's rows (more than NATIVE_MAX_ROWS) multiply in 8-bit integers on our
+        many-row kernel (`native.qgemm`): where it runs on the CPU's integer dot products (the
+        active path is avx512vnni or higher), for int8 weights whose width a group of x divides and
+        our int4 layout. The fallback, where it does not, is the dequantised product below."""
+        if not _integer_rows or x2.device.type != "cpu" or not native.available() or not native.qgemm_fast():
+            return False
+        if self.mode == "int8":
+            return native.qgemm_x_group(self.in_features) is not None
+        return self.layout == "tierlm"
 
     def extra_repr(self) -> str:
         g = f", group={self.group}" if self.mode == "int4" else ""

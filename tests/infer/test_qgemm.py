@@ -1,0 +1,170 @@
+"""Many-row int8/int4 products in 8-bit integers (kernels/qgemm.c): against a float64 product of
+the same rounded x, the same bits on every path and thread count, and where QLinear uses them."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tierlm.infer import native
+from tierlm.infer.quant import NATIVE_MAX_ROWS, QLinear, _int8
+
+from .test_native import int4_weight, needs_kernels, round8_groups
+from .tolerances import STEP, check_products, fp32_sum_tol
+
+
+def int8_reference(x, q, s, xg):
+    """float64 of what the kernel computes: x rounded to 8 bits a group of xg, times q * s."""
+    return round8_groups(x, xg).double() @ (q.double() * s.double()[:, None]).T
+
+
+def int4_reference(x, sl, q, group):
+    """float64: x rounded to 8 bits a group against scale * q, plus lo times x's own group sums."""
+    rows, k = x.shape
+    w = (q.double().view(q.shape[0], -1, group) * sl[..., :1].double()).view(q.shape[0], k)
+    return round8_groups(x, group).double() @ w.T + x.double().view(rows, -1, group).sum(-1) @ sl[..., 1].double().T
+
+
+def int4_magnitude(x, sl, q, group):
+    rows, k = x.shape
+    w = (q.double().view(q.shape[0], -1, group) * sl[..., :1].double().abs()).view(q.shape[0], k)
+    return round8_groups(x, group).double().abs() @ w.T + \
+        x.double().abs().view(rows, -1, group).sum(-1) @ sl[..., 1].double().abs().T
+
+
+def int8_weight(n, k, seed=0):
+    t = _int8(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)), torch.float32)
+    return t["qweight"], t["scales"]
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 5, 37])
+@pytest.mark.parametrize("k,xg", [(256, 128), (192, 64), (96, 32), (2048, 128)])
+def test_int8_products_match_float64(rows, k, xg):
+    assert native.qgemm_x_group(k) == xg
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)) * 3
+    q, s = int8_weight(72, k)  # 72: a panel and a part of one
+    got = native.qgemm(x, q, s)
+    assert got.shape == (rows, 72) and got.dtype == torch.float32
+    mag = round8_groups(x, xg).double().abs() @ (q.double().abs() * s.double()[:, None]).T
+    check_products(got, int8_reference(x, q, s, xg), k, mag)
+    # and within half a step of each input's rounding of the product of x itself
+    half = x.abs().view(rows, -1, xg).amax(-1, keepdim=True).expand(rows, k // xg, xg).reshape(rows, k) * STEP["x8"] / 2
+    plain = x.double() @ (q.double() * s.double()[:, None]).T
+    assert ((got.double() - plain).abs() <= half.double() @ (q.double().abs() * s.double()[:, None]).T
+            + fp32_sum_tol(k, mag)).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 6, 40])
+@pytest.mark.parametrize("k,group", [(64, 32), (256, 64), (1024, 128), (768, 256)])
+def test_int4_products_match_float64(rows, k, group):
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(3))
+    qw, sl, q = int4_weight(50, k, group)
+    got = native.qgemm(x, qw, sl, group)
+    assert got.shape == (rows, 50)
+    check_products(got, int4_reference(x, sl, q, group), k, int4_magnitude(x, sl, q, group))
+
+
+@needs_kernels
+def test_integer_sums_are_exact_at_the_extremes():
+    """x that rounds to +-127 against weights of -128/127 (int8) and 15 (int4), 8192 inputs: the
+    integer sums (int8's shifted by 128 inside the VNNI loop) neither overflow nor saturate."""
+    k = 8192
+    x = torch.ones(5, k)
+    x[1] = -1
+    x[2, ::2] = -1
+    q = torch.full((33, k), -128, dtype=torch.int8)
+    q[1] = 127
+    q[2, 1::2] = 127
+    s = torch.ones(33)
+    ref = x.double() @ q.double().T
+    assert torch.equal(native.qgemm(x, q, s).double(), ref)  # every partial sum an integer below 2^24
+    qw = torch.full((33, k // 2), 255, dtype=torch.uint8)  # q = 15 everywhere
+    sl = torch.stack([torch.ones(33, k // 128), torch.zeros(33, k // 128)], -1)
+    assert torch.equal(native.qgemm(x, qw, sl, 128).double(), x.double() @ torch.full((33, k), 15.0).double().T)
+
+
+@needs_kernels
+def test_result_does_not_depend_on_the_thread_count():
+    q, s = int8_weight(200, 512)
+    qw, sl, _ = int4_weight(200, 512, 128)
+    x = torch.randn(45, 512)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native.qgemm(x, q, s), native.qgemm(x, qw, sl, 128)
+        torch.set_num_threads(2)
+        two = native.qgemm(x, q, s), native.qgemm(x, qw, sl, 128)
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(one, two))
+
+
+def test_no_group_of_x_fits_a_width_that_32_does_not_divide():
+    assert native.qgemm_x_group(100) is None and native.qgemm_x_group(5632) == 128
+    if native.available():
+        with pytest.raises(ValueError, match="no group of 8-bit x fits 100 inputs"):
+            native.qgemm(torch.randn(40, 100), *int8_weight(8, 100))
+
+
+_PATHS_CODE = """
+import sys, torch
+from tierlm.infer import native
+from tierlm.infer.quant import _int4, _int8
+g = torch.Generator().manual_seed(5)
+out = {}
+for rows, k, n in ((1, 256, 40), (37, 192, 72), (64, 96, 33), (9, 1024, 65)):
+    x = torch.randn(rows, k, generator=g) * 2
+    w = torch.randn(n, k, generator=g)
+    t = _int8(w, torch.float32)
+    out[f"int8 {rows} {k}"] = native.qgemm(x, t["qweight"], t["scales"])
+    for group in (32, 64, 128):
+        if k % group == 0:
+            t = _int4(w, torch.float32, group, "tierlm")
+            out[f"int4 {rows} {k} {group}"] = native.qgemm(x, t["qweight"], t["scales"], group)
+torch.save({"isa": native.isa(), "fast": native.qgemm_fast(), "out": out}, sys.argv[1])
+"""
+
+
+@needs_kernels
+def test_every_path_gives_the_same_bits(tmp_path):
+    """The portable loop and the AVX512-VNNI one compute the same integer sums and the same fp32
+    steps in the same order: their products are equal, bit for bit, on every path this CPU has."""
+    if os.environ.get("TIERLM_NATIVE_ISA"):
+        pytest.skip(f"this run is already forced to {os.environ['TIERLM_NATIVE_ISA']}")
+    got = {}
+    for path in native.supported_isas():
+        f = tmp_path / f"{path}.pt"
+        r = subprocess.run([sys.executable, "-c", _PATHS_CODE, str(f)], capture_output=True, text=True,
+                           timeout=120, env={**os.environ, "TIERLM_NATIVE_ISA": path})
+        assert r.returncode == 0, r.stderr[-2000:]
+        got[path] = torch.load(f)
+        assert got[path]["isa"] == path
+    assert got["portable"]["fast"] is False
+    base = got["portable"]["out"]
+    for path, res in got.items():
+        assert res["out"].keys() == base.keys()
+        for key, y in res["out"].items():
+            assert torch.equal(y, base[key]), f"{path} differs from portable on {key}"
+
+
+@needs_kernels
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_qlinear_takes_many_rows_in_integers_where_the_cpu_has_vnni(mode):
+    lin = QLinear(256, 40, mode, group=64 if mode == "int4" else 0, has_bias=True)
+    for name, t in lin.quantize(torch.randn(40, 256), torch.randn(40), torch.float32).items():
+        setattr(lin, name, t)
+    x = torch.randn(2, NATIVE_MAX_ROWS, 256)
+    y = lin(x)
+    assert y.shape == (2, NATIVE_MAX_ROWS, 40)
+    ours = native.qgemm(x, lin.qweight, lin.scales, lin.group) + lin.bias
+    assert lin.integer_rows(x.reshape(-1, 256)) == native.qgemm_fast()
+    assert torch.equal(y.reshape(-1, 40), ours) == native.qgemm_fast()
+    if not native.qgemm_fast():
+        return
+    x1 = x.reshape(-1, 256)[:NATIVE_MAX_ROWS]  # few rows stay on the few-row kernels
+    few = native.gemv_int8(x1, lin.qweight, lin.scales) if mode == "int8" else \
+        native.gemv_int4(x1, lin.qweight, lin.scales, 64)
+    assert torch.equal(lin(x1), few + lin.bias)

@@ -1,0 +1,324 @@
+/* Products of many rows (a prefill) with int8 or int4 weights, in 8-bit integers.
+
+   Each row of x is rounded to 8 bits with one scale per group of `xg` inputs (as llama.cpp's
+   Q8 activations are, in blocks): xq = round(x * 127 / max|group|), halves away from zero,
+   xs = max|group| / 127. Then, for each group g, the integer sum isum = sum_k xq[m,k] * q[n,k]
+   is exact (|isum| < 2^24, so it is also exact in fp32), and
+
+     int8 (one scale s[n] a row, xg = 128, 64 or 32):
+       acc = fma((float)isum_g, xs[m,g], acc) for g = 0, 1, ...;  y[m,n] = acc * s[n]
+     int4 (q in 0..15, (scale, lo) per group of the weights, xg = that group):
+       acc = fma((float)isum_g, scale[n,g] * xs[m,g], acc);  acc = fma(lo[n,g], xsum[m,g], acc)
+       y[m,n] = acc, where xsum is the group's sum of x itself (fp32, in input order).
+
+   Every path computes these same operations in this order, so they give the same bits, on any
+   thread count (an output is one thread's, start to end). The portable path multiplies row by row;
+   the AVX512-VNNI path packs a panel of 32 weight rows so that one 64-byte vector holds 4
+   consecutive inputs of 16 rows, and `vpdpbusd` (u8 x s8, 4 products a lane) against 4 inputs of
+   one row of x broadcast gives 16 outputs' sums at once: no horizontal sums, and the group's fp32
+   step is three vector instructions for 16 outputs. vpdpbusd takes one unsigned operand: int4's
+   q (0..15) is it, and for int8 x is shifted to xq + 128, the panel's 128 * sum_k q[n,k] over
+   each group (vpdpbusd of ones, once per panel) subtracted from the sums after.
+
+   Weights stay in the row-major layout the one-row kernels read; a thread packs a panel (32 rows x
+   K, 64 KiB at K = 2048) into its own buffer and multiplies every row of x by it, so the packing
+   is amortised over the rows. */
+#include "gemv.h"
+
+#include <omp.h>
+
+#define QG_NP 32 /* weight rows of a panel: two vectors of 16 lanes */
+#ifndef QG_MR
+#define QG_MR 4  /* rows of x per micro-kernel */
+#endif
+
+/* x [M, K] rounded to 8 bits a group (xq [Mp, K], the rows from M to Mp zero), scales xs [Mp, G];
+   with xsum, also each group's fp32 sum of x. */
+static void quantize_x(const float *x, int64_t M, int64_t Mp, int64_t K, int64_t xg, int8_t *xq, float *xs,
+                       float *xsum) {
+    int64_t G = K / xg;
+    for (int64_t m = 0; m < Mp; m++)
+        for (int64_t g = 0; g < G; g++) {
+            int8_t *q = xq + m * K + g * xg;
+            if (m >= M) {
+                memset(q, 0, (size_t)xg);
+                xs[m * G + g] = 0.f;
+                if (xsum) xsum[m * G + g] = 0.f;
+                continue;
+            }
+            const float *v = x + m * K + g * xg;
+            float mx = 0.f, s = 0.f;
+            for (int64_t k = 0; k < xg; k++) {
+                float a = v[k] < 0.f ? -v[k] : v[k];
+                mx = a > mx ? a : mx;
+                s += v[k];
+            }
+            float inv = mx > 0.f ? 127.f / mx : 0.f;
+            for (int64_t k = 0; k < xg; k++) {
+                float r = v[k] * inv;
+                q[k] = (int8_t)(r < 0.f ? r - 0.5f : r + 0.5f);
+            }
+            xs[m * G + g] = mx / 127.f;
+            if (xsum) xsum[m * G + g] = s;
+        }
+}
+
+static inline int i4_q(const uint8_t *wr, int64_t k) {
+    uint8_t b = wr[(k >> 5) * 16 + (k & 15)];
+    return (k & 16) ? b >> 4 : b & 15;
+}
+
+/* ---- portable: output rows n0..n1 ------------------------------------------------------------ */
+static void qgemm_portable(int int4, const int8_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K,
+                           int64_t xg, const void *w, const float *s, float *y, int64_t ldy, int64_t n0,
+                           int64_t n1) {
+    int64_t G = K / xg;
+    int32_t *qrow = (int32_t *)malloc((size_t)K * sizeof(int32_t));
+    if (!qrow) abort();
+    for (int64_t n = n0; n < n1; n++) {
+        for (int64_t k = 0; k < K; k++)
+            qrow[k] = int4 ? i4_q((const uint8_t *)w + n * (K / 2), k) : ((const int8_t *)w)[n * K + k];
+        for (int64_t m = 0; m < M; m++) {
+            const int8_t *xr = xq + m * K;
+            float acc = 0.f;
+            for (int64_t g = 0; g < G; g++) {
+                int32_t isum = 0;
+                for (int64_t k = g * xg; k < (g + 1) * xg; k++) isum += (int32_t)xr[k] * qrow[k];
+                if (int4) {
+                    const float *sl = s + (n * G + g) * 2;
+                    acc = fmaf((float)isum, sl[0] * xs[m * G + g], acc);
+                    acc = fmaf(sl[1], xsum[m * G + g], acc);
+                } else {
+                    acc = fmaf((float)isum, xs[m * G + g], acc);
+                }
+            }
+            y[m * ldy + n] = int4 ? acc : acc * s[n];
+        }
+    }
+    free(qrow);
+}
+
+#if HAVE_X86
+#define TARGET_QVNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")))
+
+/* 16 vectors of 16 words, rows of a 16 x 16 matrix, transposed in place (three rounds of unpacks
+   and lane shuffles). */
+TARGET_QVNNI static void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int a = 0; a < 4; a++) {  /* r[4a + j], 128-bit lane L: column 4L + j of rows 4a..4a+3 */
+        r[4 * a] = _mm512_unpacklo_epi64(t[4 * a], t[4 * a + 2]);
+        r[4 * a + 1] = _mm512_unpackhi_epi64(t[4 * a], t[4 * a + 2]);
+        r[4 * a + 2] = _mm512_unpacklo_epi64(t[4 * a + 1], t[4 * a + 3]);
+        r[4 * a + 3] = _mm512_unpackhi_epi64(t[4 * a + 1], t[4 * a + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        t[j] = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x88);
+        t[4 + j] = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xdd);
+        t[8 + j] = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x88);
+        t[12 + j] = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xdd);
+    }
+    for (int j = 0; j < 4; j++) {
+        r[j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0x88);
+        r[4 + j] = _mm512_shuffle_i32x4(t[4 + j], t[12 + j], 0x88);
+        r[8 + j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0xdd);
+        r[12 + j] = _mm512_shuffle_i32x4(t[4 + j], t[12 + j], 0xdd);
+    }
+}
+
+/* A panel of weight rows n0.. (nr <= 32 of them, the rest zero) as int32 words [K/4][32]: word
+   (kq, c) is inputs 4kq..4kq+3 of row n0 + c. int4 rows are unpacked to bytes 0..15 first (into
+   `rows`, [33][K] bytes, the last row zeros). Also per group: int8, 128 * the sum of each row's
+   weights (corr [G][32]); int4, scale and lo ([G][32] each). */
+TARGET_QVNNI static void pack_panel(int int4, const void *w, const float *s, int64_t K, int64_t xg, int64_t n0,
+                                    int64_t nr, int32_t *P, uint8_t *rows, int32_t *corr, float *sc, float *lo) {
+    int64_t KQ = K / 4, G = K / xg;
+    const uint8_t *src[QG_NP];
+    memset(rows + QG_NP * K, 0, (size_t)K);
+    for (int64_t c = 0; c < QG_NP; c++) {
+        if (c >= nr) {
+            src[c] = rows + QG_NP * K;
+        } else if (int4) {
+            const uint8_t *wr = (const uint8_t *)w + (n0 + c) * (K / 2);
+            uint8_t *row = rows + c * K;
+            __m128i m15 = _mm_set1_epi8(15);
+            for (int64_t b = 0; b < K / 32; b++) {
+                __m128i v = _mm_loadu_si128((const __m128i *)(wr + b * 16));
+                _mm_storeu_si128((__m128i *)(row + b * 32), _mm_and_si128(v, m15));
+                _mm_storeu_si128((__m128i *)(row + b * 32 + 16), _mm_and_si128(_mm_srli_epi16(v, 4), m15));
+            }
+            src[c] = row;
+        } else {
+            src[c] = (const uint8_t *)w + (n0 + c) * K;
+        }
+        for (int64_t g = 0; g < G && int4; g++) {
+            sc[g * QG_NP + c] = c < nr ? s[((n0 + c) * G + g) * 2] : 0.f;
+            lo[g * QG_NP + c] = c < nr ? s[((n0 + c) * G + g) * 2 + 1] : 0.f;
+        }
+    }
+    int64_t kq = 0;
+    for (; kq + 16 <= KQ; kq += 16)
+        for (int h = 0; h < 2; h++) {
+            __m512i r[16];
+            for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(src[16 * h + i] + 4 * kq);
+            transpose16(r);
+            for (int i = 0; i < 16; i++) _mm512_storeu_si512(P + (kq + i) * QG_NP + 16 * h, r[i]);
+        }
+    for (; kq < KQ; kq++)
+        for (int64_t c = 0; c < QG_NP; c++) memcpy(P + kq * QG_NP + c, src[c] + 4 * kq, 4);
+    if (int4) return;
+    __m512i ones = _mm512_set1_epi8(1);
+    for (int64_t g = 0; g < G; g++)
+        for (int h = 0; h < 2; h++) {
+            __m512i a = _mm512_setzero_si512();
+            for (int64_t kq = g * xg / 4; kq < (g + 1) * xg / 4; kq++)
+                a = _mm512_dpbusd_epi32(a, ones, _mm512_loadu_si512(P + kq * QG_NP + 16 * h));
+            _mm512_storeu_si512(corr + g * QG_NP + 16 * h, _mm512_slli_epi32(a, 7));
+        }
+}
+
+/* Rows m0..m0+QG_MR-1 of x against a packed panel; writes outputs n0..n0+nr-1. xq is xq + 128 for
+   int8 (the unsigned operand), xq itself for int4 (the signed one; q is the unsigned). */
+TARGET_QVNNI static void panel_rows(int int4, const uint8_t *xq, const float *xs, const float *xsum, int64_t K,
+                                    int64_t xg, const int32_t *P, const int32_t *corr, const float *sc,
+                                    const float *lo, const float *sn, int64_t m0, float *yb, int64_t ldy, int64_t nr) {
+    int64_t G = K / xg;
+    __m512 f[QG_MR][2];
+    for (int r = 0; r < QG_MR; r++) f[r][0] = f[r][1] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        __m512i a[QG_MR][2];
+        for (int r = 0; r < QG_MR; r++) a[r][0] = a[r][1] = _mm512_setzero_si512();
+        for (int64_t kq = g * xg / 4; kq < (g + 1) * xg / 4; kq++) {
+            __m512i w0 = _mm512_loadu_si512(P + kq * QG_NP), w1 = _mm512_loadu_si512(P + kq * QG_NP + 16);
+            for (int r = 0; r < QG_MR; r++) {
+                int32_t xv;
+                memcpy(&xv, xq + (m0 + r) * K + 4 * kq, 4);
+                __m512i xb = _mm512_set1_epi32(xv);
+                if (int4) {
+                    a[r][0] = _mm512_dpbusd_epi32(a[r][0], w0, xb);
+                    a[r][1] = _mm512_dpbusd_epi32(a[r][1], w1, xb);
+                } else {
+                    a[r][0] = _mm512_dpbusd_epi32(a[r][0], xb, w0);
+                    a[r][1] = _mm512_dpbusd_epi32(a[r][1], xb, w1);
+                }
+            }
+        }
+        for (int h = 0; h < 2; h++) {
+            if (int4) {
+                __m512 sv = _mm512_loadu_ps(sc + g * QG_NP + 16 * h), lv = _mm512_loadu_ps(lo + g * QG_NP + 16 * h);
+                for (int r = 0; r < QG_MR; r++) {
+                    __m512 t = _mm512_mul_ps(sv, _mm512_set1_ps(xs[(m0 + r) * G + g]));
+                    f[r][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r][h]), t, f[r][h]);
+                    f[r][h] = _mm512_fmadd_ps(lv, _mm512_set1_ps(xsum[(m0 + r) * G + g]), f[r][h]);
+                }
+            } else {
+                __m512i cv = _mm512_loadu_si512(corr + g * QG_NP + 16 * h);
+                for (int r = 0; r < QG_MR; r++) {
+                    __m512 i = _mm512_cvtepi32_ps(_mm512_sub_epi32(a[r][h], cv));
+                    f[r][h] = _mm512_fmadd_ps(i, _mm512_set1_ps(xs[(m0 + r) * G + g]), f[r][h]);
+                }
+            }
+        }
+    }
+    for (int h = 0; h < 2; h++) {
+        int64_t c0 = 16 * h, cnt = nr - c0;
+        if (cnt <= 0) break;
+        __mmask16 mk = cnt >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << cnt) - 1);
+        __m512 sv = int4 ? _mm512_set1_ps(1.f) : _mm512_maskz_loadu_ps(mk, sn + c0);
+        for (int r = 0; r < QG_MR; r++) {
+            __m512 o = int4 ? f[r][h] : _mm512_mul_ps(f[r][h], sv);
+            _mm512_mask_storeu_ps(yb + r * ldy + c0, mk, o);
+        }
+    }
+}
+
+/* The threads share the panels: each packs one and runs all rows (Mp, a multiple of QG_MR) through
+   it, the last block's rows past M into a scratch tile rather than y. Returns -1 where a thread's
+   buffers cannot be had. */
+TARGET_QVNNI static int qgemm_vnni(int int4, const uint8_t *xq, const float *xs, const float *xsum, int64_t M,
+                                   int64_t Mp, int64_t K, int64_t xg, const void *w, const float *s, float *y,
+                                   int64_t ldy, int64_t N, int threads) {
+    int64_t G = K / xg, panels = (N + QG_NP - 1) / QG_NP;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        size_t pb = (size_t)K * QG_NP, gb = (size_t)G * QG_NP * 4;
+        size_t rb = (size_t)K * (QG_NP + 1);
+        char *buf = (char *)aligned_alloc(64, (pb + rb + 3 * gb + 63) / 64 * 64);
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+            int32_t *P = (int32_t *)buf, *corr = (int32_t *)(buf + pb + rb);
+            float *sc = (float *)(buf + pb + rb + gb), *lo = sc + G * QG_NP;
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t p = 0; p < panels; p++) {
+                int64_t n0 = p * QG_NP, nr = N - n0 < QG_NP ? N - n0 : QG_NP;
+                pack_panel(int4, w, s, K, xg, n0, nr, P, (uint8_t *)(buf + pb), corr, sc, lo);
+                for (int64_t m0 = 0; m0 < Mp; m0 += QG_MR) {
+                    if (m0 + QG_MR <= M) {
+                        panel_rows(int4, xq, xs, xsum, K, xg, P, corr, sc, lo, s + n0, m0, y + m0 * ldy + n0, ldy,
+                                   nr);
+                    } else {
+                        float tmp[QG_MR * QG_NP];
+                        panel_rows(int4, xq, xs, xsum, K, xg, P, corr, sc, lo, s + n0, m0, tmp, QG_NP, nr);
+                        for (int64_t r = m0; r < M; r++)
+                            memcpy(y + r * ldy + n0, tmp + (r - m0) * QG_NP, (size_t)nr * sizeof(float));
+                    }
+                }
+            }
+        }
+        free(buf);
+    }
+    return failed ? -1 : 0;
+}
+#endif
+
+/* y [M, ldy] = x [M, K] @ W^T as the header says: int8 weights [N, K] with scales s [N] (`group`
+   0; xg, the x group, 128, 64 or 32 dividing K), or int4 weights [N, K/2] with (scale, lo) pairs
+   s [N, K/group, 2] (`group` > 0, a multiple of 32 dividing K; xg = group). Returns -1 where
+   memory cannot be had, -2 for groups that do not fit. */
+int tierlm_qgemm(const float *x, int64_t M, int64_t K, const void *w, const float *s, int64_t N, int64_t group,
+                 int64_t xg, float *y, int64_t ldy, int threads) {
+    int int4 = group > 0;
+    if (int4) xg = group;
+    if (xg <= 0 || xg % 32 || K % xg || (int4 && K % 32)) return -2;
+    if (ldy <= 0) ldy = N;
+    int64_t Mp = (M + QG_MR - 1) / QG_MR * QG_MR, G = K / xg;
+    int8_t *xq = (int8_t *)malloc((size_t)(Mp * K));
+    float *xs = (float *)malloc((size_t)(2 * Mp * G) * sizeof(float));
+    if (!xq || !xs) {
+        free(xq);
+        free(xs);
+        return -1;
+    }
+    float *xsum = int4 ? xs + Mp * G : NULL;
+    quantize_x(x, M, Mp, K, xg, xq, xs, xsum);
+    int rc = 0;
+#if HAVE_X86
+    if (tl_use_vnni()) {
+        if (!int4)  /* the unsigned operand: xq + 128 */
+            for (int64_t i = 0; i < Mp * K; i++) xq[i] = (int8_t)((uint8_t)xq[i] ^ 0x80);
+        rc = qgemm_vnni(int4, (const uint8_t *)xq, xs, xsum, M, Mp, K, xg, w, s, y, ldy, N, threads);
+        free(xq);
+        free(xs);
+        return rc;
+    }
+#endif
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
+        qgemm_portable(int4, xq, xs, xsum, M, K, xg, w, s, y, ldy, N * t / T, N * (t + 1) / T);
+    }
+    free(xq);
+    free(xs);
+    return rc;
+}
+
+/* Whether this path multiplies many rows in integers faster than a dequantised fp32 product. */
+int tierlm_qgemm_fast(void) { return tl_use_vnni(); }
