@@ -32,34 +32,90 @@
 #define QG_MR 4  /* rows of x per micro-kernel */
 #endif
 
-/* x [M, K] rounded to 8 bits a group (xq [Mp, K], the rows from M to Mp zero), scales xs [Mp, G];
-   with xsum, also each group's fp32 sum of x. */
-static void quantize_x(const float *x, int64_t M, int64_t Mp, int64_t K, int64_t xg, int8_t *xq, float *xs,
-                       float *xsum) {
+/* The sum of 16 lane sums, halves first (as the AVX-512 path adds its vector's halves). */
+static inline float sum16(float *t) {
+    for (int w = 8; w >= 1; w /= 2)
+        for (int i = 0; i < w; i++) t[i] = t[i] + t[i + w];
+    return t[0];
+}
+
+/* One group of x (n inputs, a multiple of 16) rounded to 8 bits: q = round(x * 127 / max|x|), halves
+   away from zero, xor `flip` (0x80: the VNNI path's xq + 128); returns the scale max|x| / 127 and,
+   with `sum`, the group's fp32 sum of x (16 lane sums, lane j over inputs j, j + 16, ..., then
+   sum16): the AVX-512 loop's order, so that both paths give the same bits. */
+static float quantize_group(const float *v, int64_t n, int8_t *q, int flip, float *sum) {
+    float mx = 0.f, t[16] = {0};
+    for (int64_t k = 0; k < n; k++) {
+        float a = v[k] < 0.f ? -v[k] : v[k];
+        mx = a > mx ? a : mx;
+        t[k & 15] += v[k];
+    }
+    float inv = mx > 0.f ? 127.f / mx : 0.f;
+    for (int64_t k = 0; k < n; k++) {
+        float r = v[k] * inv;
+        q[k] = (int8_t)((uint8_t)(int8_t)(r < 0.f ? r - 0.5f : r + 0.5f) ^ flip);
+    }
+    if (sum) *sum = sum16(t);
+    return mx / 127.f;
+}
+
+#if HAVE_X86
+#define TARGET_QVNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")))
+
+TARGET_QVNNI static float quantize_group_avx512(const float *v, int64_t n, int8_t *q, int flip, float *sum) {
+    __m512 vm = _mm512_setzero_ps(), vs = vm;
+    for (int64_t k = 0; k < n; k += 16) {
+        __m512 a = _mm512_loadu_ps(v + k);
+        vm = _mm512_max_ps(vm, _mm512_abs_ps(a));
+        vs = _mm512_add_ps(vs, a);
+    }
+    float mx = _mm512_reduce_max_ps(vm);  /* a maximum is exact in any order */
+    __m512 inv = _mm512_set1_ps(mx > 0.f ? 127.f / mx : 0.f), half = _mm512_set1_ps(0.5f);
+    __m128i fl = _mm_set1_epi8((char)flip);
+    __m512i sign = _mm512_set1_epi32((int)0x80000000u);
+    for (int64_t k = 0; k < n; k += 16) {
+        __m512 r = _mm512_mul_ps(_mm512_loadu_ps(v + k), inv);
+        /* r + copysign(0.5, r): r - 0.5 below zero, as the portable loop; -0 rounds to 0 either way */
+        __m512 h = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(half),
+                                                       _mm512_and_si512(_mm512_castps_si512(r), sign)));
+        __m128i b = _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(_mm512_add_ps(r, h)));
+        _mm_storeu_si128((__m128i *)(q + k), _mm_xor_si128(b, fl));
+    }
+    if (sum) {
+        float t[16];
+        _mm512_storeu_ps(t, vs);
+        *sum = sum16(t);
+    }
+    return mx / 127.f;
+}
+#endif
+
+/* x [M, K] rounded to 8 bits a group of xg (xq [Mp, K], the rows from M to Mp zero), scales xs
+   [Mp, G]; with xsum, also each group's fp32 sum of x. Rows are shared among the threads. */
+static void quantize_x(const float *x, int64_t M, int64_t Mp, int64_t K, int64_t xg, int flip, int8_t *xq,
+                       float *xs, float *xsum, int threads) {
     int64_t G = K / xg;
+#if HAVE_X86
+    int vec = tl_use_vnni();
+#endif
+#pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t m = 0; m < Mp; m++)
         for (int64_t g = 0; g < G; g++) {
             int8_t *q = xq + m * K + g * xg;
+            float *sum = xsum ? xsum + m * G + g : NULL;
             if (m >= M) {
-                memset(q, 0, (size_t)xg);
+                memset(q, flip, (size_t)xg);
                 xs[m * G + g] = 0.f;
-                if (xsum) xsum[m * G + g] = 0.f;
+                if (sum) *sum = 0.f;
                 continue;
             }
-            const float *v = x + m * K + g * xg;
-            float mx = 0.f, s = 0.f;
-            for (int64_t k = 0; k < xg; k++) {
-                float a = v[k] < 0.f ? -v[k] : v[k];
-                mx = a > mx ? a : mx;
-                s += v[k];
+#if HAVE_X86
+            if (vec) {
+                xs[m * G + g] = quantize_group_avx512(x + m * K + g * xg, xg, q, flip, sum);
+                continue;
             }
-            float inv = mx > 0.f ? 127.f / mx : 0.f;
-            for (int64_t k = 0; k < xg; k++) {
-                float r = v[k] * inv;
-                q[k] = (int8_t)(r < 0.f ? r - 0.5f : r + 0.5f);
-            }
-            xs[m * G + g] = mx / 127.f;
-            if (xsum) xsum[m * G + g] = s;
+#endif
+            xs[m * G + g] = quantize_group(x + m * K + g * xg, xg, q, flip, sum);
         }
 }
 
@@ -99,8 +155,6 @@ static void qgemm_portable(int int4, const int8_t *xq, const float *xs, const fl
 }
 
 #if HAVE_X86
-#define TARGET_QVNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")))
-
 /* 16 vectors of 16 words, rows of a 16 x 16 matrix, transposed in place (three rounds of unpacks
    and lane shuffles). */
 TARGET_QVNNI static void transpose16(__m512i r[16]) {
@@ -298,12 +352,12 @@ int tierlm_qgemm(const float *x, int64_t M, int64_t K, const void *w, const floa
         return -1;
     }
     float *xsum = int4 ? xs + Mp * G : NULL;
-    quantize_x(x, M, Mp, K, xg, xq, xs, xsum);
+    int vnni = tl_use_vnni();
+    /* the VNNI path takes int8's x as the unsigned operand, xq + 128 */
+    quantize_x(x, M, Mp, K, xg, vnni && !int4 ? 0x80 : 0, xq, xs, xsum, threads);
     int rc = 0;
 #if HAVE_X86
-    if (tl_use_vnni()) {
-        if (!int4)  /* the unsigned operand: xq + 128 */
-            for (int64_t i = 0; i < Mp * K; i++) xq[i] = (int8_t)((uint8_t)xq[i] ^ 0x80);
+    if (vnni) {
         rc = qgemm_vnni(int4, (const uint8_t *)xq, xs, xsum, M, Mp, K, xg, w, s, y, ldy, N, threads);
         free(xq);
         free(xs);
