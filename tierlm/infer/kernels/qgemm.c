@@ -124,13 +124,11 @@ static inline int i4_q(const uint8_t *wr, int64_t k) {
     return (k & 16) ? b >> 4 : b & 15;
 }
 
-/* ---- portable: output rows n0..n1 ------------------------------------------------------------ */
+/* ---- portable: output rows n0..n1, a row of weights at a time widened into qrow [K] ---------- */
 static void qgemm_portable(int int4, const int8_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K,
                            int64_t xg, const void *w, const float *s, float *y, int64_t ldy, int64_t n0,
-                           int64_t n1) {
+                           int64_t n1, int32_t *qrow) {
     int64_t G = K / xg;
-    int32_t *qrow = (int32_t *)malloc((size_t)K * sizeof(int32_t));
-    if (!qrow) abort();
     for (int64_t n = n0; n < n1; n++) {
         for (int64_t k = 0; k < K; k++)
             qrow[k] = int4 ? i4_q((const uint8_t *)w + n * (K / 2), k) : ((const int8_t *)w)[n * K + k];
@@ -151,7 +149,6 @@ static void qgemm_portable(int int4, const int8_t *xq, const float *xs, const fl
             y[m * ldy + n] = int4 ? acc : acc * s[n];
         }
     }
-    free(qrow);
 }
 
 #if HAVE_X86
@@ -367,7 +364,13 @@ int tierlm_qgemm(const float *x, int64_t M, int64_t K, const void *w, const floa
 #pragma omp parallel num_threads(threads)
     {
         int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
-        qgemm_portable(int4, xq, xs, xsum, M, K, xg, w, s, y, ldy, N * t / T, N * (t + 1) / T);
+        int32_t *qrow = (int32_t *)malloc((size_t)K * sizeof(int32_t));
+        if (qrow)
+            qgemm_portable(int4, xq, xs, xsum, M, K, xg, w, s, y, ldy, N * t / T, N * (t + 1) / T, qrow);
+        else
+#pragma omp atomic write
+            rc = -1;
+        free(qrow);
     }
     free(xq);
     free(xs);
