@@ -5,7 +5,10 @@ Each run is a process of its own (so each peak RSS is its own). The in-memory ru
 `tierlm finetune` with its timeline recorded on the last step. Printed: the ratio of steady step
 times, SSD bytes per step against the measured bandwidth (`tierlm bench io`), the share of the step
 the computation waited on I/O, and the peak RSS of each. When the in-memory run cannot fit in RAM,
-it is not run, and the out-of-core step is compared with its I/O bound instead.
+it is not run, and the out-of-core step is compared with its I/O bound instead. Where DeepSpeed is
+installed (it is optional), a third process runs it on the same model, data and batch: ZeRO-3 with
+parameters and optimizer states offloaded to NVMe (`tierlm.train.peer_deepspeed`); `--peers none`
+leaves it out. The machine (CPU, cores, RAM, ISA flags) is printed above the figures.
 
 The drive is measured right before and right after the out-of-core run, on the run's own folder,
 and the bound uses the mean of the two: a virtual disk's rates move by 2x within an hour (read 2.43
