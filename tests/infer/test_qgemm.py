@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from tierlm.infer import native
+from tierlm.infer import native, quant
 from tierlm.infer.quant import NATIVE_MAX_ROWS, QLinear, _int8
 
 from .test_native import int4_weight, needs_kernels, round8_groups
@@ -111,7 +111,7 @@ def test_no_group_of_x_fits_a_width_that_32_does_not_divide():
 
 _PATHS_CODE = """
 import sys, torch
-from tierlm.infer import native
+from tierlm.infer import native, quant
 from tierlm.infer.quant import _int4, _int8
 g = torch.Generator().manual_seed(5)
 out = {}
@@ -164,6 +164,18 @@ def test_qlinear_takes_many_rows_in_integers_where_the_cpu_has_vnni(mode):
     assert torch.equal(y.reshape(-1, 40), ours) == native.qgemm_fast()
     if not native.qgemm_fast():
         return
+    quant.use_integer_rows(False)  # the fallback, as benchmarks/infer_prefill.py compares it
+    try:
+        assert not lin.integer_rows(x.reshape(-1, 256))
+        fallback = lin(x).reshape(-1, 40)
+    finally:
+        quant.use_integer_rows(True)
+    if mode == "int8":
+        assert torch.equal(fallback, torch.ops.aten._weight_int8pack_mm(x.reshape(-1, 256), lin.qweight, lin.scales)
+                           + lin.bias)
+    else:
+        w = native.dequant_int4(lin.qweight, lin.scales, 64)
+        assert torch.equal(fallback, torch.nn.functional.linear(x.reshape(-1, 256), w) + lin.bias)
     x1 = x.reshape(-1, 256)[:NATIVE_MAX_ROWS]  # few rows stay on the few-row kernels
     few = native.gemv_int8(x1, lin.qweight, lin.scales) if mode == "int8" else \
         native.gemv_int4(x1, lin.qweight, lin.scales, 64)
