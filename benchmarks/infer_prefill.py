@@ -20,7 +20,7 @@ import torch
 
 from tierlm.hf.init import init_model
 from tierlm.hf.presets import make_config
-from tierlm.infer import native, quant
+from tierlm.infer import native, qgemm, quant
 from tierlm.infer.engine import InferConfig, InferenceEngine
 
 
@@ -69,7 +69,7 @@ def main():
     model = root / "model"
     if not (model / "config.json").exists():
         init_model(model, make_config(None if a.preset else "llama", a.preset, over), dtype="bfloat16", tokenizer=False)
-    print(json.dumps({"kernels": native.isa(), "integer_rows": native.qgemm_fast(), "threads": a.threads,
+    print(json.dumps({"kernels": native.isa(), "integer_rows": qgemm.fast(), "threads": a.threads,
                       "prompt_len": a.prompt_len}), flush=True)
     rows = []
     for w in a.formats:

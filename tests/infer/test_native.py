@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierlm.infer import native
+from tierlm.infer import native, qgemm
 from tierlm.infer.quant import QLinear
 
 from .tolerances import STEP, check_products, check_rounded, fp32_sum_tol, x_step
@@ -353,7 +353,7 @@ def test_int8_qlinear_uses_ours_for_few_rows_and_agrees_with_pytorchs_kernel():
         torch_y = torch.ops.aten._weight_int8pack_mm(xr, lin.qweight, lin.scales)
         y = lin(x)
         if rows == 33:  # (tests/infer/test_qgemm.py tests qgemm's products)
-            assert torch.equal(y, native.qgemm(x, lin.qweight, lin.scales) if native.qgemm_fast() else torch_y)
+            assert torch.equal(y, qgemm.product(x, lin.qweight, lin.scales) if qgemm.fast() else torch_y)
         else:  # the same rounded x, fp32 sums in two orders (and sign-flipped weights for 8-bit x)
             flipped = rows == 1 and LIGHT and on("avx512vnni")
             w = (lin.qweight.double().abs() + 128 * flipped) * lin.scales.double()[:, None]
@@ -371,8 +371,8 @@ def test_int4_qlinear_uses_ours_for_few_rows_and_integers_or_fp32_for_many():
     for rows in (1, 7, 33):  # 33: above NATIVE_MAX_ROWS, dequantised and F.linear
         x = torch.randn(rows, 256)
         y = lin(x)
-        if rows == 33 and native.qgemm_fast():  # 8-bit x a group, integer sums (test_qgemm.py)
-            assert torch.equal(y, native.qgemm(x, lin.qweight, lin.scales, 64))
+        if rows == 33 and qgemm.fast():  # 8-bit x a group, integer sums (test_qgemm.py)
+            assert torch.equal(y, qgemm.product(x, lin.qweight, lin.scales, 64))
         elif rows == 33:
             assert torch.equal(y, torch.nn.functional.linear(x, native.dequant_int4(lin.qweight, lin.scales, 64)))
             torch.testing.assert_close(y, x @ w.T, rtol=1e-5, atol=1e-4)

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from tierlm.infer import native, quant
+from tierlm.infer import native, qgemm, quant
 from tierlm.infer.quant import NATIVE_MAX_ROWS, QLinear, _int8
 
 from .test_native import int4_weight, needs_kernels, round8_groups
@@ -42,10 +42,10 @@ def int8_weight(n, k, seed=0):
 @pytest.mark.parametrize("rows", [1, 5, 37])
 @pytest.mark.parametrize("k,xg", [(256, 128), (192, 64), (96, 32), (2048, 128)])
 def test_int8_products_match_float64(rows, k, xg):
-    assert native.qgemm_x_group(k) == xg
+    assert qgemm.x_group(k) == xg
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)) * 3
     q, s = int8_weight(72, k)  # 72: a panel and a part of one
-    got = native.qgemm(x, q, s)
+    got = qgemm.product(x, q, s)
     assert got.shape == (rows, 72) and got.dtype == torch.float32
     mag = round8_groups(x, xg).double().abs() @ (q.double().abs() * s.double()[:, None]).T
     check_products(got, int8_reference(x, q, s, xg), k, mag)
@@ -62,7 +62,7 @@ def test_int8_products_match_float64(rows, k, xg):
 def test_int4_products_match_float64(rows, k, group):
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(3))
     qw, sl, q = int4_weight(50, k, group)
-    got = native.qgemm(x, qw, sl, group)
+    got = qgemm.product(x, qw, sl, group)
     assert got.shape == (rows, 50)
     check_products(got, int4_reference(x, sl, q, group), k, int4_magnitude(x, sl, q, group))
 
@@ -80,10 +80,10 @@ def test_integer_sums_are_exact_at_the_extremes():
     q[2, 1::2] = 127
     s = torch.ones(33)
     ref = x.double() @ q.double().T
-    assert torch.equal(native.qgemm(x, q, s).double(), ref)  # every partial sum an integer below 2^24
+    assert torch.equal(qgemm.product(x, q, s).double(), ref)  # every partial sum an integer below 2^24
     qw = torch.full((33, k // 2), 255, dtype=torch.uint8)  # q = 15 everywhere
     sl = torch.stack([torch.ones(33, k // 128), torch.zeros(33, k // 128)], -1)
-    assert torch.equal(native.qgemm(x, qw, sl, 128).double(), x.double() @ torch.full((33, k), 15.0).double().T)
+    assert torch.equal(qgemm.product(x, qw, sl, 128).double(), x.double() @ torch.full((33, k), 15.0).double().T)
 
 
 @needs_kernels
@@ -94,24 +94,24 @@ def test_result_does_not_depend_on_the_thread_count():
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = native.qgemm(x, q, s), native.qgemm(x, qw, sl, 128)
+        one = qgemm.product(x, q, s), qgemm.product(x, qw, sl, 128)
         torch.set_num_threads(2)
-        two = native.qgemm(x, q, s), native.qgemm(x, qw, sl, 128)
+        two = qgemm.product(x, q, s), qgemm.product(x, qw, sl, 128)
     finally:
         torch.set_num_threads(before)
     assert all(torch.equal(a, b) for a, b in zip(one, two))
 
 
 def test_no_group_of_x_fits_a_width_that_32_does_not_divide():
-    assert native.qgemm_x_group(100) is None and native.qgemm_x_group(5632) == 128
+    assert qgemm.x_group(100) is None and qgemm.x_group(5632) == 128
     if native.available():
         with pytest.raises(ValueError, match="no group of 8-bit x fits 100 inputs"):
-            native.qgemm(torch.randn(40, 100), *int8_weight(8, 100))
+            qgemm.product(torch.randn(40, 100), *int8_weight(8, 100))
 
 
 _PATHS_CODE = """
 import sys, torch
-from tierlm.infer import native, quant
+from tierlm.infer import native, qgemm
 from tierlm.infer.quant import _int4, _int8
 g = torch.Generator().manual_seed(5)
 out = {}
@@ -119,12 +119,12 @@ for rows, k, n in ((1, 256, 40), (37, 192, 72), (64, 96, 33), (9, 1024, 65)):
     x = torch.randn(rows, k, generator=g) * 2
     w = torch.randn(n, k, generator=g)
     t = _int8(w, torch.float32)
-    out[f"int8 {rows} {k}"] = native.qgemm(x, t["qweight"], t["scales"])
+    out[f"int8 {rows} {k}"] = qgemm.product(x, t["qweight"], t["scales"])
     for group in (32, 64, 128):
         if k % group == 0:
             t = _int4(w, torch.float32, group, "tierlm")
-            out[f"int4 {rows} {k} {group}"] = native.qgemm(x, t["qweight"], t["scales"], group)
-torch.save({"isa": native.isa(), "fast": native.qgemm_fast(), "out": out}, sys.argv[1])
+            out[f"int4 {rows} {k} {group}"] = qgemm.product(x, t["qweight"], t["scales"], group)
+torch.save({"isa": native.isa(), "fast": qgemm.fast(), "out": out}, sys.argv[1])
 """
 
 
@@ -159,10 +159,10 @@ def test_qlinear_takes_many_rows_in_integers_where_the_cpu_has_vnni(mode):
     x = torch.randn(2, NATIVE_MAX_ROWS, 256)
     y = lin(x)
     assert y.shape == (2, NATIVE_MAX_ROWS, 40)
-    ours = native.qgemm(x, lin.qweight, lin.scales, lin.group) + lin.bias
-    assert lin.integer_rows(x.reshape(-1, 256)) == native.qgemm_fast()
-    assert torch.equal(y.reshape(-1, 40), ours) == native.qgemm_fast()
-    if not native.qgemm_fast():
+    ours = qgemm.product(x, lin.qweight, lin.scales, lin.group) + lin.bias
+    assert lin.integer_rows(x.reshape(-1, 256)) == qgemm.fast()
+    assert torch.equal(y.reshape(-1, 40), ours) == qgemm.fast()
+    if not qgemm.fast():
         return
     quant.use_integer_rows(False)  # the fallback, as benchmarks/infer_prefill.py compares it
     try:

@@ -1,4 +1,5 @@
-"""Our few-row products (kernels/gemv.c) and fused decoder layer (kernels/layer.c), built once per machine and loaded with ctypes.
+"""Our few-row products (kernels/gemv.c), fused decoder layer (kernels/layer.c) and many-row int8/int4
+products (kernels/qgemm.c, wrapped by `tierlm.infer.qgemm`), built once per machine and loaded with ctypes.
 
 The C file needs no PyTorch headers, so the build is one compiler call of about a second, cached
 under the tierlm cache directory by a hash of the source, the compiler and its flags. Where no C
@@ -369,41 +370,3 @@ def dequant_int4(qweight: torch.Tensor, scale_lo: torch.Tensor, group: int,
 def gemv_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ weight [N, K] (bf16)^T in fp32 accumulation; returns fp32 [rows, N]."""
     return products(x, [weight])[0]
-
-
-QGEMM_X_GROUPS = (128, 64, 32)  # inputs of x per 8-bit scale against int8 weights, the first that divides K
-
-
-def qgemm_x_group(k: int) -> int | None:
-    """The group of inputs each 8-bit scale of x covers in `qgemm` against int8 weights of k
-    inputs (None: no group divides k)."""
-    return next((g for g in QGEMM_X_GROUPS if k % g == 0), None)
-
-
-def qgemm_fast() -> bool:
-    """Whether many-row quantised products run on the integer units here (kernels/qgemm.c's
-    AVX512-VNNI path); elsewhere its portable loop is the reference the fast path is tested against,
-    slower than a dequantised fp32 product."""
-    lib = library()
-    return lib is not None and bool(lib.tierlm_qgemm_fast())
-
-
-def qgemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group: int = 0) -> torch.Tensor:
-    """x [..., K] @ W^T in 8-bit integers for many rows (kernels/qgemm.c): each row of x rounded to
-    8 bits a group (of `qgemm_x_group(K)` inputs against int8 weights, of the weights' `group`
-    against int4), integer sums per group, fp32 after. int8: qweight [N, K], scales [N] (one per
-    output row); int4 (`group`): qweight [N, K/2] in our nibble order, scales the fp32 (scale, lo)
-    pairs [N, K/group, 2]. Returns fp32 [rows, N]."""
-    n = qweight.shape[0]
-    k = qweight.shape[1] * (2 if group else 1)
-    xg = group or qgemm_x_group(k)
-    if xg is None or xg % 32 or k % xg:
-        raise ValueError(f"qgemm: no group of 8-bit x fits {k} inputs (group {group})")
-    xf = _rows(x, k)
-    w = qweight.contiguous()
-    s = scales if scales.dtype == torch.float32 and scales.is_contiguous() else scales.float().contiguous()
-    y = torch.empty(xf.shape[0], n, dtype=torch.float32)
-    rc = library().tierlm_qgemm(xf.data_ptr(), xf.shape[0], k, w.data_ptr(), s.data_ptr(), n, group, xg,
-                                y.data_ptr(), n, torch.get_num_threads())
-    _check(rc, xf.shape[0], k, group)
-    return y

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import native
+from . import native, qgemm
 
 MODES = ("int8", "int4")
 NATIVE_MAX_ROWS = 32  # ours measured faster up to 16 rows (2.4 against 1.8 GB/s), level at 32
@@ -135,7 +135,7 @@ class QLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         few = x2.shape[0] <= NATIVE_MAX_ROWS and x2.device.type == "cpu" and native.available()
         if not few and self.integer_rows(x2):
-            y = native.qgemm(x2, self.qweight, self.scales, self.group).to(x.dtype)
+            y = qgemm.product(x2, self.qweight, self.scales, self.group).to(x.dtype)
         elif self.mode == "int8" and few:
             y = native.gemv_int8(x2, self.qweight, self.scales).to(x.dtype)
         elif self.layout == "tierlm" and few:
@@ -157,13 +157,13 @@ class QLinear(nn.Module):
 
     def integer_rows(self, x2: torch.Tensor) -> bool:
         """Whether x2's rows (more than NATIVE_MAX_ROWS) multiply in 8-bit integers on our
-        many-row kernel (`native.qgemm`): where it runs on the CPU's integer dot products (the
+        many-row kernel (`qgemm.product`): where it runs on the CPU's integer dot products (the
         active path is avx512vnni or higher), for int8 weights whose width a group of x divides and
         our int4 layout. The fallback, where it does not, is the dequantised product below."""
-        if not _integer_rows or x2.device.type != "cpu" or not native.available() or not native.qgemm_fast():
+        if not _integer_rows or x2.device.type != "cpu" or not native.available() or not qgemm.fast():
             return False
         if self.mode == "int8":
-            return native.qgemm_x_group(self.in_features) is not None
+            return qgemm.x_group(self.in_features) is not None
         return self.layout == "tierlm"
 
     def extra_repr(self) -> str:
