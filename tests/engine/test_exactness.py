@@ -99,20 +99,40 @@ def assert_same(ref: dict, got: dict):
         assert torch.equal(got[n], t), f"{n}: max diff {(got[n].float() - t.float()).abs().max().item()}"
 
 
+@pytest.mark.parametrize("clip_path", ["speculate", "hold"])
 @pytest.mark.parametrize("state_cache", [True, False], ids=["state-in-ram", "state-on-disk"])
 @pytest.mark.parametrize("clip", [None, 0.5, 100.0], ids=["noclip", "clip-triggers", "clip-never"])
-def test_fp32_equals_torch_adamw(make_model_dir, tmp_path, clip, state_cache):
+def test_fp32_equals_torch_adamw(make_model_dir, tmp_path, clip, state_cache, clip_path):
     model_dir, model = make_model_dir("llama")
     data = batches(STEPS)
     kw = dict(lr=1e-2, wd=0.1, clip=clip, accum=1, warmup=2, precision="fp32")
     ref_model, ref_master, ref_losses, ref_norms = run_reference(model, data, **kw)
-    masters, _, losses, results = run_engine(model_dir, tmp_path, data, state_cache=state_cache, **kw)
+    masters, _, losses, results = run_engine(model_dir, tmp_path, data, state_cache=state_cache,
+                                             clip_path=clip_path, **kw)
     assert losses == ref_losses
     assert_same(ref_master, masters)
     if clip is not None:
         assert [r.grad_norm for r in results] == ref_norms
         redone = [r.redone for r in results]
-        assert all(redone) if clip == 0.5 else not any(redone)
+        # a speculative step that clips is redone; a held one updates once, after the norm
+        assert all(redone) if clip == 0.5 and clip_path == "speculate" else not any(redone)
+        assert {r.clip_path for r in results} == {clip_path}
+
+
+@pytest.mark.parametrize("clip", [0.5, 100.0], ids=["clip-triggers", "clip-never"])
+def test_auto_clip_path_holds_after_a_step_that_clipped(make_model_dir, tmp_path, clip):
+    """auto holds the first step and every step after one that clipped, speculates after one that
+    did not: a choice from the gradients, and torch's bits either way."""
+    model_dir, model = make_model_dir("llama")
+    data = batches(STEPS)
+    kw = dict(lr=1e-2, wd=0.1, clip=clip, accum=1, warmup=2, precision="fp32")
+    _, ref_master, ref_losses, _ = run_reference(model, data, **kw)
+    masters, _, losses, results = run_engine(model_dir, tmp_path, data, clip_path="auto", **kw)
+    assert losses == ref_losses
+    assert_same(ref_master, masters)
+    want = ["hold"] * STEPS if clip == 0.5 else ["hold"] + ["speculate"] * (STEPS - 1)
+    assert [r.clip_path for r in results] == want
+    assert not any(r.redone for r in results)
 
 
 def test_fp32_gradient_accumulation(make_model_dir, tmp_path):
@@ -125,14 +145,16 @@ def test_fp32_gradient_accumulation(make_model_dir, tmp_path):
     assert_same(ref_master, masters)
 
 
+@pytest.mark.parametrize("clip_path", ["speculate", "hold"])
 @pytest.mark.parametrize("state_cache", [True, False], ids=["state-in-ram", "state-on-disk"])
 @pytest.mark.parametrize("accum", [1, 2])
-def test_bf16_equals_mixed_precision_loop(make_model_dir, tmp_path, accum, state_cache):
+def test_bf16_equals_mixed_precision_loop(make_model_dir, tmp_path, accum, state_cache, clip_path):
     model_dir, model = make_model_dir("llama")
     data = batches(4 * accum)
     kw = dict(lr=5e-3, wd=0.1, clip=1.0, accum=accum, warmup=1, precision="bf16")
     ref_model, ref_master, ref_losses, _ = run_reference(model, data, **kw)
-    masters, weights, losses, _ = run_engine(model_dir, tmp_path, data, state_cache=state_cache, **kw)
+    masters, weights, losses, _ = run_engine(model_dir, tmp_path, data, state_cache=state_cache,
+                                             clip_path=clip_path, **kw)
     assert losses == ref_losses
     assert_same(ref_master, masters)
     assert_same({n: p.detach() for n, p in ref_model.named_parameters()}, weights)

@@ -10,9 +10,11 @@ from .test_exactness import batches
 
 
 def _train(model_dir, tmp_path, data, tag, expect, clip=None, nan_step=None, accum=1, precision="fp32",
-           expect_ids=None):
+           expect_ids=None, clip_path="speculate"):
+    # (a held step's update runs beside the next forward, which reads the embedding back: the rows
+    # come from a speculative update, or a clip's redo)
     cfg = EngineConfig(nvme_dir=str(tmp_path / f"nv-{tag}"), cpu_mem="1GiB", precision=precision, grad_accum=accum,
-                       tokens_per_micro_batch=data[0].numel(), shard_elems=2048,
+                       tokens_per_micro_batch=data[0].numel(), shard_elems=2048, clip_path=clip_path,
                        optim=AdamWConfig(lr=1e-2, weight_decay=0.1, max_grad_norm=clip))
     eng = Engine.from_pretrained(model_dir, cfg)
     embed_reads = []  # the embedding's loads into the modules (a window hit or a read)

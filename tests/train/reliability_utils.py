@@ -27,10 +27,19 @@ def state_of(run: Path) -> dict:
     nvme = run / "nvme"
     manifest = read_manifest(list_manifests(nvme)[0])
     # a record's bytes (a direct write leaves its file's last block whole; small ones share a pack)
-    files = {k: record_bytes(nvme, k, rec) for k, rec in manifest["records"].items()}
+    # keyed without the slot: which of the two slots holds the state depends on when commits
+    # happened (--commit-every), not on the state
+    files = {unslotted(k): record_bytes(nvme, k, rec) for k, rec in manifest["records"].items()}
     final = {p.name: p.read_bytes() for p in sorted((run / "final").glob("*.safetensors"))}
     losses = [(r["step"], r["loss"], r["grad_norm"]) for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())]
-    return {"step": manifest["step"], "optim": manifest["optim"], "files": files, "final": final, "losses": losses}
+    return {"step": manifest["step"], "optim": manifest["optim"]["steps"], "files": files, "final": final,
+            "losses": losses}
+
+
+def unslotted(key: str) -> str:
+    """A store key without its slot digit ('m1/x.0' -> 'm/x.0')."""
+    kind, _, rest = key.partition("/")
+    return kind.rstrip("01") + "/" + rest if rest else key
 
 
 def assert_same_run(a: dict, b: dict) -> None:

@@ -44,7 +44,12 @@ class StateCache:
         self.resident: dict[tuple, dict] = {}  # (name, shard) -> {tag: Buffer}: the committed state
         self.staged: dict[tuple, dict] = {}    # this step's new state, resident once committed
         self.preferred: set | None = None      # the shards the cache keeps (None: the first that fit)
+        self.unwritten: set[tuple] = set()     # resident states not on disk yet (between commits)
         self.hits = 0
+
+    def resident_bytes(self) -> int:
+        """Bytes of the states held between steps (what a commit writes when steps skip them)."""
+        return sum(b.nbytes for bufs in self.resident.values() for b in bufs.values())
 
     def keeps(self, nk: tuple) -> bool:
         return self.preferred is None or nk in self.preferred
@@ -97,7 +102,10 @@ class StateCache:
         self.staged = {}
 
     def drop(self) -> None:
-        """Hand every resident state back (with nothing in flight); a later step reads them."""
+        """Hand every resident state back (with nothing in flight, none unwritten: the optimizer
+        flushes first); a later step reads them."""
+        if self.unwritten:
+            raise RuntimeError(f"state cache dropped with {len(self.unwritten)} shards not on disk")
         for bufs in self.resident.values():
             _release(bufs)
         self.resident = {}

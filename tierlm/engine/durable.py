@@ -121,10 +121,26 @@ class DurableState:
             self.dist.agree(what="commit")
         C.prune(self.root)
 
-    def _land_and_commit(self, tail: list[Future], state: dict) -> None:
+    @staticmethod
+    def _land(tail: list[Future]) -> None:
         for f in tail:
             f.result()  # a failed write raises here, naming its file: the step does not commit
+
+    def _land_and_commit(self, tail: list[Future], state: dict) -> None:
+        self._land(tail)
+        t0 = time.perf_counter()
         self._write_manifest(state)
+        self.commits.manifest_s.append(time.perf_counter() - t0)
+
+    def flush(self) -> None:
+        """Make the newest state the committed one now (between steps): what the steps since the
+        last commit kept in RAM is written, synced, and named by a manifest."""
+        self.settle()
+        if not (self.optimizer.dirty or self.optimizer.cache.unwritten):
+            return
+        self._land(self.optimizer.make_durable())
+        self._write_manifest()
+        self.commits.steps_since = 0
 
     def settle(self) -> None:
         """Wait until the last committed step is durable (its writes, syncfs, manifest); raises
@@ -137,8 +153,8 @@ class DurableState:
             self.acts.waited(time.perf_counter() - t0)
 
     def checkpoint(self, name: str) -> Path:
-        """A named snapshot of the committed state (hard links: no bytes copied)."""
-        self.settle()
+        """A named snapshot of the newest state, committed first (hard links: no bytes copied)."""
+        self.flush()
         return C.snapshot(self.root, C.list_manifests(self.root)[0], name)
 
 

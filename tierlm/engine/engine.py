@@ -34,6 +34,7 @@ from ..storage import HostBufferPool, TensorStore
 from ..storage.layout import key, make_param_info
 from ..units import fmt_bytes
 from .act_engine import ActivationPlanner
+from .commit_schedule import CommitSchedule
 from .block_fn import ParamRefHooks, wrap_layer
 from .budget_plan import plan_budget
 from .device import Uploads, move_buffers, to_host
@@ -147,22 +148,33 @@ class Engine(DurableState, Exports, BlockResidency):
             OptimizerDeps(self.store, self.opt_pool, state_cache=self.cache_pool, dist=dist, on_event=on_event,
                           on_new_weights=self._new_weights),
             self.infos, [n for n in backward_order if self._owned(n)], self.names, cfg.optim, self.state["optim"],
-            OutOfCoreOptions(weight_dtype, cfg.optim_states, max_pending_grad_bytes=self.split.pending_grads))
+            OutOfCoreOptions(weight_dtype, cfg.optim_states, max_pending_grad_bytes=self.split.pending_grads,
+                             clip_path=cfg.clip_path))
         if dist is not None:
             self.reducer = GradReducer(dist, backward_order, self.optimizer, self.split.pending_grads)
+        self.commits = CommitSchedule(cfg.commit_every, self.settings.measured, dist is not None)
+        self.optimizer.every_step = self.commits.every_step
+        self.force_commit = False  # the trainer's: the next step commits whatever the interval
+        self._durable = True
         self.window = WeightWindow(self.store, self.window_pool, self.infos, self.dtype,
-                                   lambda n, k: key(self._wkind(n), n, k, self.optimizer.slots[n]),
+                                   lambda n, k: key(self._wkind(n), n, k, self.optimizer.weights_slot(n)),
                                    stash=self.split.weights_kept > 0)
         self.uploads = Uploads(self.device, self.window) if self.on_gpu else None
         # Deferred commit: the next forward reads (the store orders each read after the write of
         # its file) and writes nothing; the next backward's first write waits for the manifest.
         # Ranks commit together through collectives, on their main threads: not deferred there.
         self.optimizer.defer_writes = cfg.defer_commit and dist is None
+        # ... and so does a held step's update, block by block ahead of the forward that reads them
+        self.optimizer.defer_apply = self.optimizer.defer_writes
+        self.optimizer.on_apply_failed = self.window.fail_awaiting
+        self.optimizer.on_apply_start = self.window.await_renewal
 
     def settings_record(self) -> dict:
         """Every automatic choice of this run with its reason, and the budget split made from them:
         printed at the start, kept in the run directory as settings.json."""
-        return {**self.settings.to_dict(), "budget_split": {"value": asdict(self.split), "why": self.split_why()},
+        return {**self.settings.to_dict(),
+                "commit_every": {"value": self.commits.every.describe(), "why": self.commits.why},
+                "budget_split": {"value": asdict(self.split), "why": self.split_why()},
                 "activation_allowance": self.act_allowance}
 
     def split_why(self) -> str:
@@ -269,6 +281,9 @@ class Engine(DurableState, Exports, BlockResidency):
             raise RuntimeError(f"backward called {self.micro + 1} times for grad_accum="
                                f"{self.cfg.grad_accum}; call step() after each {self.cfg.grad_accum}")
         self.settle()  # backward writes: the slot it writes is the one the last manifest replaced
+        if self.micro == 0:
+            self._durable = self.commits.due(self.state["step"] + 1, self.force_commit)
+            self.optimizer.durable = self._durable
         self.acts.backward_phase()
         self.optimizer.begin_micro(self.micro, self.cfg.grad_accum, self.lr)
         if self.dist is not None:
@@ -295,12 +310,16 @@ class Engine(DurableState, Exports, BlockResidency):
         self.micro += 1
 
     def finish(self) -> StepResult:
-        """The step's update, done but not yet current: exact clipping (redo if torch would clip)."""
+        """The step's update, done but not yet current: exact clipping (a held step's update, or a
+        speculative one's redo where torch clips)."""
         if self.micro != self.cfg.grad_accum:
             raise RuntimeError(f"step() after {self.micro} of {self.cfg.grad_accum} backward calls")
         self.micro = 0
         t0 = time.perf_counter()
-        with self.timeline.span("wait", "clip redo" if self.cfg.optim.max_grad_norm else "finish"):
+        what = ("update (held for the clip)" if self.optimizer.holding and not self.optimizer.defer_apply
+                else "gradient norm" if self.optimizer.holding
+                else "clip redo" if self.cfg.optim.max_grad_norm else "finish")
+        with self.timeline.span("wait", what):
             self._result = self.optimizer.finish_step()
         self.acts.waited(time.perf_counter() - t0)
         if self.dist is not None and self._result.finite:
@@ -311,25 +330,60 @@ class Engine(DurableState, Exports, BlockResidency):
     def commit(self) -> None:
         """Make the finished step the state (atomically). A step with non-finite gradients is not
         applied: the weights and optimizer state stay those before it; the step still counts."""
-        res = self._result
-        self.window.invalidate_all(keep_renewed=res.finite)  # the first blocks' new weights stay
+        res, durable = self._result, self._durable
+        if not self.optimizer.applying:  # (a deferred update's entries await its weights: await_renewal)
+            self.window.invalidate_all(keep_renewed=res.finite)  # the first blocks' new weights stay
         if self.next_rows is not None:
             self.next_rows.commit(res.finite)
-        if res.finite:
-            self.optimizer.commit()
+        if self.optimizer.applying:  # the update runs beside the next forward; the commit after it
+            self._commit_after_apply(durable)
+        elif res.finite:
+            self._end_step(durable, self.optimizer.commit(durable))
         else:
             self.optimizer.discard()
-        self.state["step"] += 1
-        tail = self.optimizer.take_tail()
-        if self.optimizer.defer_writes:
-            self._commit_fut = self._committer.submit(self._land_and_commit, tail, copy.deepcopy(self.state))
-        else:
-            for f in tail:
-                f.result()
-            self._write_manifest()
+            self._end_step(durable, self.optimizer.make_durable() if durable else [])
         self.heap.check()
         self.acts.step_done()
         self._prefetch_from(-1, +1)
+
+    def _commit_after_apply(self, durable: bool) -> None:
+        """A deferred update's step: counted now; its bookkeeping, writes and manifest follow the
+        update on the commit thread (the next backward waits for them: settle)."""
+        self.state["step"] += 1
+        snap = copy.deepcopy({k: v for k, v in self.state.items() if k != "optim"})
+        self.force_commit = False
+        self.commits.step_ended(durable, self.optimizer.cache.resident_bytes())
+
+        def after() -> None:
+            try:
+                self.optimizer.wait_apply()
+            finally:
+                self.window.end_renewal()
+            tail = self.optimizer.take_tail() + self.optimizer.commit(durable)
+            if not durable:
+                self._land(tail)
+                return
+            snap["optim"] = copy.deepcopy(self.state["optim"])
+            self._land_and_commit(tail, snap)
+        self._commit_fut = self._committer.submit(after)
+
+    def _end_step(self, durable: bool, flush: list) -> None:
+        self.state["step"] += 1
+        tail = self.optimizer.take_tail() + flush
+        self.force_commit = False
+        self.commits.step_ended(durable, self.optimizer.cache.resident_bytes())
+        if not durable:  # the writes land meanwhile; a failed one raises at the next settle
+            self._commit_fut = self._committer.submit(self._land, tail)
+        elif self.optimizer.defer_writes:
+            self._commit_fut = self._committer.submit(self._land_and_commit, tail, copy.deepcopy(self.state))
+        else:
+            self._land(tail)
+            self._write_manifest()
+
+    @property
+    def step_commits(self) -> bool:
+        """Does the step under way (or the last one, between steps) commit (--commit-every)?"""
+        return self._durable
 
     def step(self) -> StepResult:
         """finish() and commit()."""

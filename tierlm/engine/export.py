@@ -33,7 +33,7 @@ class Exports:
         at a time and needs none of it: Qwen2.5-0.5B under --cpu-mem 4GiB wrote its final model at
         ~4.0 GiB of RSS before, 1.09 GiB after. Steps may still follow; they read the dropped
         states from disk."""
-        self.settle()
+        self.flush()  # the states kept in RAM since the last commit go to disk first
         self.optimizer.drop_cache()
         for pool in (self.window_pool, self.opt_pool, self.cache_pool):
             if pool is not None:
@@ -50,8 +50,8 @@ class Exports:
         return self._read_param("master", name, torch.float32)
 
     def _read_param(self, kind: str, name: str, dtype: torch.dtype) -> torch.Tensor:
-        """Every shard of one parameter's committed `kind`, read into one new tensor."""
-        self.settle()
+        """Every shard of one parameter's `kind`, read into one new tensor (committed first)."""
+        self.flush()
         info = self.infos[name]
         out = torch.empty(info.numel, dtype=dtype)
         futs = [self.store.read_into(key(kind, name, k, self.optimizer.slots[name]), out[a:b])

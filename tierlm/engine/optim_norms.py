@@ -21,12 +21,18 @@ class NormsMixin:
         finite = bool(torch.isfinite(total))
         coef = 1.0
         redone = False
+        clamped = None
         if self.cfg.max_grad_norm is not None and finite:
             clamped = torch.clamp(self.cfg.max_grad_norm / (total + 1e-6), max=1.0)
-            if float(clamped) < 1.0:
-                coef = float(clamped)
-                self._exec.submit(self._redo, clamped).result()
-                redone = True
+            coef = float(clamped)
+            self.last_clipped = coef < 1.0
+        if self.holding:
+            if finite:  # the one update, with the factor where torch would scale the gradients
+                self.start_apply(clamped if coef < 1.0 else None)
+            return StepResult(float(total), coef, False, finite, "hold")
+        if coef < 1.0:
+            self._exec.submit(self._redo, clamped).result()
+            redone = True
         return StepResult(float(total), coef, redone, finite)
 
     def _early_pieces(self, real: str, shards: list[int]) -> None:

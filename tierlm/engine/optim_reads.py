@@ -12,22 +12,25 @@ from .optim_types import ShardItem, StateFormat
 
 
 class ShardReader:
-    """slots, steps: the persisted optimizer state's (the optimizer mutates them on commit)."""
+    """slot_of(name): the slot holding the parameter's newest state; steps: the updates each
+    parameter has had (the optimizer advances them as steps end)."""
 
     def __init__(self, store: TensorStore, pool: HostBufferPool, fmt: StateFormat, cache: StateCache,
-                 slots: dict[str, int], steps: dict[str, int]):
+                 slot_of, steps: dict[str, int]):
         self.store, self.pool, self.fmt, self.cache = store, pool, fmt, cache
-        self.slots, self.steps = slots, steps
+        self.slot_of, self.steps = slot_of, steps
 
     def saved_grad_dtype(self, it: ShardItem) -> torch.dtype:
         """The dtype the shard's gradient was saved in for a clip redo."""
         return getattr(torch, self.store.landed_record(key("grad", it.name, it.shard)).dtype)
 
     def prepare(self, it: ShardItem, mode: str, micro: int, blocking: bool) -> bool:
-        """Take the buffers `mode` (update | accumulate | redo) needs and issue the reads; False
-        (having given back what it took) where the pool has no room and `blocking` is off."""
+        """Take the buffers `mode` (update | accumulate | redo | hold | apply) needs and issue the
+        reads; False (having given back what it took) where the pool has no room and `blocking` is
+        off. hold: the gradient is saved and nothing read (the accumulator on later micro-batches);
+        apply: the committed state (from the cache where it is kept) and the saved gradient."""
         n = it.b - it.a
-        saved_dtype = self.saved_grad_dtype(it) if mode == "redo" else None
+        saved_dtype = self.saved_grad_dtype(it) if mode in ("redo", "apply") else None
         if mode == "redo":
             self.cache.unstage((it.name, it.shard))
         cached = self._from_cache(it, mode, n)
@@ -52,11 +55,13 @@ class ShardReader:
 
     def _needs(self, mode: str, micro: int, saved_dtype: torch.dtype | None) -> list[str]:
         need = []
-        if mode in ("update", "redo"):
+        if mode in ("update", "redo", "apply"):
             need += ["master", "m", "v"] + (["qm", "qv"] if self.fmt.quant else [])
             if self.fmt.weight_dtype is not None:
                 need.append("w")
-        if mode == "redo" or micro > 0 or self.fmt.weight_dtype is not None:
+        if mode == "hold":
+            return ["g"] if micro > 0 else []  # the accumulator; a first gradient is saved as handed over
+        if mode in ("redo", "apply") or micro > 0 or self.fmt.weight_dtype is not None:
             # the saved gradient (redo), the accumulator (later micro-batches), or the fp32 copy
             # of a low-precision gradient
             need.append("g")
@@ -68,13 +73,13 @@ class ShardReader:
         """The committed state if resident (returned), or buffers of the cache's to keep the new
         state in; `it.keep`: the buffers that stay resident after the step."""
         nk = (it.name, it.shard)
-        cached = self.cache.take(nk) if mode == "update" else None
+        cached = self.cache.take(nk) if mode in ("update", "apply") else None
         if cached:
             it.bufs.update(cached)
             # a shard no longer among the last: used once more, then its buffers go back to the cache
             it.keep = set(cached) if self.cache.keeps(nk) else set()
             it.cached = set(cached)
-        elif mode in ("update", "redo") and self.cache.keeps(nk):
+        elif mode in ("update", "redo", "apply") and self.cache.keeps(nk):
             got = self.cache.reserve(n)
             if got is not None:
                 it.bufs.update(got)
@@ -92,9 +97,9 @@ class ShardReader:
     def _read(self, it: ShardItem, mode: str, micro: int, cached: dict | None,
               saved_dtype: torch.dtype | None) -> None:
         n = it.b - it.a
-        slot = self.slots[it.name]
+        slot = self.slot_of(it.name)
         view = lambda tag: self.fmt.view(it.bufs, tag, n)
-        if mode in ("update", "redo") and not cached:
+        if mode in ("update", "redo", "apply") and not cached:
             it.reads.append(self.store.read_into(key("master", it.name, it.shard, slot), view("master"), True))
             if self.steps[it.name] > 0:
                 m, v = ("qm", "qv") if self.fmt.quant else ("m", "v")
@@ -103,7 +108,7 @@ class ShardReader:
             elif not self.fmt.quant:  # (compressed modes start m, v at zero in the update)
                 view("m").zero_()
                 view("v").zero_()
-        if mode == "redo":
+        if mode in ("redo", "apply"):
             dst = view("g") if saved_dtype == torch.float32 else it.bufs["gl"].view(saved_dtype, (n,))
             it.reads.append(self.store.read_into(key("grad", it.name, it.shard), dst, True))
         elif micro > 0:

@@ -36,6 +36,7 @@ class StepResult:
     clip_coef: float  # 1.0 when not clipped
     redone: bool
     finite: bool
+    clip_path: str = "speculate"  # speculate (update beside backward, redo if it clips) | hold (update after the norm)
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class OutOfCoreOptions:
     optim_states: str = "fp32"
     lookahead: int = 4
     max_pending_grad_bytes: int = 1 << 62
+    clip_path: str = "auto"  # auto | speculate | hold: how an exact clip learns its factor (optimizer.clip_path)
 
 
 EARLY = "\x00early"  # the arrival of a parameter's shards whose gradient is final before the rest

@@ -43,12 +43,13 @@ def fp32_grad(g: torch.Tensor, it: ShardItem, micro: int) -> torch.Tensor:
     return g
 
 
-def clipped_grad(g: torch.Tensor, saved: torch.Tensor | None, clip: torch.Tensor) -> torch.Tensor:
-    """A clip redo's gradient: the saved gradient (upcast exactly from `saved`, its low-precision
-    form, when there is one) times the clip factor, in `g`."""
+def clipped_grad(g: torch.Tensor, saved: torch.Tensor | None, clip: torch.Tensor | None) -> torch.Tensor:
+    """A saved gradient (upcast exactly from `saved`, its low-precision form, when there is one)
+    times the clip factor, in `g`; None: the step does not clip (a held step's update)."""
     if saved is not None:
         g.copy_(saved)
-    g.mul_(clip)  # what clip_grad_norm_ does to each gradient
+    if clip is not None:
+        g.mul_(clip)  # what clip_grad_norm_ does to each gradient
     return g
 
 
@@ -59,9 +60,11 @@ class ShardUpdate:
     def __init__(self, store: TensorStore, cfg: AdamWConfig, fmt: StateFormat):
         self.store, self.cfg, self.fmt = store, cfg, fmt
 
-    def apply(self, it: ShardItem, g: torch.Tensor, step: int, lr: float,
-              new: int) -> tuple[list[Future], set[str], torch.Tensor]:
-        """The writes, the buffers they read from, and the new working weights."""
+    def apply(self, it: ShardItem, g: torch.Tensor, step: int, lr: float, new: int,
+              write_state: bool = True) -> tuple[list[Future], set[str], torch.Tensor]:
+        """The writes, the buffers they read from, and the new working weights. write_state False:
+        the new master and moments stay in RAM only (the state cache keeps them until the commit
+        writes them); the working weights are written either way (the window reads them back)."""
         n = it.b - it.a
         view = lambda tag: self.fmt.view(it.bufs, tag, n)
         master, m, v = view("master"), view("m"), view("v")
@@ -77,9 +80,12 @@ class ShardUpdate:
             SQ.encode(self.fmt.states, m, view("qm"), signed=True)
             SQ.encode(self.fmt.states, v, view("qv"), signed=False)
             m, v = view("qm"), view("qv")
-        writes = [self.store.write(key("master", it.name, it.shard, new), master),
-                  self.store.write(key("m", it.name, it.shard, new), m),
-                  self.store.write(key("v", it.name, it.shard, new), v)]
+        writes = []
+        if write_state or self.fmt.weight_dtype is None:  # (fp32: the master is the working weights)
+            writes.append(self.store.write(key("master", it.name, it.shard, new), master))
+        if write_state:
+            writes += [self.store.write(key("m", it.name, it.shard, new), m),
+                       self.store.write(key("v", it.name, it.shard, new), v)]
         w = master
         if self.fmt.weight_dtype is not None:
             w = it.bufs["w"].view(self.fmt.weight_dtype, (n,))

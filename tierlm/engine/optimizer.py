@@ -7,9 +7,14 @@ other slot plus the new working weights. The result is exactly `torch.optim.Adam
 
 - the same functional kernel on the same fp32 values (optim_update: elementwise, so sharding does
   not change a bit; with compressed moments, torch's AdamW with the same encode/decode around it);
-- exact global-norm clipping: the update is speculative (clip factor 1) into the new slot; at the end
-  of the step the total norm is known, and only when torch would scale the gradients (factor < 1)
-  the update is redone from the untouched old slot with the saved gradients times that factor.
+- exact global-norm clipping, two ways to the same bits (`clip_path`). speculate: the update runs
+  beside backward with clip factor 1 into the new slot, and only when torch would scale the
+  gradients (factor < 1) it is redone from the untouched old slot with the saved gradients times
+  the factor: free when no step clips, a second pass when one does. hold: backward's gradients are
+  only saved (and their norms taken); the one update runs once the norm is known, with the factor:
+  no second pass, but nothing beside backward. `auto` predicts the next step clips when the last
+  one did (the first step is taken to clip, as fine-tuning's first steps usually do) and holds
+  then: a choice from the gradients, never from a timing, and both give torch's bits.
 
 Its parts: the gradients handed over (optim_grads), the read-ahead of the shards' states
 (optim_readahead) and their reads (optim_reads), the states kept in RAM (cache_policy), the shard
@@ -17,6 +22,7 @@ update (optim_update) and the step's gradient norm (optim_norms). This class run
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -54,10 +60,30 @@ class OutOfCoreAdamW(NormsMixin):
         fmt = StateFormat(opts.weight_dtype, opts.optim_states)
         fmt.check_shards(infos)
         self.cache = StateCache(deps.state_cache, fmt)
-        self.reader = ShardReader(deps.store, deps.pool, fmt, self.cache, self.slots, self.steps)
+        self.fmt = fmt
+        # Between commits (--commit-every): the slot a step writes is the one the last commit did
+        # not name, rewritten in place by every step until the next commit names it; `dirty`: the
+        # parameters whose newest state is there. The committed slot stays intact for a resume.
+        self.dirty: set[str] = set()
+        self.every_step = True  # every step commits (the speculative clip needs its old slot intact)
+        self.durable = True     # this step commits: the kept states are written too
+        # A held step's update may run while the next forward does (defer_apply): the forward reads
+        # each block's new weights once written (the store's reservations); until the step's
+        # bookkeeping, `_pending_new` are the parameters whose newest weights are being written.
+        self.defer_apply = False
+        self.on_apply_failed = None  # the window's: blocks waiting for a failed update's weights raise
+        self.on_apply_start = None   # the window's: its entries of these parameters await the new weights
+        self._pending_new: set[str] = set()
+        self._apply_fut: Future | None = None
+        self._slot_lock = threading.Lock()
+        self.reader = ShardReader(deps.store, deps.pool, fmt, self.cache, self.read_slot, self.steps)
         self.update = ShardUpdate(deps.store, cfg, fmt)
         self.queue = GradQueue(opts.max_pending_grad_bytes, deps.on_event)
         self.arrivals = ArrivalOrder(order)
+        self.clip_path = opts.clip_path
+        self.holding = False          # this step's gradients are held until the norm is known
+        self.last_clipped: bool | None = None  # did the last finished step clip? (None: no step yet)
+        self._held: set[str] = set()
         self._exec = ThreadPoolExecutor(1, thread_name_prefix="tierlm-optim")
         self._run: Future | None = None
         self._norm_at_hand_over = False
@@ -88,6 +114,8 @@ class OutOfCoreAdamW(NormsMixin):
         # thread then has none to take, and the last ones do not wait until it gets to them.
         self._norm_at_hand_over = n_micro == 1
         if micro == 0:
+            self.holding = self._hold_this_step()
+            self._held.clear()
             self._norms.clear()
             self._pieces.clear()
             self._sq.clear()
@@ -131,13 +159,44 @@ class OutOfCoreAdamW(NormsMixin):
         finally:
             self.queue.clear()
 
-    def commit(self) -> None:
-        """The new slot becomes current for every parameter updated this step."""
-        for n in self._updated:
-            self.slots[n] = 1 - self.slots[n]
-            self.steps[n] += 1
+    def read_slot(self, name: str) -> int:
+        """The slot holding the parameter's newest state."""
+        with self._slot_lock:
+            return 1 - self.slots[name] if name in self.dirty else self.slots[name]
+
+    def weights_slot(self, name: str) -> int:
+        """The slot holding (or, while a deferred update writes them, promised) its newest weights."""
+        with self._slot_lock:
+            new = name in self.dirty or name in self._pending_new
+            return 1 - self.slots[name] if new else self.slots[name]
+
+    def commit(self, durable: bool = True) -> list[Future]:
+        """The step's updates become the newest state; durable: the committed one (make_durable).
+        Returns the writes in flight that the commit must wait for."""
+        with self._slot_lock:
+            for n in self._updated:
+                self.steps[n] += 1
+            self.dirty |= self._updated
+            self._pending_new = set()
         self._updated.clear()
         self.cache.commit()
+        return self.make_durable() if durable else []
+
+    def make_durable(self) -> list[Future]:
+        """Write the kept states the disk lacks into their newest slot, and name that slot the
+        committed one. Returns the writes (the commit waits for them before its manifest)."""
+        futs = []
+        for name, k in sorted(self.cache.unwritten):
+            bufs, n = self.cache.resident[(name, k)], self.infos[name].shards[k][1] - self.infos[name].shards[k][0]
+            for tag in self.fmt.state_tags:
+                kind = {"qm": "m", "qv": "v"}.get(tag, tag)
+                futs.append(self.store.write(key(kind, name, k, 1 - self.slots[name]), self.fmt.view(bufs, tag, n)))
+        self.cache.unwritten.clear()
+        with self._slot_lock:
+            for n in self.dirty:
+                self.slots[n] = 1 - self.slots[n]
+            self.dirty.clear()
+        return futs
 
     def mark_updated(self, name: str) -> None:
         """Data parallelism: another rank updated `name` and its new weights are in our new slot."""
@@ -169,9 +228,59 @@ class OutOfCoreAdamW(NormsMixin):
         return tail
 
     # ---- the worker ------------------------------------------------------------------
+    def _hold_this_step(self) -> bool:
+        """Hold the gradients until the norm is known (True) or update beside backward (False)."""
+        if self.cfg.max_grad_norm is None or self.dist is not None:
+            return False  # nothing to learn first; ranks decide the clip together (speculate)
+        if not self.every_step:
+            return True  # a step between commits rewrites its slot in place: nothing to redo from
+        if self.clip_path != "auto":
+            return self.clip_path == "hold"
+        return self.last_clipped is not False
+
     def _consume(self, micro: int, n_micro: int) -> None:
         last = micro == n_micro - 1
+        if last and self.holding:
+            self._pipeline("hold", micro)
+            return
         self._pipeline("update" if last else "accumulate", micro, defer=last and self.defer_writes)
+
+    def _apply(self, coef: torch.Tensor | None, names: list[str]) -> None:
+        """A held step's one update of `names`. Deferred, a failure fails the reads waiting for
+        the weights it would have written."""
+        try:
+            self._pipeline("apply", 0, clip=coef, names=names, defer=self.defer_writes)
+        except BaseException as e:
+            self.store.cancel_reserved(e)
+            if self.on_apply_failed is not None:
+                self.on_apply_failed(e)
+            raise
+
+    def start_apply(self, coef: torch.Tensor | None) -> None:
+        """A held step's update: now (waited for), or deferred beside the next forward, in the
+        order that forward reads the blocks, each block's new weights promised to its reads."""
+        if not self.defer_apply:
+            names = [n for n in self.arrivals.last if n in self._held]
+            self._exec.submit(self._apply, coef, names).result()
+            return
+        names = [n for n in reversed(self.arrivals.last) if n in self._held]
+        kind = "w" if self.fmt.weight_dtype is not None else "master"
+        with self._slot_lock:
+            self._pending_new = set(names)
+        if self.on_apply_start is not None:
+            self.on_apply_start(names)  # before the first offer: the window's entries await them
+        self.store.reserve([key(kind, n, k, 1 - self.slots[n]) for n in names for k in range(len(self.infos[n].shards))])
+        self._apply_fut = self._exec.submit(self._apply, coef, names)
+
+    @property
+    def applying(self) -> bool:
+        return self._apply_fut is not None
+
+    def wait_apply(self) -> None:
+        """Wait for a deferred update to end (raising what stopped it)."""
+        fut, self._apply_fut = self._apply_fut, None
+        if fut is not None:
+            fut.result()
 
     def _redo(self, coef: torch.Tensor) -> None:
         self._pipeline("redo", 0, clip=coef, names=[n for n in self.arrivals.last if n in self._updated],
@@ -210,9 +319,11 @@ class OutOfCoreAdamW(NormsMixin):
             self._tail.extend(writes)
         for f in ([] if defer else writes):
             f.result()  # a failed write raises here, naming its file
-        if mode == "update" and self.state_cache is not None:
-            self.cache.prefer_last(update_sequence(arrival, self.infos, self._early_shards), self.infos)
-        if mode != "redo":
+        if mode in ("update", "apply") and self.state_cache is not None:
+            seq = update_sequence(arrival, self.infos, self._early_shards)
+            # a deferred update runs in the forward's order, which waits for its first blocks: keep those
+            self.cache.prefer_last(seq[::-1] if mode == "apply" and self.defer_apply else seq, self.infos)
+        if mode not in ("redo", "apply"):
             self.arrivals.learn(arrival)
 
     def _prepared(self, name: str, k: int, mode: str, micro: int, blocking: bool) -> ShardItem | None:
@@ -246,13 +357,14 @@ class OutOfCoreAdamW(NormsMixin):
         """An arrival's shards still to update: an early arrival's, or the rest of a parameter
         (those handed over early were updated then)."""
         real, ks = self._shards_of(name)
+        first_pass = mode in ("update", "hold")  # backward's pass over the gradients
         if real != name:
             self._early_done[real] = set(ks)
-            if mode == "update" and micro == 0:
+            if first_pass and micro == 0:
                 self._early_pieces(real, ks)
             return real, ks
-        skip = self._early_done.pop(real, set()) if mode == "update" else set()
-        if mode == "update" and micro == 0 and name not in self._norms:
+        skip = self._early_done.pop(real, set()) if first_pass else set()
+        if first_pass and micro == 0 and name not in self._norms:
             # The whole gradient is here: the reduction clip_grad_norm_ runs on it (the same bits
             # as on a float copy, in pieces beyond grad_norm.CHUNK elements)
             self._norms[name] = grad_norm(self.queue.grads[name], self._pieces.get(name))
@@ -265,9 +377,16 @@ class OutOfCoreAdamW(NormsMixin):
         g, raw = self._gradient(it, mode, micro, clip)
         if mode == "accumulate":
             writes, written = [self.store.write(key("gacc", it.name, it.shard), g)], {"g"}
-        else:
+        elif mode == "hold":
             writes, written = self._save_grad(it, mode, micro, g, raw)
-            ws, wr, w = self.update.apply(it, g, self.steps[it.name], self.lr, 1 - self.slots[it.name])
+            self._held.add(it.name)
+        else:
+            writes, written = self._save_grad(it, mode, micro, g, raw) if mode == "update" else ([], set())
+            # between commits a shard the cache keeps is written by the commit, not by the step
+            write_state = self.durable or not it.keep
+            ws, wr, w = self.update.apply(it, g, self.steps[it.name], self.lr, 1 - self.slots[it.name],
+                                          write_state)
+            (self.cache.unwritten.discard if write_state else self.cache.unwritten.add)((it.name, it.shard))
             writes += ws
             written |= wr
             if self.on_new_weights is not None:
@@ -280,10 +399,14 @@ class OutOfCoreAdamW(NormsMixin):
     def _gradient(self, it: ShardItem, mode: str, micro: int, clip) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The shard's fp32 gradient, and on the first micro-batch its slice as handed over."""
         n = it.b - it.a
-        if mode == "redo":
+        if mode in ("redo", "apply"):
             saved = it.bufs["gl"].view(self.reader.saved_grad_dtype(it), (n,)) if "gl" in it.bufs else None
             return clipped_grad(it.bufs["g"].view(torch.float32, (n,)), saved, clip), None
         handed = self.queue.grads[it.src].reshape(-1)[it.a:it.b]
+        if mode == "hold" and micro == 0:  # saved as handed over (a bf16 gradient as bf16)
+            if it.last:
+                self.queue.done_with(it.src)
+            return handed, handed
         g = fp32_grad(handed, it, micro)
         if it.last:
             self.queue.done_with(it.src)
@@ -291,9 +414,10 @@ class OutOfCoreAdamW(NormsMixin):
 
     def _save_grad(self, it: ShardItem, mode: str, micro: int, g: torch.Tensor,
                    raw: torch.Tensor | None) -> tuple[list[Future], set[str]]:
-        """Before an update: an accumulated gradient's norm, and the gradient saved for a clip redo."""
+        """Before an update (or as a held step's first pass): an accumulated gradient's norm, and
+        the gradient saved for a clip redo or the held step's update."""
         writes, written = [], set()
-        if mode == "update":
+        if mode in ("update", "hold"):
             if micro > 0:
                 self._record_norm(it, g)
             if self.cfg.max_grad_norm is not None:

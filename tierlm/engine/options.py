@@ -8,6 +8,7 @@ from pathlib import Path
 from torch import nn
 
 from ..hf.structure import discover_blocks
+from ..plan.durability import parse_commit_every
 from ..plan.settings import Measured, ModelFacts, TrainSettings, resolve_train
 from ..precision import resolve
 from ..storage.commit import committed_shard_elems
@@ -33,6 +34,8 @@ class EngineConfig:
     state_cache: bool = True         # keep optimizer state in RAM between steps where the budget has room
     pack_below: int = PACK_BELOW     # tensors smaller (bytes) live in RAM, one pack file a commit (storage/packed.py); 0: none
     optim_states: str = "fp32"       # fp32 | bf16 | int8: how Adam's m and v are stored (state_quant)
+    clip_path: str = "auto"          # auto | speculate | hold: how exact clipping learns its factor (optimizer)
+    commit_every: str = "1"          # steps (N), a time (10min) or auto between commits (plan.durability)
     optim: AdamWConfig = field(default_factory=AdamWConfig)
     tokens_per_micro_batch: int = 2048  # for the budget check; the trainer sets batch * seq_len
     micro_batch_size: int = 1        # sequences per micro-batch (to name the longest --seq-len that fits)
@@ -65,6 +68,9 @@ class EngineConfig:
         if self.grad_accum < 1:
             raise ValueError("grad_accum must be >= 1")
         check_mode(self.optim_states)
+        parse_commit_every(self.commit_every)  # a bad value names the flag here, before anything is written
+        if self.clip_path not in ("auto", "speculate", "hold"):
+            raise ValueError(f"--clip-path must be auto, speculate or hold; got {self.clip_path!r}")
 
 
 def model_facts(model: nn.Module) -> ModelFacts:

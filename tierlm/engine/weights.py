@@ -25,10 +25,11 @@ from ..storage.layout import ParamInfo, nbytes
 
 
 class _Entry:
-    __slots__ = ("buffer", "tensor", "reads", "pins", "tick", "renewed", "fresh")
+    __slots__ = ("buffer", "tensor", "reads", "pins", "tick", "renewed", "fresh", "awaiting")
 
     def __init__(self, buffer: Buffer, tensor: torch.Tensor, reads: list[Future]):
         self.buffer, self.tensor, self.reads = buffer, tensor, reads
+        self.awaiting: set[int] = set()  # shards a deferred update has still to renew (await_renewal)
         self.pins = 0
         self.tick = None  # None: read ahead and not used yet (evicted last)
         self.renewed: set[int] = set()  # shards holding this step's new values
@@ -47,6 +48,9 @@ class WeightWindow:
         self.stash = stash
         self._entries: dict[str, _Entry] = {}
         self._lock = threading.RLock()
+        self._renewal = threading.Condition(self._lock)
+        self._failed: BaseException | None = None  # what stopped the deferred update being awaited
+        self._deferring: set[str] = set()  # the parameters a deferred update is renewing (await_renewal)
         self._clock = itertools.count()
         self.hits = 0
         self.misses = 0
@@ -140,6 +144,8 @@ class WeightWindow:
 
     def _drop(self, name: str) -> None:
         e = self._entries.pop(name)
+        if e.awaiting:
+            self._renewal.notify_all()  # a block waiting for its renewal reads it instead
         for f in e.reads:
             f.exception()  # a read in flight must land before its buffer is reused
         e.buffer.release()
@@ -158,9 +164,52 @@ class WeightWindow:
         with self._lock:
             for n in names:
                 e = self._entries.get(n)
-                if e is None or e.renewed or not all(f.done() for f in e.reads):
+                if e is None or e.renewed or e.awaiting or not all(f.done() for f in e.reads):
                     return False
         return True
+
+    def await_renewal(self, names) -> None:
+        """A step whose update runs beside the next forward committed: the entries of `names` it
+        updates stay, to take the new values as the update offers them, and a block acquiring one
+        waits until every shard is renewed; every other entry not renewed is dropped (it holds old
+        weights). Entries the update does not touch keep theirs."""
+        names = set(names)
+        with self._lock:
+            self._failed = None
+            self._deferring = names
+            for n, e in list(self._entries.items()):
+                if e.pins:
+                    raise RuntimeError(f"weights still pinned at commit: {n}")
+                if n in names:
+                    for f in e.reads:
+                        f.result()
+                    e.awaiting, e.renewed, e.tick = set(range(len(self.infos[n].shards))), set(), None
+            self.kept_bytes = sum(self._bytes(n) for n in self._entries)
+
+    def end_renewal(self) -> None:
+        """The deferred update is over: offers are the next step's again, and an entry it did not
+        renew (its offer skipped) leaves, to be read from what it wrote."""
+        with self._lock:
+            self._deferring = set()
+            for n in [n for n, e in self._entries.items() if e.awaiting and not e.pins]:
+                self._drop(n)
+            self._renewal.notify_all()
+
+    def fail_awaiting(self, error: BaseException) -> None:
+        """The deferred update stopped: blocks waiting for its weights raise `error`."""
+        with self._lock:
+            self._failed = error
+            for n in [n for n, e in self._entries.items() if e.awaiting and not e.pins]:
+                self._drop(n)
+            self._renewal.notify_all()
+
+    def _wait_renewed(self, name: str, e: _Entry) -> None:
+        """Caller holds the lock; waits (releasing it) until a deferred update renewed `e` (or
+        it left the window)."""
+        while e.awaiting and self._entries.get(name) is e:
+            if self._failed is not None:
+                raise self._failed
+            self._renewal.wait(0.5)
 
     def acquire(self, names) -> dict[str, torch.Tensor]:
         """Pin `names` and return their tensors, reading what is missing (blocking)."""
@@ -173,6 +222,10 @@ class WeightWindow:
                     e = self._load(n, blocking=True)
                 else:
                     self.hits += 1
+                    self._wait_renewed(n, e)
+                    while self._entries.get(n) is not e:  # dropped meanwhile: read what the update wrote
+                        e = self._entries.get(n) or self._load(n, blocking=True)
+                        self._wait_renewed(n, e)
                     if e.renewed:
                         raise RuntimeError(f"{n}: a forward between the last backward of a step and "
                                            f"step() would see a mix of old and new weights; call step() first")
@@ -205,6 +258,16 @@ class WeightWindow:
         `stash`, one a block holds takes them in a second buffer (the old values stay for the block)."""
         with self._lock:
             e = self._entries.get(name)
+            if name in self._deferring:  # a deferred update's: the step is already committed
+                if e is None or not e.awaiting:
+                    return  # (an entry read since holds what the update wrote: its read waited)
+                a, b = self.infos[name].shards[shard]
+                e.tensor.view(-1)[a:b].copy_(values)
+                e.awaiting.discard(shard)
+                self.renewed_bytes += values.numel() * values.element_size()
+                if not e.awaiting:
+                    self._renewal.notify_all()
+                return
             if e is None or (e.pins and not self.stash):
                 return
             for f in e.reads:

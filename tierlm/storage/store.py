@@ -17,7 +17,7 @@ import torch
 
 from .aligned import as_bytes, is_aligned, round_up, supports_direct_io
 from .file_io import pread, save_json, write_file
-from .io_queue import after, submit
+from .io_queue import after, settle, submit
 from .packed import Packed
 from .pool import Buffer, HostBufferPool
 from .records import CorruptionError, Record, StorageError, _dtype, _dtype_name, crc_of, verify
@@ -88,6 +88,7 @@ class TensorStore:
         # A read is verified here after its bytes land; a write's CRC runs while its bytes go out.
         self._crc = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tierlm-crc")
         self._inflight: dict[str, Future] = {}  # key -> its latest write not yet landed
+        self._reserved: dict[str, tuple] = {}   # key -> (promise, what its write waits for): reserve()
         self._reading: dict[str, set[Future]] = {}  # key -> its reads not yet done
         # Tensors under pack_below bytes (of the keys pack_keys accepts) live in RAM and reach the
         # disk together, in one file a commit (`pack`; storage/packed.py).
@@ -127,16 +128,46 @@ class TensorStore:
         with self._rec_lock:
             # after the key's write in flight and every read of it not yet done: a write in place
             # must not change the bytes under a read (nor interleave with another write)
-            deps = [f for f in [self._inflight.get(key), *self._reading.get(key, ())] if f is not None]
+            promised = self._reserved.pop(key, None)
+            if promised is not None:  # reads asked for since the reservation wait for this write
+                deps = [f for f in promised[1] if not f.done()]
+            else:
+                deps = [f for f in [self._inflight.get(key), *self._reading.get(key, ())] if f is not None]
             if small and not deps:  # a copy into RAM: done before this returns
                 fut = Future()
                 fut.set_result(self._put(key, tensor))
+                if promised is not None:
+                    if self._inflight.get(key) is promised[0]:
+                        del self._inflight[key]
+                    promised[0].set_result(fut.result())
                 return fut
             fut = self._after(key, deps, self._put if small else self._write, key, tensor,
                               *(() if small else (durable,)), executor=self._wexec)
             self._inflight[key] = fut
         fut.add_done_callback(lambda f, k=key: self._landed(k, f))
+        if promised is not None:
+            fut.add_done_callback(lambda f, out=promised[0]: settle(out, f))
         return fut
+
+    def reserve(self, keys) -> None:
+        """Writes of `keys` are on their way: a read asked for before one is issued waits for it
+        to land (without a thread held), as it would for a write in flight. The write, when it
+        comes, is ordered after what was in flight or reading before the reservation only."""
+        with self._rec_lock:
+            for key in keys:
+                before = [f for f in [self._inflight.get(key), *self._reading.get(key, ())] if f is not None]
+                promise: Future = Future()
+                self._reserved[key] = (promise, before)
+                self._inflight[key] = promise
+                promise.add_done_callback(lambda f, k=key: self._landed(k, f))
+
+    def cancel_reserved(self, error: BaseException) -> None:
+        """The promised writes will not come (the work that would write them failed): the reads
+        waiting for them fail with `error`."""
+        with self._rec_lock:
+            promised, self._reserved = self._reserved, {}
+        for promise, _ in promised.values():
+            promise.set_exception(error)
 
     def _landed(self, key: str, fut: Future) -> None:
         with self._rec_lock:

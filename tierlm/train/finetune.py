@@ -22,6 +22,7 @@ from ..dist.data import global_losses, split_batch
 from ..dist.state import rank_dir
 from ..engine.baseline import warm_kernels
 from ..engine.device import resolve_device
+from ..engine.commit_schedule import AUTO_AFTER
 from ..engine.engine import Engine, EngineConfig
 from ..engine.optimizer import AdamWConfig
 from ..engine.timeline import fmt_share
@@ -216,7 +217,7 @@ def _engine(cfg: FinetuneConfig, out: Path, dist, nvme: str, library_rss: int):
     ecfg = EngineConfig(nvme_dir=nvme, cpu_mem=cfg.cpu_mem, precision=cfg.precision,
                         grad_accum=cfg.grad_accum, activations=cfg.activations, prefetch=cfg.prefetch,
                         direct_io=cfg.direct_io, optim=optim, optim_states=cfg.optim_states,
-                        device=cfg.device, gpu_mem=cfg.gpu_mem,
+                        clip_path=cfg.clip_path, commit_every=cfg.commit_every, device=cfg.device, gpu_mem=cfg.gpu_mem,
                         tokens_per_micro_batch=cfg.batch_size * cfg.seq_len, micro_batch_size=cfg.batch_size,
                         plan_path=str(out / plan), precision_why=getattr(cfg, "precision_reason", ""))
     return Engine.from_pretrained(cfg.model, ecfg, resume=cfg.resume == "auto", overwrite=cfg.overwrite,
@@ -322,6 +323,8 @@ def _steps(run: _Run) -> None:
             engine.timeline.start(origin=t0)  # the step's window, the same as its s/step
         lr = lr_at(cfg.lr, cfg.schedule, cfg.warmup_steps, run.total, step)
         engine.set_lr(lr)
+        # the last step and a checkpoint's commit whatever --commit-every says
+        engine.force_commit = step + 1 == run.total or bool(cfg.save_every and (step + 1) % cfg.save_every == 0)
         losses, tokens = _micro_batches(run, step)
         res = engine.finish()
         run.bad_streak = 0 if res.finite else run.bad_streak + 1
@@ -333,6 +336,8 @@ def _steps(run: _Run) -> None:
         t0, io0 = now, io
         probed = engine.acts.measure_s
         engine.commit()
+        if run.lead and engine.commits.every.auto and engine.commits.done == AUTO_AFTER:
+            print(f"commit: {engine.commits.why}", file=sys.stderr)
         off = time.perf_counter()
         if engine.timeline.recording:
             _save_timeline(engine.timeline, run.out, step + 1, now, run.progress)

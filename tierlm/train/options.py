@@ -37,6 +37,15 @@ class FinetuneConfig:
     beta2: float = option(0.999, help="AdamW beta2")
     eps: float = option(1e-8, help="AdamW epsilon")
     max_grad_norm: float | None = option(1.0, help="clip the global gradient norm to this (exact); 0 disables")
+    commit_every: str = option("auto", help="how often the state is made durable: a number of steps (1: every "
+                               "step), a time (10min), or auto (the shortest interval whose commit costs at most 5%% of "
+                               "the training time, measured on the first steps and printed). Between commits the "
+                               "optimizer state the budget keeps in RAM is not written; a crash resumes from the last "
+                               "commit and replays the steps since to the same bits")
+    clip_path: str = option("auto", help="how exact clipping learns its factor: hold (gradients saved, the update "
+                            "after backward once the norm is known), speculate (the update beside backward, redone "
+                            "when the step clips), auto (hold when the last step clipped, and on the first); the "
+                            "same bits either way", choices=("auto", "speculate", "hold"))
     optim_impl: str = option("fused", help="torch AdamW kernel the update uses", choices=("fused", "foreach", "single"))
     optim_states: str = option("fp32", help="how AdamW's m and v are stored on the SSD: fp32, bf16, or int8 (block-wise "
                                "8-bit quantisation): 12, 8 or ~6 bytes a parameter of optimizer state each way per "

@@ -71,7 +71,8 @@ class Progress:
         now = rss.current_rss() - lib
         peak = rss.peak_rss() - lib
         row = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": res.grad_norm,
-               "clip_coef": res.clip_coef, "skipped": not res.finite, "s_per_step": dt,
+               "clip_coef": res.clip_coef, "clip_path": res.clip_path, "skipped": not res.finite,
+               "committed": self.engine.step_commits, "s_per_step": dt,
                "tokens": tokens, "tokens_per_s": tokens / dt, "rss_bytes": now, "peak_rss_bytes": peak, "library_rss_bytes": lib,
                "budget_bytes": self.budget, "ssd_read_bytes": rd, "ssd_write_bytes": wr,
                "ssd_read_gbps": rd / dt / 1e9, "ssd_write_gbps": wr / dt / 1e9, "cpu_s": self.cpu.lap(),
