@@ -100,7 +100,9 @@ class WeightWindow:
         are moved out of it (a copy), not dropped (a read again), and only where no range of used
         entries will do."""
         moved = float(1 << 40)
-        movable = {e.buffer: (moved if e.tick is None else e.tick) for e in self._entries.values() if e.pins == 0}
+        # (an entry still reading is not moved: its read may wait for a deferred update's write)
+        movable = {e.buffer: (moved if e.tick is None else e.tick) for e in self._entries.values()
+                   if e.pins == 0 and all(f.done() for f in e.reads)}
         got = self.pool.to_free_for(size, movable)
         if got is None:
             return None
@@ -186,6 +188,17 @@ class WeightWindow:
                     e.awaiting, e.renewed, e.tick = set(range(len(self.infos[n].shards))), set(), None
             self.kept_bytes = sum(self._bytes(n) for n in self._entries)
 
+    def _renew(self, name: str, shard: int, values: torch.Tensor) -> None:
+        e = self._entries.get(name)
+        if e is None or not e.awaiting:
+            return  # (an entry read since holds what the update wrote: its read waited)
+        a, b = self.infos[name].shards[shard]
+        e.tensor.view(-1)[a:b].copy_(values)
+        e.awaiting.discard(shard)
+        self.renewed_bytes += values.numel() * values.element_size()
+        if not e.awaiting:
+            self._renewal.notify_all()
+
     def end_renewal(self) -> None:
         """The deferred update is over: offers are the next step's again, and an entry it did not
         renew (its offer skipped) leaves, to be read from what it wrote."""
@@ -256,18 +269,19 @@ class WeightWindow:
         entry no block holds takes them: until the commit, nothing reads a parameter whose update
         has started (backward is past its block, and a clip redo reads from the store); with
         `stash`, one a block holds takes them in a second buffer (the old values stay for the block)."""
+        if name in self._deferring:  # a deferred update's: the step is already committed
+            # The compute thread may hold the window while it waits for a read that waits for this
+            # update's next writes: then the offer is skipped (the entry is read back at the
+            # update's end) rather than the update standing still. Either way the same bits.
+            if not self._lock.acquire(timeout=0.05):
+                return
+            try:
+                self._renew(name, shard, values)
+            finally:
+                self._lock.release()
+            return
         with self._lock:
             e = self._entries.get(name)
-            if name in self._deferring:  # a deferred update's: the step is already committed
-                if e is None or not e.awaiting:
-                    return  # (an entry read since holds what the update wrote: its read waited)
-                a, b = self.infos[name].shards[shard]
-                e.tensor.view(-1)[a:b].copy_(values)
-                e.awaiting.discard(shard)
-                self.renewed_bytes += values.numel() * values.element_size()
-                if not e.awaiting:
-                    self._renewal.notify_all()
-                return
             if e is None or (e.pins and not self.stash):
                 return
             for f in e.reads:
