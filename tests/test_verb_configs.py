@@ -29,7 +29,7 @@ def test_the_defaults_are_the_flags_defaults():
         "clip": "on", "compare": None, "chart": None, "json": None, "catalog": None, "nvme": None}
     assert to_dict(_cfg(["bench", "io"])) == {
         "what": "io", "model": None, "data": None, "cpu_mem": "4GiB", "steps": 5, "work": "runs/bench-train",
-        "finetune_args": "", "inmemory": "auto", "nvme": ".", "size": "2GiB"}
+        "finetune_args": "", "inmemory": "auto", "peers": "auto", "nvme": ".", "size": "2GiB"}
     assert to_dict(_cfg(["demo"])) == {"dir": "runs/demo", "cpu_mem": None, "steps": 30}
     shape = dict.fromkeys(("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab", "max_positions"))
     assert to_dict(_cfg(["init", "OUT"])) == {"out": "OUT", "arch": None, "preset": None, **shape, "dtype": None,

@@ -60,7 +60,9 @@ class BlockResidency:
 
     def _new_weights(self, name: str, shard: int, values: torch.Tensor) -> None:
         self.window.offer(name, shard, values)
-        if self.next_rows is not None and name == self.next_rows.name:
+        # (a deferred update runs after its step committed, beside the next forward: the rows that
+        # forward looks up were to be gathered before; it reads the embedding instead)
+        if self.next_rows is not None and name == self.next_rows.name and not self.optimizer.applying:
             self.next_rows.offer(shard, values)
 
     def _canon(self, mod: nn.Module, attr: str) -> str:
