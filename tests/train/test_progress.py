@@ -24,14 +24,15 @@ def test_step_windows_are_contiguous_and_the_rows_add_up(tmp_path, monkeypatch):
     monkeypatch.setattr(P.Progress, "step", record)
     tierlm.finetune(model=str(model), data=str(data), output=str(tmp_path / "run"), cpu_mem="256MiB",
                     seq_len=24, batch_size=2, steps=4, lr=1e-3, precision="fp32", max_grad_norm=0,
-                    activations="keep", timeline_step=2)
+                    activations="keep", timeline_step=2, commit_every="1")
     assert len(windows) == 4
     for (_, end), (start, _) in zip(windows, windows[1:]):
         assert start == end  # the next window starts where this one ended
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     total = windows[-1][1]["bytes_written"] - windows[0][0]["bytes_written"]
     assert sum(r["ssd_write_bytes"] for r in rows) == total
-    # fp32 master, m and v of every parameter, 12 bytes each, every step: all four steps' writes
+    # fp32 master, m and v of every parameter, 12 bytes each, every step (a commit every step: in
+    # between, what the cache keeps is not written): all four steps' writes
     # but the part of the last one's that lands after its row
     params = sum(p.numel() for p in _model_params(model))
     assert 3 * 12 * params < total <= 4 * 12 * params
