@@ -21,9 +21,11 @@ def global_batches(n, bsz, seq, vocab=128, seed=3):
 
 
 def one_process(model_dir, nvme, precision):
+    # (ranks decide the clip together after a speculative update: the one process does too, so that
+    # the steps' redone flags compare)
     cfg = EngineConfig(nvme_dir=str(nvme), cpu_mem="1GiB", precision=precision, grad_accum=ACCUM,
                        optim=AdamWConfig(lr=LR, weight_decay=0.1, max_grad_norm=CLIP),
-                       tokens_per_micro_batch=BSZ * SEQ)
+                       tokens_per_micro_batch=BSZ * SEQ, clip_path="speculate")
     eng = Engine.from_pretrained(model_dir, cfg)
     data = global_batches(STEPS * ACCUM, BSZ, SEQ)
     results, losses = [], []

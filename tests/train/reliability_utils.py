@@ -10,7 +10,9 @@ from tierlm.storage.records import record_bytes
 # Clipping that triggers (the redo path), accumulation (the accumulator files), checkpoints.
 RUN_ARGS = ["--seq-len", "24", "--batch-size", "2", "--grad-accum", "2", "--steps", "6", "--lr", "3e-3",
             "--max-grad-norm", "0.5", "--precision", "fp32", "--save-every", "2", "--weight-decay", "0.01",
-            "--schedule", "cosine", "--warmup-steps", "1", "--cpu-mem", "256MiB"]
+            "--schedule", "cosine", "--warmup-steps", "1", "--cpu-mem", "256MiB",
+            # a commit every step: the tests name the manifest before the last (a test may override it)
+            "--commit-every", "1"]
 
 
 def make_inputs(root: Path) -> tuple[Path, Path]:
