@@ -19,7 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tierlm.bench.machine import machine_kind, machine_line
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tierlm from this checkout
+from tierlm.bench.machine import machine_kind, machine_line  # noqa: E402
 
 VARIANTS = {  # name: finetune flags
     "clip off": ["--max-grad-norm", "0"],
