@@ -29,15 +29,22 @@ from .progress import use_bar
 from .schedule import lr_factor
 
 
-def run(cfg) -> dict:
-    from transformers import AutoModelForCausalLM
-
+def reference_batches(cfg) -> tuple[Batches, int]:
+    """The batches `tierlm finetune` would train on, in its order, and its number of steps (also
+    what the DeepSpeed peer trains on); seeds torch as the fine-tune does."""
     tokenizer = checks.load_tokenizer(cfg.model)
     dataset = load_dataset(cfg.data, tokenizer, cfg.seq_len)
     batches = Batches(dataset, cfg.batch_size, seed=cfg.seed)
     total = cfg.steps if cfg.steps is not None else \
         max(1, math.floor(cfg.epochs * batches.batches_per_epoch / cfg.grad_accum))
     torch.manual_seed(cfg.seed)
+    return batches, total
+
+
+def run(cfg) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    batches, total = reference_batches(cfg)
     device = torch.device(cfg.device)
     from transformers.utils import logging as hf_logging
 

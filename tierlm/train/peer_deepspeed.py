@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import sys
@@ -30,11 +29,10 @@ from pathlib import Path
 import torch
 
 from ..config import add_arguments, from_args
-from ..hf import checks  # called through the module: tests replace its checks
 from ..hf.structure import causal_lm
 from ..rss import peak_rss
-from .data import Batches, load_dataset
 from .finetune import FinetuneConfig, _resolve
+from .inmemory import reference_batches
 from .schedule import lr_factor
 
 OFFLOADS = ("auto", "nvme", "cpu")
@@ -150,12 +148,7 @@ def run(cfg, offload: str = "auto", tune: dict | None = None) -> dict:
 
     offload, why = resolve_offload(offload)
     print(f"peer: DeepSpeed {deepspeed.__version__} ZeRO-3, offload {offload} ({why})", file=sys.stderr)
-    tokenizer = checks.load_tokenizer(cfg.model)
-    dataset = load_dataset(cfg.data, tokenizer, cfg.seq_len)
-    batches = Batches(dataset, cfg.batch_size, seed=cfg.seed)
-    total = cfg.steps if cfg.steps is not None else \
-        max(1, math.floor(cfg.epochs * batches.batches_per_epoch / cfg.grad_accum))
-    torch.manual_seed(cfg.seed)
+    batches, total = reference_batches(cfg)
     swap_dir = Path(cfg.nvme) / "deepspeed-swap"
     shutil.rmtree(swap_dir, ignore_errors=True)
     swap_dir.mkdir(parents=True)
