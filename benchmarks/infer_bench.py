@@ -39,18 +39,8 @@ from tierlm.infer.engine import InferConfig, InferenceEngine
 from tierlm.bench.machine import machine_kind, machine_line
 from tierlm.bench.rooflines import machine_rates
 from peers import llamacpp
+from peers.requests import NullTokenizer as _Tok, prompt as _prompt
 from tierlm.infer.sampling import SamplingParams
-
-
-class _Tok:
-    eos_token_id = None
-
-    def decode(self, ids, skip_special_tokens=True):
-        return ""
-
-
-def _prompt(n):
-    return [(7 * i) % 200 + 3 for i in range(n)]
 
 
 _READ_BUF = None

@@ -32,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tierlm from this checkout
 
 from peers import llamacpp  # noqa: E402
+from peers.requests import NullTokenizer as _Tok, prompt as _prompt  # noqa: E402
 from tierlm.bench.machine import machine_kind, machine_line  # noqa: E402
 from tierlm.hf.init import init_model  # noqa: E402
 from tierlm.hf.presets import make_config, param_count  # noqa: E402
@@ -40,17 +41,6 @@ from tierlm.infer.engine import InferConfig, InferenceEngine  # noqa: E402
 from tierlm.infer.sampling import SamplingParams  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-class _Tok:
-    eos_token_id = None
-
-    def decode(self, ids, skip_special_tokens=True):
-        return ""
-
-
-def _prompt(n):
-    return [(7 * i) % 200 + 3 for i in range(n)]
 
 
 def measure_tierlm(model: Path, weights: str, prompt_len: int, tokens: int, threads: int, reps: int,
