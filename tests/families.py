@@ -40,6 +40,29 @@ FAMILIES = {
     # embedding, residual, attention multipliers and logits scaling
     "granite": dict(_BASE, embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.2,
                     logits_scaling=2.0),
+    # mixtures of experts: stacked expert weights (one file tensor per expert), top-k routing, the
+    # router's load-balancing loss added to the loss (output_router_logits)
+    "mixtral": dict(_BASE, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                    router_aux_loss_coef=0.1),
+    # a shared expert beside the routed ones, its sigmoid gate, unnormalised top-k weights
+    "qwen2_moe": dict(_BASE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48, output_router_logits=True, router_aux_loss_coef=0.1),
+    # q/k norms, normalised top-k weights, a dense MLP layer beside the sparse one (mlp_only_layers)
+    "qwen3_moe": dict(_BASE, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      norm_topk_prob=True, mlp_only_layers=[0], output_router_logits=True,
+                      router_aux_loss_coef=0.1),
+    "olmoe": dict(_BASE, num_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                  router_aux_loss_coef=0.1, eos_token_id=None),
+    # latent attention (compressed KV, split rope/nope heads), grouped top-k routing with a
+    # correction bias, a shared expert, a dense first layer
+    "deepseek_v3": dict(_BASE, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                        first_k_dense_replace=1, n_group=2, topk_group=1, q_lora_rank=24, kv_lora_rank=16,
+                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_shared_experts=1,
+                        rope_scaling=None),
+    # attention sinks, biased experts in one fused tensor, alternating sliding layers
+    "gpt_oss": dict(_BASE, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=6,
+                    layer_types=["sliding_attention", "full_attention"], output_router_logits=True,
+                    router_aux_loss_coef=0.1, rope_scaling=None),
 }
 
 

@@ -130,8 +130,11 @@ def test_family_finetunes_exactly_saves_its_layout_generates_and_serves(family, 
     assert losses == ref_losses
     assert_same(ref_master, masters)
 
-    # the family's own layout: the same tensor names as transformers' save of the same model
-    assert set(SafetensorsDir(out).names()) == set(SafetensorsDir(d).names())
+    # the family's own layout: the same tensor names as transformers' save of the same model (a
+    # mixture of experts: one tensor per expert and projection)
+    model.save_pretrained(tmp_path / "hf-saved")
+    assert set(SafetensorsDir(out).names()) == set(SafetensorsDir(tmp_path / "hf-saved").names())
+    assert set(SafetensorsDir(d).names()) == set(SafetensorsDir(tmp_path / "hf-saved").names())
     reloaded = AutoModelForCausalLM.from_pretrained(out).float().eval()
     with torch.no_grad():
         assert torch.equal(reloaded(input_ids=torch.tensor([PROMPT])).logits, logits)

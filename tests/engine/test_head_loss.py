@@ -77,3 +77,30 @@ def test_chunks_reuse_one_logits_buffer():
     fp32_chunk = chunk * vocab * 4
     made = sum(1 for e in prof.events() if e.cpu_memory_usage == fp32_chunk)
     assert made <= 2 * chunks + 1, f"{made} fp32 logits-sized tensors for {chunks} chunks"
+
+
+@pytest.mark.parametrize("activations", ["keep", "recompute"])
+def test_a_mixture_of_experts_in_chunks_keeps_its_routers_loss(tmp_path, activations):
+    """Mixtral adds its routers' load-balancing loss (output_router_logits) to the loss; the chunked
+    head takes it from the model's own forward, and its gradient reaches every layer's router in
+    that layer's backward, weights kept or recomputed."""
+    from transformers import AutoModelForCausalLM
+
+    from tierlm.hf.init import init_model
+
+    from ..families import family_config
+
+    d = init_model(tmp_path / "m", family_config("mixtral", vocab_size=128), seed=2, tokenizer=False)
+    model = AutoModelForCausalLM.from_pretrained(d).float()
+    data = batches(2)
+    kw = dict(lr=1e-2, wd=0.1, clip=None, accum=1, warmup=1, precision="fp32")
+    _, ref_master, ref_losses, _ = run_reference(model, data, **kw)
+    masters, _, losses, _ = run_engine(d, tmp_path, data, loss_chunk=5, activations=activations, **kw)
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    for n, t in ref_master.items():
+        torch.testing.assert_close(masters[n], t, rtol=1e-4, atol=1e-5, msg=n)
+    # without the routers' loss the routers would train differently: the check can fail
+    model.config.output_router_logits = False
+    _, plain_master, _, _ = run_reference(model, data, **kw)
+    router = next(n for n in ref_master if n.endswith("mlp.gate.weight"))
+    assert not torch.allclose(plain_master[router], ref_master[router], rtol=1e-4, atol=1e-5)

@@ -25,7 +25,8 @@ from .. import rss
 from ..dist.grads import GradReducer, share_weights
 from ..dist.state import attach
 from ..hf.baseline import library_baseline
-from ..hf.names import model_to_checkpoint
+from ..hf.names import load_buffers, model_to_checkpoint
+from ..hf.stacked import read_param
 from ..hf.safetensors_io import SafetensorsDir
 from ..hf.structure import discover_blocks, empty_model, module_param_slots, weights_before_layers
 from ..plan.budget import chunk_tokens
@@ -42,7 +43,7 @@ from .durable import DurableState
 from .export import Exports
 from .options import EngineConfig, train_settings  # noqa: F401  (EngineConfig: callers import it here)
 from .residency import BlockResidency
-from .head_loss import causal_lm_loss
+from .head_loss import adds_router_loss, chunked_forward
 from .heap import HeapGuard
 from .next_rows import NextRows
 from .optimizer import AdamWConfig, OptimizerDeps, OutOfCoreAdamW, OutOfCoreOptions, StepResult
@@ -192,19 +193,13 @@ class Engine(DurableState, Exports, BlockResidency):
         model = empty_model(config)
         st = SafetensorsDir(model_dir)
         in_file = model_to_checkpoint(model, st.names(), dict(model.named_parameters()), where=str(model_dir))
+        load_buffers(model, st, str(model_dir))
 
         def source(name: str, out: torch.Tensor) -> None:
             if name not in in_file:
                 raise ValueError(f"{model_dir}: the checkpoint has no tensor {name!r} that "
                                  f"{type(model).__name__} needs; is this the right model directory?")
-            ck = in_file[name]
-            dt, _ = st.info(ck)
-            if dt == torch.float32:
-                st.read(ck, out)
-            else:
-                tmp = torch.empty(out.shape, dtype=dt)
-                st.read(ck, tmp)
-                out.copy_(tmp)
+            read_param(st, in_file[name], out)
         settings = train_settings(cfg, model, resume, measured)
         eng = cls(model, source, cfg, resume=resume, overwrite=overwrite, settings=settings, **kw)
         eng.model_dir = str(model_dir)
@@ -252,10 +247,7 @@ class Engine(DurableState, Exports, BlockResidency):
         with self.hooks:
             kwargs.setdefault("use_cache", False)
             if chunk:
-                from transformers.modeling_outputs import CausalLMOutputWithPast
-                hidden = self.model.base_model(input_ids=input_ids, **kwargs).last_hidden_state
-                out = CausalLMOutputWithPast(loss=causal_lm_loss(hidden, self.model.get_output_embeddings(),
-                                                                 labels, chunk))
+                out = chunked_forward(self.model, input_ids, labels, chunk, **kwargs)
             else:
                 out = self.model(input_ids=input_ids, labels=labels, **kwargs)
         self._head_computed("fwd", self._t_head)
@@ -267,7 +259,8 @@ class Engine(DurableState, Exports, BlockResidency):
     def _chunkable(self) -> bool:
         """Only a plain linear head can run in chunks: a soft-capped or scaled head's logits are not head(h)."""
         head = self.model.get_output_embeddings()
-        return type(head) is nn.Linear and not getattr(self.config, "final_logit_softcapping", None)
+        return type(head) is nn.Linear and not getattr(self.config, "final_logit_softcapping", None) \
+            and adds_router_loss(self.model) is not None
 
     def _loss_chunk(self, tokens: int) -> int | None:
         """Tokens a chunk of the head and loss (head_loss), or None for the model's own forward."""

@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from .. import rss
-from ..hf.names import checkpoint_names
+from ..hf.names import saved_buffers
+from ..hf.stacked import file_tensors, to_file_tensors
 from ..hf.safetensors_io import SafetensorsWriter
 from ..storage.layout import key
 
@@ -66,12 +67,20 @@ class Exports:
         dtype = dtype or self.dtype
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        # the family's own tensor names (GPT-NeoX's head is `embed_out` in its files)
-        files = checkpoint_names(self.model, self.names)
-        specs = [(files[n], dtype, self.infos[n].shape) for n in self.names]
+        # the family's own tensors (GPT-NeoX's head is `embed_out` in its files; a mixture of experts'
+        # stacked experts are one tensor per expert and projection)
+        files = {n: file_tensors(self.model, n, self.infos[n].shape, dtype) for n in self.names}
+        specs = [(f, dtype, shape) for n in self.names for f, shape in files[n].items()]
+        # persistent buffers (DeepSeek-V3's router correction bias) as they are: training moves none
+        bufs = {n: b.detach() for n, b in saved_buffers(self.model).items()}
+        specs += [(f, b.dtype, b.shape) for n, b in bufs.items() for f in file_tensors(self.model, n, b.shape, b.dtype)]
         with SafetensorsWriter(out, specs) as w:
             for n in self.names:
-                w.write(files[n], self.weights(n, dtype))
+                for f, t in to_file_tensors(self.model, n, self.weights(n, dtype)).items():
+                    w.write(f, t)
+            for n, b in bufs.items():
+                for f, t in to_file_tensors(self.model, n, b).items():
+                    w.write(f, t)
         cfg = self.config
         cfg.dtype = dtype
         cfg.save_pretrained(out)

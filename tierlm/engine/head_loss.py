@@ -87,3 +87,41 @@ def causal_lm_loss(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, 
     hdim = hidden.shape[-1]
     shifted = F.pad(labels, (0, 1), value=IGNORE)[..., 1:].reshape(-1)
     return _HeadLoss.apply(hidden.reshape(-1, hdim), head.weight, head.bias, shifted, head, chunk)
+
+
+def adds_router_loss(model) -> bool | None:
+    """Whether the model's forward adds a mixture of experts' load-balancing loss to its loss (it
+    records its routers' logits: output_router_logits); None where it does and the chunked path
+    cannot take that loss from the model's own forward (no `logits_to_keep` to skip its logits, or
+    no `router_aux_loss_coef`)."""
+    import inspect
+
+    if not getattr(model.config, "output_router_logits", False):
+        return False
+    if "logits_to_keep" in inspect.signature(model.forward).parameters and hasattr(model, "router_aux_loss_coef"):
+        return True
+    return None
+
+
+def chunked_forward(model, input_ids, labels, chunk: int, **kwargs):
+    """The causal LM's output with its loss from the head a chunk at a time. A mixture of experts
+    whose forward adds its routers' load-balancing loss runs its own forward for it (with one
+    position's logits: the loss comes from the recorded router logits, not the head), and that loss
+    is added as its forward adds it: router_aux_loss_coef x aux_loss."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    head = model.get_output_embeddings()
+    if not adds_router_loss(model):
+        hidden = model.base_model(input_ids=input_ids, **kwargs).last_hidden_state
+        return CausalLMOutputWithPast(loss=causal_lm_loss(hidden, head, labels, chunk))
+    seen = {}
+
+    def keep(mod, args, out) -> None:  # returns None: the model's output stays as it is
+        seen["hidden"] = out.last_hidden_state
+    h = model.base_model.register_forward_hook(keep)
+    try:
+        out = model(input_ids=input_ids, logits_to_keep=1, **kwargs)
+    finally:
+        h.remove()
+    loss = causal_lm_loss(seen["hidden"], head, labels, chunk)
+    return CausalLMOutputWithPast(loss=loss + model.router_aux_loss_coef * out.aux_loss.to(loss.device))

@@ -8,7 +8,8 @@ from pathlib import Path
 # torch.optim.AdamW, generate equal to transformers, serve, reload). Any other decoder-only family
 # transformers builds runs on the same generic path; `family_problem` refuses what cannot.
 TESTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi", "phi3", "olmo",
-          "olmo2", "gpt_neox", "gpt2", "falcon", "starcoder2", "granite")
+          "olmo2", "gpt_neox", "gpt2", "falcon", "starcoder2", "granite",
+          "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
 
 
 class ModelDirError(ValueError):

@@ -18,6 +18,13 @@ ROLES = {
     "vocab": ("vocab_size",),
     "max_positions": ("max_position_embeddings", "n_positions", "max_seq_len"),
     "head_dim": ("head_dim",),
+    # mixtures of experts
+    "expert_intermediate": ("moe_intermediate_size",),
+    "shared_intermediate": ("shared_expert_intermediate_size",),
+    "experts_per_token": ("num_experts_per_tok", "moe_topk", "top_k"),
+    "dense_first": ("first_k_dense_replace",),      # leading layers with a dense MLP
+    "rope_head_dim": ("qk_rope_head_dim",),          # latent attention: the rotary part of each head
+    "latent_kv": ("kv_lora_rank",),                  # latent attention: the compressed KV's width
 }
 
 
@@ -58,11 +65,19 @@ def shrunk(config, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: 
     put(c, "layers", min(layers, get(config, "layers", layers)))
     put(c, "hidden", hidden)
     put(c, "heads", heads)
-    put(c, "kv_heads", kv_heads if heads % kv_heads == 0 else heads)
+    # multi-head attention stays so (DeepSeek's latent attention expands its keys to every head)
+    mha = get(config, "kv_heads") in (None, get(config, "heads"))
+    put(c, "kv_heads", heads if mha or heads % kv_heads else kv_heads)
     if get(config, "intermediate") is not None:
         put(c, "intermediate", intermediate)
     if get(config, "head_dim") is not None:
-        put(c, "head_dim", hidden // heads)
+        # latent attention (DeepSeek) rotates head_dim = its rotary part of each head, kept as it is
+        put(c, "head_dim", get(config, "rope_head_dim") or hidden // heads)
+    for role, size in (("expert_intermediate", 32), ("shared_intermediate", 48)):
+        if get(config, role) is not None:
+            put(c, role, size)
+    if get(config, "dense_first") is not None:  # a layer of experts among those kept
+        put(c, "dense_first", min(get(config, "dense_first"), max(get(c, "layers") - 1, 0)))
     if getattr(c, "rotary_dim", None):  # GPT-J, CodeGen: rotary on the first rotary_dim of each head
         c.rotary_dim = min(c.rotary_dim, hidden // heads)
     put(c, "vocab", vocab)

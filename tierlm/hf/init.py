@@ -16,7 +16,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, GenerationConfig
 from transformers import initialization as hf_init
 
-from tierlm.hf.names import checkpoint_names
+from tierlm.hf.stacked import file_tensors, to_file_tensors
 from tierlm.hf.presets import dtype_name
 from tierlm.hf.safetensors_io import SafetensorsWriter
 from tierlm.hf.tokenizer import make_tokenizer, special_token_ids
@@ -70,13 +70,14 @@ def _init_piece(model, piece: nn.Module) -> None:
             model._init_weights(sub)
 
 
-def _write_piece(model, piece: nn.Module, prefix: str, saved: dict, files: dict, writer: SafetensorsWriter) -> None:
+def _write_piece(model, piece: nn.Module, prefix: str, saved: dict, writer: SafetensorsWriter) -> None:
     # A function of its own so no loop variable keeps the last tensor alive after the piece is freed.
     piece.to_empty(device="cpu")
     _init_piece(model, piece)
     for k, t in piece.state_dict(prefix=prefix).items():
         if k in saved:
-            writer.write(files[k], t)
+            for f, ft in to_file_tensors(model, k, t).items():
+                writer.write(f, ft)
     piece.to_empty(device="meta")
 
 
@@ -119,8 +120,9 @@ def init_model(out_dir: str | os.PathLike, config, seed: int = 0, dtype: str | t
     model.eval()
     saved = _saved_tensors(model)
     # the family's own file names (GPT-NeoX's head is `embed_out` in its files), as save_pretrained writes
-    files = checkpoint_names(model, saved)
-    writer = SafetensorsWriter(out, [(files[n], t.dtype, t.shape) for n, t in saved.items()], max_shard_bytes)
+    files = {n: file_tensors(model, n, t.shape, t.dtype) for n, t in saved.items()}
+    writer = SafetensorsWriter(out, [(f, t.dtype, shape) for n, t in saved.items() for f, shape in files[n].items()],
+                               max_shard_bytes)
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
@@ -129,7 +131,7 @@ def init_model(out_dir: str | os.PathLike, config, seed: int = 0, dtype: str | t
                 keys = [prefix + k for k in piece.state_dict(keep_vars=True)]
                 if not any(k in saved for k in keys):
                     continue  # e.g. a tied lm_head: its weight is the embedding, already written
-                _write_piece(model, piece, prefix, saved, files, writer)
+                _write_piece(model, piece, prefix, saved, writer)
     except BaseException:
         writer.abort()
         raise

@@ -5,12 +5,14 @@ Some families' modules are named differently from their checkpoints (GPT-NeoX's 
 from the base model alone (no `transformer.` / `model.` prefix). transformers renames keys as it
 loads (`conversion_mapping`) and renames them back as it saves; tierlm reads and writes tensors
 one at a time, so it asks the same mapping which file tensor is which parameter, and saves under
-the family's own names. Mappings that merge or split tensors (per-expert weights stacked into one)
-are not renamings; a checkpoint that needs one is refused here with the reason.
+the family's own names. Mappings that merge tensors (a mixture of experts' per-expert weights,
+stacked into one parameter) are the family's conversions, run an expert at a time (`stacked.py`).
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
+
+from .stacked import Stacked
 
 
 def _transforms(model):
@@ -20,17 +22,25 @@ def _transforms(model):
     return [t for t in ts if isinstance(t, WeightRenaming)], [t for t in ts if not isinstance(t, WeightRenaming)]
 
 
-def _converted(key: str, converters) -> bool:
+def _converted(key: str, converters):
+    """(the parameter the family's conversions make of file tensor `key`, the converter, the
+    source pattern it matched), or None where no conversion takes it."""
     from transformers.core_model_loading import apply_converters
-    return apply_converters(key, converters)[1] is not None
+    for conv in converters:
+        target, pattern = apply_converters(key, [conv])
+        if pattern is not None:
+            return target, conv, pattern
+    return None
 
 
-def model_to_checkpoint(model, checkpoint: Iterable[str], wanted: Iterable[str], where="the checkpoint") -> dict[str, str]:
-    """{parameter name: checkpoint tensor name} for each of `wanted` found in `checkpoint`'s names
-    (a parameter the file lacks is left out; the caller names it). ValueError where the file's
-    tensors need merging into the model's (stacked experts)."""
+def model_to_checkpoint(model, checkpoint: Iterable[str], wanted: Iterable[str],
+                        where="the checkpoint") -> dict[str, str | Stacked]:
+    """{parameter name: checkpoint tensor name, or the `Stacked` experts it is made from} for each of
+    `wanted` found in `checkpoint`'s names (a parameter the file lacks is left out; the caller
+    names it)."""
     from transformers.core_model_loading import apply_renamings
     renames, converters = _transforms(model)
+    stacked: dict[str, tuple] = {}
     wanted = set(wanted)
     prefix = getattr(model, "base_model_prefix", "") or ""
     # A tied weight has one canonical name (the first, as named_parameters() gives it: the
@@ -48,10 +58,14 @@ def model_to_checkpoint(model, checkpoint: Iterable[str], wanted: Iterable[str],
     out: dict[str, str] = {}
     by_alias: dict[str, str] = {}
     for ck in checkpoint:
-        if converters and _converted(apply_renamings(ck, renames), converters):
-            raise ValueError(f"{where}: tensor {ck!r} must be merged with others into one parameter of "
-                             f"{type(model).__name__} (per-expert weights stacked), which tierlm does not do "
-                             "yet")
+        hit = _converted(apply_renamings(ck, renames), converters) if converters else None
+        if hit is not None:
+            target, conv, pattern = hit
+            if target not in wanted and prefix and f"{prefix}.{target}" in wanted:
+                target = f"{prefix}.{target}"
+            if target in wanted:
+                stacked.setdefault(target, (conv, {}))[1].setdefault(pattern, []).append(ck)
+            continue
         name = apply_renamings(ck, renames)
         if name not in wanted and name not in alias and prefix and f"{prefix}.{name}" in known:
             name = f"{prefix}.{name}"  # saved from the base model alone
@@ -61,13 +75,37 @@ def model_to_checkpoint(model, checkpoint: Iterable[str], wanted: Iterable[str],
             by_alias.setdefault(alias[name], ck)
     for name, ck in by_alias.items():
         out.setdefault(name, ck)
+    for name, (conv, sources) in stacked.items():
+        if set(sources) != set(conv.source_patterns):
+            missing = sorted(set(conv.source_patterns) - set(sources))
+            raise ValueError(f"{where}: {name} is made from tensors matching {conv.source_patterns}, and the "
+                             f"checkpoint has none matching {missing}; is it complete?")
+        out[name] = Stacked(name, conv, sources)
     return out
 
 
-def checkpoint_names(model, names: Iterable[str]) -> dict[str, str]:
-    """{parameter name: the family's own file name} (what save_pretrained writes), the mapping
-    built once for all of them."""
-    from transformers.core_model_loading import apply_renamings
-    renames, _ = _transforms(model)
-    back = [r.reverse_transform() for r in reversed(renames)]
-    return {n: apply_renamings(n, back) for n in names}
+def saved_buffers(model) -> dict[str, object]:
+    """{name: buffer} of the persistent buffers a checkpoint holds beside the parameters (DeepSeek-V3's
+    router correction bias), under the name state_dict() gives them."""
+    params = {id(p) for p in model.parameters()}
+    return {n: b for n, b in model.state_dict(keep_vars=True).items() if id(b) not in params}
+
+
+def load_buffers(model, st, where: str) -> None:
+    """Persistent buffers take the checkpoint's values where it holds them (the model's constructor
+    made the rest: a checkpoint saved without them gets what from_pretrained would give)."""
+    import torch
+
+    bufs = saved_buffers(model)
+    if not bufs:
+        return
+    in_file = model_to_checkpoint(model, st.names(), bufs, where=where)
+    with torch.no_grad():
+        for n, ck in in_file.items():
+            if isinstance(ck, str):
+                b = bufs[n]
+                t = st.read(ck)
+                if t.numel() != b.numel():
+                    raise ValueError(f"{where}: the checkpoint's {ck!r} has shape {tuple(t.shape)} where the "
+                                     f"model's config makes {tuple(b.shape)}; does config.json belong to these weights?")
+                b.copy_(t.view(b.shape))

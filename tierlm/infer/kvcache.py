@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from ..hf.fields import get
 from ..storage import BudgetError
 from ..units import fmt_bytes
 
@@ -27,28 +28,33 @@ def cache_kwarg(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def kv_geometry(config) -> tuple[int, int, int]:
-    """(layers, kv heads, head dim) of an HF config."""
+def kv_geometry(config) -> tuple[int, tuple[int, int], tuple[int, int]]:
+    """(layers, (heads, dim) of what a layer caches as keys, the same of its values) of an HF
+    config. Latent attention (DeepSeek-V3) caches its compressed KV (kv_lora_rank wide) as the
+    "keys" and the rotary part of its keys as the "values", each one head, and expands them after
+    reading the cache."""
     layers = config.num_hidden_layers
+    latent = get(config, "latent_kv")
+    if latent:
+        return layers, (1, latent), (1, get(config, "rope_head_dim"))
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return layers, kv, head_dim
+    hd = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return layers, (kv, hd), (kv, hd)
 
 
 def kv_bytes(config, slots: int, max_len: int, dtype: torch.dtype) -> int:
-    layers, kv, hd = kv_geometry(config)
-    return 2 * layers * slots * kv * (max_len + 1) * hd * torch.empty((), dtype=dtype).element_size()
+    layers, (kh, kd), (vh, vd) = kv_geometry(config)
+    return layers * slots * (kh * kd + vh * vd) * (max_len + 1) * torch.empty((), dtype=dtype).element_size()
 
 
 class SlotKVCache:
     def __init__(self, config, slots: int, max_len: int, dtype: torch.dtype):
-        layers, kv, hd = kv_geometry(config)
+        layers, (kh, kd), (vh, vd) = kv_geometry(config)
         self.slots, self.max_len, self.dtype = slots, max_len, dtype
         # One spare position per slot: queries that only pad a row write there, never over real keys.
-        shape = (slots, kv, max_len + 1, hd)
-        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(layers)]
-        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(layers)]
+        self.k = [torch.zeros((slots, kh, max_len + 1, kd), dtype=dtype) for _ in range(layers)]
+        self.v = [torch.zeros((slots, vh, max_len + 1, vd), dtype=dtype) for _ in range(layers)]
         self.nbytes = kv_bytes(config, slots, max_len, dtype)
         self._rows = 0
         self._write_pos: torch.Tensor | None = None
@@ -138,19 +144,19 @@ class SlotKVCache:
             raise RuntimeError(f"layer {layer_idx}'s attention writes {heads} key/value heads but the KV cache "
                                f"was planned for {kc.shape[1]} from the model's config (a tierlm bug: please "
                                f"report it with the model's config.json)")
-        shape = (kc.shape[0], heads) + tuple(kc.shape[2:])
-        old = 2 * kc.numel() * kc.element_size()
-        self.k[layer_idx] = torch.zeros(shape, dtype=kc.dtype)
-        self.v[layer_idx] = torch.zeros(shape, dtype=kc.dtype)
-        self.nbytes -= old - 2 * self.k[layer_idx].numel() * kc.element_size()
+        vc = self.v[layer_idx]
+        old = (kc.numel() + vc.numel()) * kc.element_size()
+        self.k[layer_idx] = torch.zeros((kc.shape[0], heads) + tuple(kc.shape[2:]), dtype=kc.dtype)
+        self.v[layer_idx] = torch.zeros((vc.shape[0], heads) + tuple(vc.shape[2:]), dtype=vc.dtype)
+        self.nbytes -= old - (self.k[layer_idx].numel() + self.v[layer_idx].numel()) * kc.element_size()
         return self.k[layer_idx], self.v[layer_idx]
 
     def note_read(self, rows: int, layer_idx: int, layers: int = 1) -> None:
         """Count the KV bytes a layer's attention reads this step (for the bandwidth report); with
         `layers`, as much for that many layers (every layer's cache has the same shape)."""
-        kc = self.k[layer_idx]
+        kc, vc = self.k[layer_idx], self.v[layer_idx]
         keys = sum(e for _, _, e in self.segments) if self.segments else rows * self._kv_len  # packed rows read to their end
-        self.bytes_read += 2 * keys * kc.shape[1] * kc.shape[3] * kc.element_size() * layers
+        self.bytes_read += keys * (kc.shape[1] * kc.shape[3] + vc.shape[1] * vc.shape[3]) * kc.element_size() * layers
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._kv_len
