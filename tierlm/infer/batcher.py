@@ -140,7 +140,7 @@ class Batcher:
                 tokens.append([r.out_ids[-1]])
             starts.append(r.fed)
         eng = self.engine
-        ssd0, kv0 = eng.ssd_bytes_read(), eng.cache.bytes_read
+        ssd0, kv0, routed0 = eng.ssd_bytes_read(), eng.cache.bytes_read, eng.routed_expert_bytes()
         t0 = time.perf_counter()
         try:
             logits = eng.step(tokens, starts)
@@ -151,7 +151,7 @@ class Batcher:
             return
         dt = time.perf_counter() - t0
         phase = "prefill" if prefilling else "decode"
-        self.stats.add(phase, dt, sum(map(len, tokens)), eng.ram_weight_bytes(),
+        self.stats.add(phase, dt, sum(map(len, tokens)), eng.ram_weight_bytes() + eng.routed_expert_bytes() - routed0,
                        eng.ssd_bytes_read() - ssd0, eng.cache.bytes_read - kv0)
         now = time.perf_counter()
         done = []

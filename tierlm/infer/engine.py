@@ -25,9 +25,11 @@ from .. import rss
 from ..dist.tp import TensorParallel, init
 from ..hf import checks  # called through the module: tests replace its checks
 from ..hf.baseline import library_baseline
-from ..hf.names import model_to_checkpoint
+from ..hf.names import load_buffers, model_to_checkpoint
+from ..hf.stacked import read_param
 from ..hf.safetensors_io import SafetensorsDir
 from ..hf.structure import discover_blocks, empty_model, find_layers
+from ..plan.expert_placement import plan_expert_placement
 from ..plan.inference import InferConfig, plan_placement, scratch_bytes
 from ..storage import HostBufferPool
 from ..storage.aligned import round_up
@@ -37,6 +39,7 @@ from .generic import GenericStep, check as generic_check
 from .kvcache import SlotKVCache, kv_bytes
 from .lean import LeanDecoder
 from .quant import int4_layout
+from .experts import ExpertCache, StreamedExperts, expert_key, find_moe, unrouted_params, write_experts
 from .weights import LayerStream, PieceStore, fingerprint, install_resident, plan_pieces
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -69,7 +72,7 @@ class InferenceEngine:
         # weights a token multiplies (2 FLOPs each): everything but the embedding lookup, plus the head
         total = sum(p.numel() for p in self.model.parameters())
         self.flop_params = total - self.model.get_input_embeddings().weight.numel() + \
-            config.vocab_size * config.hidden_size
+            config.vocab_size * config.hidden_size - unrouted_params(self.moe, config)
         self.pieces = plan_pieces(self.model, self.blocks, self.dtype, cfg.quant)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
@@ -95,6 +98,10 @@ class InferenceEngine:
         # soft-cap); packed.install then names the attention the steps run (masks: boolean, True
         # attends)
         config._attn_implementation = "eager"
+        # a mixture of experts' router logits feed training's load-balancing loss only; recorded at
+        # inference they would be made into that loss over the KV cache's masks
+        if getattr(config, "output_router_logits", False):
+            config.output_router_logits = False
         self.config = config
         limit = getattr(config, "max_position_embeddings", None) or 2048
         self.max_len = cfg.max_seq_len or min(limit, 2048)
@@ -104,6 +111,7 @@ class InferenceEngine:
         # what the library baseline's warm-up forward runs until packed.install names the steps'
         config._attn_implementation = "sdpa" if getattr(self.model, "_supports_sdpa", False) else "eager"
         self.blocks, _ = discover_blocks(self.model)
+        self.moe = find_moe(self.model, self.blocks)
         _check_kv_attention(self.model, sum(b.kind == "layer" for b in self.blocks))
         why = generic_check(self.model)
         if why:
@@ -111,13 +119,18 @@ class InferenceEngine:
                              f"this model: {why}")
         self.tp = None
         if cfg.tp > 1:  # this process keeps 1/tp of every layer's heads and MLP width
+            if self.moe:
+                raise ValueError(f"{config.model_type}: --tp does not split a mixture of experts' experts; "
+                                 "run it with --tp 1 (its experts stream through the expert cache)")
             self.tp = TensorParallel(*init(cfg.tp))
             self.tp.shard(self.model, [b.module for b in self.blocks if b.kind == "layer"], config)
         return config
 
     def _place(self, cache_config, library_rss: int | None) -> tuple[set[int], list[int]]:
         """Which decoder layers stay in RAM under --cpu-mem (tierlm.plan.inference.plan_placement,
-        as `tierlm plan` predicts it): the resident layers' indices and the streamed ones'."""
+        as `tierlm plan` predicts it): the resident layers' indices and the streamed ones'. A
+        mixture of experts that does not fit whole streams its experts through an expert cache
+        (tierlm.plan.expert_placement); then these are the layers whose dense parts are resident."""
         cfg, config = self.cfg, self.config
         layer_idx = [b.index for b in self.blocks if b.kind == "layer"]
         fixed = sum(round_up(p.nbytes) for b in self.blocks if b.kind != "layer" for p in self.pieces[b.index])
@@ -126,12 +139,32 @@ class InferenceEngine:
         self.library_rss = library_rss if library_rss is not None else library_baseline(config, self.dtype)
         baseline = max(rss.current_rss() - self.library_rss, 0)
         kv = kv_bytes(cache_config, cfg.max_batch, self.max_len, self.dtype)
-        self.placement = plan_placement(cfg, baseline, fixed, lbytes, len(layer_idx), kv,
-                                        scratch_bytes(config, cfg, self.max_len, self.dtype,
-                                                      eager=not getattr(self.model, "_supports_sdpa", True),
-                                                      packs=packed_attention.packs(self.model)))
+        scratch = scratch_bytes(config, cfg, self.max_len, self.dtype,
+                                eager=not getattr(self.model, "_supports_sdpa", True),
+                                packs=packed_attention.packs(self.model))
+        self.placement = plan_placement(cfg, baseline, fixed, lbytes, len(layer_idx), kv, scratch)
+        self.experts = self.expert_placement = None
+        if self.moe and self.placement.resident < len(layer_idx):
+            self.experts = self._expert_pieces()
+            dense = max(sum(round_up(p.nbytes) for p in self.pieces[i]) for i in layer_idx)
+            self.expert_placement = plan_expert_placement(
+                cfg, baseline, fixed, dense, len(layer_idx), kv, scratch,
+                (self.expert_slot, max(m.experts for m in self.moe.values()), len(self.moe)))
+            self.placement = self.expert_placement.placement
         resident = set(layer_idx[: self.placement.resident])
         return resident, [i for i in layer_idx if i not in resident]
+
+    def _expert_pieces(self) -> dict[int, list]:
+        """Take each layer's stacked expert parameters out of its pieces (layer -> those pieces),
+        and size one expert's cache slot."""
+        out, slot = {}, 0
+        for i, moe in self.moe.items():
+            names = set(moe.names())
+            out[i] = [p for p in self.pieces[i] if p.key in names]
+            self.pieces[i] = [p for p in self.pieces[i] if p.key not in names]
+            slot = max(slot, sum(round_up(p.nbytes // moe.experts) for p in out[i]))
+        self.expert_slot = slot
+        return out
 
     def _load_weights(self, model_dir, resident: set[int], streamed: list[int]) -> None:
         """The resident blocks' weights read into RAM, the streamed layers' written once to the store
@@ -139,12 +172,13 @@ class InferenceEngine:
         st = SafetensorsDir(model_dir)
         in_file = model_to_checkpoint(self.model, st.names(), {n for b in self.blocks for n in b.uses},
                                       where=str(model_dir))
+        load_buffers(self.model, st, str(model_dir))
 
         def src(name: str) -> torch.Tensor:
             if name not in in_file:
                 raise ValueError(f"{model_dir}: the checkpoint has no tensor {name!r} that "
                                  f"{type(self.model).__name__} needs; is this the right model directory?")
-            t = st.read(in_file[name])
+            t = read_param(st, in_file[name])
             return self.tp.read(name, t) if self.tp else t
 
         t0 = time.perf_counter()
@@ -153,17 +187,31 @@ class InferenceEngine:
             if b.kind != "layer" or b.index in resident:
                 install_resident(self.pieces[b.index], src)
                 self.resident_bytes += sum(p.nbytes for p in self.pieces[b.index])
-        self.store = self.stream = None
+        self.store = self.stream = self.streamed_experts = None
         self.store_written = 0
+        if streamed or self.experts:
+            self._open_store()
         if streamed:
             self._stream(streamed, src)
+        if self.experts:
+            self._stream_experts(in_file, st)
         st.close()
         self.load_s = time.perf_counter() - t0
         self.streamed_bytes = sum(self.stream.layer_bytes.values()) if self.stream else 0
 
-    def _stream(self, streamed: list[int], src) -> None:
-        """The streamed layers: in the store (written where it does not hold them already), read
-        through a window of prefetch + 1 layers around each one's forward."""
+    def _stream_experts(self, in_file, st) -> None:
+        """The experts of every layer with experts: in the store an expert at a time, read into the
+        expert cache when routed to (tierlm.infer.experts)."""
+        written = write_experts(self.store, self.experts, self.moe, in_file, st, self.dtype)
+        self.store_written += written
+        first = next(iter(self.moe.values()))
+        parts = [(a, self.dtype, tuple(m._parameters[a].shape[1:])) for _, m, attrs in first.modules for a in attrs]
+        names = {(i, a): f"{q}.{a}" for i, moe in self.moe.items() for q, _, attrs in moe.modules for a in attrs}
+        cache = ExpertCache(self.store.store, lambda i, a, e: expert_key(names[(i, a)], e), parts,
+                            self.expert_placement.cache, first.experts, policy=self.cfg.expert_policy)
+        self.streamed_experts = StreamedExperts(cache, {i: self.moe[i].modules for i in self.experts})
+
+    def _open_store(self) -> None:
         cfg = self.cfg
         tp_tag = f"-tp{self.tp.rank}of{self.tp.world}" if self.tp else ""
         root = Path(cfg.nvme_dir or Path("runs") / "infer-store" / f"{self.model_dir.name}-{cfg.weights}-{cfg.dtype}")
@@ -173,11 +221,15 @@ class InferenceEngine:
         layout = f"-{int4_layout()}" if cfg.quant == "int4" else ""
         self.store = PieceStore(root, self.pool, fingerprint(self.model_dir, self.dtype, f"{cfg.quant}{layout}{tp_tag}"),
                                 cfg.io_threads, cfg.direct_io)
+
+    def _stream(self, streamed: list[int], src) -> None:
+        """The streamed layers: in the store (written where it does not hold them already), read
+        through a window of prefetch + 1 layers around each one's forward."""
         for i in streamed:
             for p in self.pieces[i]:
                 p.install(None)
             self.store_written += self.store.ensure(self.pieces[i], src)
-        self.stream = LayerStream(self.store.store, self.pool, {i: self.pieces[i] for i in streamed}, cfg.prefetch)
+        self.stream = LayerStream(self.store.store, self.pool, {i: self.pieces[i] for i in streamed}, self.cfg.prefetch)
         by_index = {b.index: b for b in self.blocks}
         for i in streamed:
             mod = by_index[i].module
@@ -235,6 +287,16 @@ class InferenceEngine:
         emb = sum(p.nbytes for p in self.pieces[self.blocks[0].index])
         return self.resident_bytes - emb + (self.streamed_bytes if self.stream else 0)
 
+    def routed_expert_bytes(self) -> int:
+        """Bytes of the streamed experts the steps so far routed to (computed from RAM: cache hits,
+        and misses once read)."""
+        s = self.streamed_experts.cache.stats if self.streamed_experts else None
+        return s.hit_bytes + s.miss_bytes if s else 0
+
+    def expert_stats(self):
+        """The expert cache's counts (tierlm.infer.experts.ExpertStats), or None."""
+        return self.streamed_experts.cache.stats if self.streamed_experts else None
+
     def ssd_bytes_read(self) -> int:
         return self.store.store.stats.snapshot()["bytes_read"] if self.store else 0
 
@@ -256,7 +318,8 @@ class InferenceEngine:
         w = self.cfg.quant or self.cfg.dtype
         tp = f"tensor-parallel rank {self.tp.rank} of {self.tp.world} (1/{self.tp.world} of each layer); " \
             if self.tp else ""
-        return f"{self.config.model_type}, weights {w}: {tp}{self.placement.describe()}; {self.decode_path()}"
+        where = self.expert_placement.describe() if self.expert_placement else self.placement.describe()
+        return f"{self.config.model_type}, weights {w}: {tp}{where}; {self.decode_path()}"
 
     def close(self) -> None:
         if self.tp:

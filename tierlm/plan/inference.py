@@ -32,6 +32,7 @@ class InferConfig:
     lean: bool = True                # decode steps of llama-family models on tierlm.infer.lean
     fused: bool = True               # ... each layer of them in one C call (tierlm.infer.fused)
     packed: bool = True              # rows of different lengths in one step run unpadded (infer.packed)
+    expert_policy: str = "lfu"       # which streamed experts the expert cache keeps: lfu | lru
 
     def __post_init__(self):
         self.cpu_mem = parse_bytes(self.cpu_mem, "--cpu-mem")

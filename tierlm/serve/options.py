@@ -30,6 +30,9 @@ class EngineOptions:
     max_seq_len: int | None = option(None, help="positions per KV-cache slot")
     step_tokens: int = option(256, help="prompt tokens per forward")
     prefetch: int = option(2, help="streamed layers read ahead")
+    expert_cache: str = option("lfu", choices=("lfu", "lru"),
+                               help="a mixture of experts that does not fit: which streamed experts the expert "
+                                    "cache keeps (lfu: the most often routed to, lru: the most recently)")
     resident_layers: int | None = option(None, help="keep at most this many decoder layers in RAM "
                                                     "(default: as many as fit)")
     tp: int = option(1, help="tensor-parallel processes sharing each layer (run under "

@@ -58,7 +58,33 @@ def report(batcher, engine, requests, rates: dict) -> tuple[list[str], dict]:
                              compute_dtype(engine))
         lines.append(line)
         out[ph] = d
+    experts = engine.expert_stats() if hasattr(engine, "expert_stats") else None
+    if experts is not None:
+        line, out["experts"] = experts_line(experts, s, rates)
+        lines.append(line)
     return lines, out
+
+
+def experts_line(e, s, rates: dict) -> tuple[str, dict]:
+    """The expert cache: its hit rate, the decode phase's bytes per token, and the time per token the
+    bytes alone need (weights and KV from RAM at the memory roofline, then the SSD reads at the SSD
+    one: an expert's read waits for its layer's router, so nothing overlaps it), set against the
+    measured time per token."""
+    d = {**e.to_dict()}
+    tok = s.tokens["decode"]
+    text = f"experts: {e.requests} routed, cache hit rate {100 * e.hit_rate:.1f}%"
+    if tok and s.s["decode"] > 0:
+        ram, ssd = (s.ram["decode"] + s.kv["decode"]) / tok, s.ssd["decode"] / tok
+        d.update(active_bytes_per_token=ram, ssd_bytes_per_token=ssd)
+        text += f"; decode reads {ram / 1e6:.1f} MB a token from RAM and {ssd / 1e6:.1f} MB from the SSD"
+        if rates.get("mem_gbps") and rates.get("ssd_gbps"):
+            t_ram, t_ssd = ram / (rates["mem_gbps"] * 1e9), ssd / (rates["ssd_gbps"] * 1e9)
+            bound, per = t_ram + t_ssd, s.s["decode"] / tok
+            d.update(bound_s=bound, ram_share=t_ram / bound if bound else 0.0, ssd_share=t_ssd / bound if bound else 0.0,
+                     of_bound=bound / per)
+            text += (f"; RAM+SSD bound {1e3 * bound:.2f} ms a token ({100 * d['ram_share']:.0f}% RAM, "
+                     f"{100 * d['ssd_share']:.0f}% SSD), decode at {100 * d['of_bound']:.0f}% of it")
+    return text, d
 
 
 def read_past_the_roofline(out: dict) -> bool:

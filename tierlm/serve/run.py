@@ -27,7 +27,8 @@ def infer_config(args: EngineOptions, max_batch: int, max_seq_len: int | None) -
     return InferConfig(cpu_mem=args.cpu_mem, dtype=dtype, weights=weights, nvme_dir=args.nvme,
                        max_batch=max_batch, max_seq_len=args.max_seq_len or max_seq_len,
                        step_tokens=args.step_tokens, prefetch=args.prefetch,
-                       resident_layers=args.resident_layers, threads=args.threads, tp=args.tp)
+                       resident_layers=args.resident_layers, threads=args.threads, tp=args.tp,
+                       expert_policy=args.expert_cache)
 
 
 def sampling(args) -> SamplingParams:

@@ -1,0 +1,126 @@
+"""A mixture of experts' streamed experts: decode reads only the experts the router picks, through an
+expert cache in RAM, and computes what the resident model computes."""
+import pytest
+import torch
+
+from tierlm.hf.init import init_model
+from tierlm.infer import engine as engine_mod
+from tierlm.infer.engine import InferConfig, InferenceEngine
+from tierlm.infer.experts import ExpertCache, find_moe
+from tierlm.plan.expert_placement import plan_expert_placement
+from tierlm.storage import BudgetError
+
+from ..families import family_config
+
+PROMPTS = [[5, 9, 17, 3, 44, 2, 80], [7, 1, 99]]
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    cfg = family_config("qwen3_moe", vocab_size=300, initializer_range=0.3, num_hidden_layers=3,
+                        num_experts=16, num_experts_per_tok=4)
+    return init_model(tmp_path_factory.mktemp("moe") / "m", cfg, seed=3)
+
+
+def _decode(d, tmp_path, resident, tag, **cfg):
+    """Greedy decode of two rows; (logits of each step, the engine's expert stats, the store keys
+    read, the (layer, expert) pairs the routers picked)."""
+    eng = InferenceEngine(d, InferConfig(cpu_mem="1GiB", dtype="fp32", max_batch=2, max_seq_len=32,
+                                         resident_layers=resident, nvme_dir=str(tmp_path / tag), **cfg),
+                          library_rss=0)
+    read, routed = [], set()
+    try:
+        for i, moe in find_moe(eng.model, eng.blocks).items():
+            for _, mod, _ in moe.modules:
+                def note(m, args, kwargs, i=i):
+                    idx = next(v for v in list(args) + list(kwargs.values())
+                               if isinstance(v, torch.Tensor) and not v.is_floating_point())
+                    routed.update((i, e) for e in idx.unique().tolist())
+                mod.register_forward_pre_hook(note, with_kwargs=True)
+        if eng.store is not None:
+            inner = eng.store.store.read_into
+            eng.store.store.read_into = lambda key, *a, **k: (read.append(key), inner(key, *a, **k))[1]
+        out = [eng.step([list(p) for p in PROMPTS], [0, 0])]
+        for t in range(STEPS):
+            nxt = out[-1].argmax(-1).tolist()
+            out.append(eng.step([[n] for n in nxt], [len(p) + t for p in PROMPTS]))
+        return torch.stack(out), eng.expert_stats(), read, routed, eng
+    finally:
+        eng.close()
+
+
+def test_streamed_experts_compute_what_resident_ones_do_reading_only_routed_experts(moe_dir, tmp_path):
+    ref, none, _, routed_ref, _ = _decode(moe_dir, tmp_path, None, "resident")
+    assert none is None  # it fits: nothing streams
+    got, stats, read, routed, eng = _decode(moe_dir, tmp_path, 0, "streamed")
+    assert eng.expert_placement is not None and eng.placement.resident == 0
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    # the family's eager loop against its grouped product: the same sums within fp32 rounding
+    assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    assert routed == routed_ref
+    # each routed (layer, expert) read once (the cache holds every expert here), and nothing else
+    experts = [k for k in read if "#e" in k]
+    per_expert = len(eng.streamed_experts.cache.parts)
+    assert len(experts) == len(set(experts)) == per_expert * len(routed)
+    names = {(i, f"{q}.{a}") for i, m in eng.moe.items() for q, _, attrs in m.modules for a in attrs}
+    assert {k for k in experts} == {f"{n}#e{e}" for i, n in names for (j, e) in routed if j == i}
+    assert stats.requests == stats.hits + len(routed)
+    assert stats.miss_bytes == len(routed) * eng.streamed_experts.cache.slot_bytes
+
+
+@pytest.mark.parametrize("policy", ["lfu", "lru"])
+def test_a_cache_of_one_layers_experts_evicts_and_computes_the_same(moe_dir, tmp_path, monkeypatch, policy):
+    ref, _, _, _, _ = _decode(moe_dir, tmp_path, None, "resident")
+
+    def one_layer(*a, **k):  # the least cache the placement allows: one layer's experts
+        p = plan_expert_placement(*a, **k)
+        p.cache = p.experts * p.slot_bytes
+        return p
+    monkeypatch.setattr(engine_mod, "plan_expert_placement", one_layer)
+    got, stats, read, routed, eng = _decode(moe_dir, tmp_path, 0, f"small-{policy}", expert_policy=policy)
+    assert eng.streamed_experts.cache.slots == 16
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    assert stats.hits < stats.requests and len([k for k in read if "#e" in k]) > len(routed)
+
+
+class _Store:
+    def __init__(self):
+        self.reads = []
+
+    def read_into(self, key, out, owns_padding=False):
+        from concurrent.futures import Future
+        self.reads.append(key)
+        out.fill_(float(hash(key) % 97))
+        f = Future()
+        f.set_result(out)
+        return f
+
+
+@pytest.mark.parametrize("policy", ["lfu", "lru"])
+def test_the_cache_evicts_by_its_policy_and_never_a_pinned_expert(policy):
+    store = _Store()
+    parts = [("w", torch.float32, (4, 4))]
+    c = ExpertCache(store, lambda i, a, e: f"{i}.{a}#e{e}", parts, capacity=3 * 4096, experts=2, policy=policy)
+    assert c.slots == 3
+    for e in (0, 0, 0, 1):      # expert 0 often, expert 1 once, then 2 most recently
+        c.release(0, list(c.acquire(0, [e])))
+    c.release(0, list(c.acquire(0, [2])))
+    c.acquire(0, [1])            # pinned: in use by this step
+    c.acquire(0, [3])            # a miss with every slot taken: the victim is neither pinned nor ...
+    evicted = {0, 1, 2} - {e for (_, e) in c.where}
+    assert evicted == ({2} if policy == "lfu" else {0})  # ... frequent (lfu) / recent (lru)
+    assert c.views(c.where[(0, 3)])[0].eq(float(hash("0.w#e3") % 97)).all()
+    with pytest.raises(ValueError, match="routes to up to 4"):
+        ExpertCache(store, lambda *a: "", parts, capacity=3 * 4096, experts=4)
+
+
+def test_a_budget_without_room_for_one_layers_experts_is_refused_with_the_fix():
+    cfg = InferConfig(cpu_mem="100MiB")
+    with pytest.raises(BudgetError, match=r"an expert cache of one layer's 128 experts .*Raise --cpu-mem"):
+        plan_expert_placement(cfg, 10 << 20, 10 << 20, 1 << 20, 8, 1 << 20, 1 << 20, (1 << 20, 128, 8))
+    p = plan_expert_placement(InferConfig(cpu_mem="400MiB"), 10 << 20, 10 << 20, 1 << 20, 8, 1 << 20, 1 << 20,
+                              (1 << 20, 128, 8))
+    assert p.placement.resident == 8 and p.placement.window == 0   # dense parts first
+    assert p.slots == (400 - 10 - 10 - 8 - 1 - 1)                  # then the cache, in whole experts

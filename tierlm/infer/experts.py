@@ -1,0 +1,302 @@
+"""A mixture of experts' streamed experts: read from the store only when the router picks them,
+kept in an expert cache in RAM.
+
+transformers builds a mixture of experts' weights as stacked [experts, ...] parameters of an
+experts module (Mixtral's `mlp.experts`), whose forward takes the hidden states and each token's
+chosen experts. Of a streamed layer only what every token needs (attention, norms, router, shared
+experts) streams with the layer; each stacked parameter is stored one expert at a time, and the
+module's forward sees an `ExpertSlices` in its place: indexed by an expert, it gives that expert's
+slice from the cache. A hook before the module's forward reads the step's missing experts (all of
+them at once, in parallel) into cache slots; a hook after it unpins them. The module computes with
+its own code, in the family's own loop over the experts it routed to (transformers' "eager"
+experts implementation, the one that indexes one expert at a time), so a batch reads each routed
+expert once per step whatever the number of its tokens.
+
+Which experts stay is the cache policy's choice (`least recently used` or `least frequently used`,
+counts halved every `decay` requests so that the counts follow a drifting routing); it changes what
+is read, never what is computed: the bits are the same under any policy and any cache size.
+"""
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..storage.aligned import aligned_empty, round_up
+
+POLICIES = ("lfu", "lru")
+
+
+def experts_modules(layer: nn.Module) -> list[tuple[str, nn.Module, list[str]]]:
+    """(name, module, its stacked parameters) of each experts module in a decoder layer: a module
+    transformers' experts implementations dispatch for (`use_experts_implementation`), whose
+    parameters of `num_experts` rows along the first dimension are the experts'."""
+    out = []
+    for name, mod in layer.named_modules():
+        if not (hasattr(mod, "_is_expert_parallel") and isinstance(getattr(mod, "num_experts", None), int)):
+            continue
+        stacked = [a for a, p in mod._parameters.items()
+                   if p is not None and p.dim() >= 2 and p.shape[0] == mod.num_experts]
+        if stacked:
+            out.append((name, mod, stacked))
+    return out
+
+
+@dataclass
+class MoELayer:
+    """A decoder layer's experts modules: (qualified name, module, its stacked parameters)."""
+    modules: list
+    experts: int
+
+    def names(self) -> list[str]:
+        return [f"{q}.{a}" for q, _, attrs in self.modules for a in attrs]
+
+
+def find_moe(model: nn.Module, blocks) -> dict[int, MoELayer]:
+    """block index -> its experts, for each decoder layer that has any."""
+    qual = {id(m): n for n, m in model.named_modules()}
+    out = {}
+    for b in blocks:
+        if b.kind != "layer":
+            continue
+        mods = [(qual[id(m)], m, attrs) for _, m, attrs in experts_modules(b.module)]
+        if mods:
+            out[b.index] = MoELayer(mods, max(m.num_experts for _, m, _ in mods))
+    return out
+
+
+def unrouted_params(moe: dict[int, MoELayer], config) -> int:
+    """Parameters of the experts a token is not routed to (what a token does not multiply): each
+    layer's stacked experts but `experts per token` of them."""
+    from ..hf.fields import get
+
+    k = get(config, "experts_per_token")
+    if not moe or not k:
+        return 0
+    return sum(mod._parameters[a].numel() * (m.experts - k) // m.experts
+               for m in moe.values() for _, mod, attrs in m.modules for a in attrs)
+
+
+def expert_key(name: str, e: int) -> str:
+    """The store key of expert e's slice of stacked parameter `name`."""
+    return f"{name}#e{e}"
+
+
+class ExpertSlices:
+    """Stands for a stacked expert parameter in its module: `[e]` is expert e's slice, installed
+    from the cache for this step (an expert the router did not pick this step is not there)."""
+
+    def __init__(self, name: str, shape: tuple, dtype: torch.dtype):
+        self.name, self.shape, self.dtype = name, torch.Size(shape), dtype
+        self.now: dict[int, torch.Tensor] = {}
+
+    def __getitem__(self, idx) -> torch.Tensor:
+        e = int(idx)
+        t = self.now.get(e)
+        if t is None:
+            raise RuntimeError(f"{self.name}: expert {e} was used but not routed to this step (a tierlm bug: "
+                               "please report it with the model's config.json)")
+        return t
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def size(self, d: int | None = None):
+        return self.shape if d is None else self.shape[d]
+
+
+@dataclass
+class ExpertStats:
+    requests: int = 0          # (layer, expert) reads the steps asked for
+    hits: int = 0              # ... found in the cache
+    hit_bytes: int = 0
+    miss_bytes: int = 0
+    tokens: int = 0            # tokens the streamed experts modules ran
+    stall_s: float = 0.0       # waiting for misses
+    per_layer: dict = field(default_factory=dict)  # layer -> [requests, hits]
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.requests if self.requests else 0.0
+
+    def to_dict(self) -> dict:
+        return {"requests": self.requests, "hits": self.hits, "hit_rate": round(self.hit_rate, 4),
+                "hit_bytes": self.hit_bytes, "miss_bytes": self.miss_bytes, "tokens": self.tokens,
+                "stall_s": round(self.stall_s, 3)}
+
+
+class ExpertCache:
+    """Slots of one expert's every stacked parameter (all experts of a model are the same size),
+    in one buffer of `capacity` bytes; at least one layer's experts fit (a prefill step may route
+    to all of them)."""
+
+    def __init__(self, store, key_of, parts: list[tuple[str, torch.dtype, tuple]], capacity: int,
+                 experts: int, policy: str = "lfu", decay: int = 4096):
+        if policy not in POLICIES:
+            raise ValueError(f"expert cache policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        self.store, self.key_of, self.parts = store, key_of, parts
+        self.sizes = [round_up(torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size())
+                      for _, dt, shape in parts]
+        self.slot_bytes = sum(self.sizes)
+        self.slots = int(capacity // self.slot_bytes)
+        if self.slots < experts:
+            raise ValueError(f"the expert cache holds {self.slots} experts; one layer routes to up to {experts}")
+        self.buf = aligned_empty(self.slots * self.slot_bytes)
+        self.free = list(range(self.slots - 1, -1, -1))
+        self.where: dict[tuple[int, int], int] = {}      # (layer, expert) -> slot
+        self.pinned: set[tuple[int, int]] = set()
+        self.policy, self.decay = policy, decay
+        self.count: dict[tuple[int, int], float] = {}    # lfu: requests (halved every `decay`)
+        self.last: dict[tuple[int, int], int] = {}       # lru: the request clock at its last use
+        self.clock = 0
+        self.stats = ExpertStats()
+
+    def views(self, slot: int) -> list[torch.Tensor]:
+        out, off = [], slot * self.slot_bytes
+        for (_, dt, shape), size in zip(self.parts, self.sizes):
+            n = torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()
+            out.append(self.buf[off: off + n].view(dt).view(shape))
+            off += size
+        return out
+
+    def _victim(self) -> tuple[int, int]:
+        cands = [k for k in self.where if k not in self.pinned]
+        if self.policy == "lru":
+            return min(cands, key=lambda k: self.last[k])
+        return min(cands, key=lambda k: (self.count.get(k, 0.0), self.last[k]))
+
+    def _note(self, k: tuple[int, int]) -> None:
+        self.clock += 1
+        self.last[k] = self.clock
+        self.count[k] = self.count.get(k, 0.0) + 1
+        if self.policy == "lfu" and self.clock % self.decay == 0:
+            self.count = {key: c / 2 for key, c in self.count.items()}
+
+    def acquire(self, layer: int, experts: list[int]) -> dict[int, list[torch.Tensor]]:
+        """Each expert's parameter slices (in `parts` order), read where missing; pinned until
+        `release`."""
+        got, futs = {}, []
+        st = self.stats
+        lay = st.per_layer.setdefault(layer, [0, 0])
+        for e in experts:
+            k = (layer, e)
+            self._note(k)
+            st.requests += 1
+            lay[0] += 1
+            slot = self.where.get(k)
+            if slot is not None:
+                st.hits += 1
+                lay[1] += 1
+                st.hit_bytes += self.slot_bytes
+            else:
+                slot = self.free.pop() if self.free else self.where.pop(self._victim())
+                self.where[k] = slot
+                st.miss_bytes += self.slot_bytes
+                for (name, _, _), t in zip(self.parts, self.views(slot)):
+                    futs.append(self.store.read_into(self.key_of(layer, name, e), t, owns_padding=True))
+            self.pinned.add(k)
+            got[e] = self.views(slot)
+        t0 = time.perf_counter()
+        try:
+            for f in futs:
+                f.result()
+        except BaseException:
+            for e in experts:  # a failed read leaves no slot that claims to hold an expert
+                if (layer, e) in self.where and futs:
+                    self.free.append(self.where.pop((layer, e)))
+                self.pinned.discard((layer, e))
+            raise
+        st.stall_s += time.perf_counter() - t0
+        return got
+
+    def release(self, layer: int, experts: list[int]) -> None:
+        for e in experts:
+            self.pinned.discard((layer, e))
+
+
+def _routed(args, kwargs, experts: int) -> torch.Tensor:
+    """The experts a module's call routes to: its first integer tensor argument (the top-k indices:
+    Mixtral's `top_k_index`, GPT-OSS's `router_indices`)."""
+    for v in list(args) + list(kwargs.values()):
+        if isinstance(v, torch.Tensor) and not v.is_floating_point() and v.dtype != torch.bool:
+            return v
+    raise RuntimeError(f"the experts module was called without the indices of its {experts} experts")
+
+
+class StreamedExperts:
+    """The experts modules of the streamed layers, computing from an `ExpertCache`."""
+
+    def __init__(self, cache: ExpertCache, layers: dict[int, list[tuple[str, nn.Module, list[str]]]]):
+        self.cache = cache
+        self.handles = []
+        for i, mods in layers.items():
+            for mod_name, mod, names in mods:
+                self._install(i, mod, names)
+
+    def _install(self, layer: int, mod: nn.Module, names: list[str]) -> None:
+        slices = []
+        for a in names:
+            p = mod._parameters[a]
+            s = ExpertSlices(a, tuple(p.shape), p.dtype)
+            mod._parameters[a] = s
+            slices.append(s)
+        # the family's own loop over its routed experts, one expert's slice at a time
+        mod.config = copy.copy(mod.config)
+        mod.config._experts_implementation = "eager"
+        names_in_cache = [name for name, _, _ in self.cache.parts]
+        order = [names_in_cache.index(a) for a in names]
+        state: dict = {}
+
+        def before(m, args, kwargs):
+            idx = _routed(args, kwargs, m.num_experts)
+            used = [e for e in torch.unique(idx).tolist() if 0 <= e < m.num_experts]
+            got = self.cache.acquire(layer, used)
+            for s, j in zip(slices, order):
+                s.now = {e: views[j] for e, views in got.items()}
+            state["used"] = used
+            self.cache.stats.tokens += int(idx.shape[0]) if idx.dim() > 1 else 1
+
+        def after(m, args, kwargs, out):
+            for s in slices:
+                s.now = {}
+            self.cache.release(layer, state.pop("used", []))
+
+        self.handles.append(mod.register_forward_pre_hook(before, with_kwargs=True))
+        self.handles.append(mod.register_forward_hook(after, with_kwargs=True))
+
+
+def write_experts(store, pieces: dict[int, list], moe: dict[int, MoELayer], in_file, st, dtype) -> int:
+    """Write each layer's stacked expert parameters to the PieceStore an expert at a time (where
+    the store lacks them), each slice made from that expert's own file tensors; returns bytes
+    written."""
+    from ..hf.stacked import Stacked, read_param
+    from .weights import Piece
+
+    written = 0
+    for i, ps in pieces.items():
+        for p in ps:
+            entry = in_file.get(p.key)
+            if entry is None:
+                raise ValueError(f"the checkpoint has no tensor {p.key!r} that the model needs; is this the "
+                                 "right model directory?")
+            whole = None
+
+            def make(src, e, entry=entry):
+                nonlocal whole
+                if isinstance(entry, Stacked):
+                    return entry.expert(st.read, e)[0].to(dtype).contiguous()
+                if whole is None:  # one file tensor of every expert: read once, sliced
+                    whole = read_param(st, entry)
+                return whole[e].to(dtype).contiguous()
+
+            keys = [Piece(expert_key(p.key, e), [], p.nbytes // moe[i].experts,
+                          lambda src, e=e, make=make: make(src, e)) for e in range(moe[i].experts)]
+            written += store.ensure(keys, None)
+    return written
