@@ -168,3 +168,39 @@ def test_every_family_has_a_tiny_model_and_takes_overrides(arch):
     with torch.device("meta"):
         AutoModelForCausalLM.from_config(big)  # consistent shapes: the model builds
     assert not any(v for k, v in big.to_dict().items() if isinstance(v, float) and "dropout" in k)
+
+
+# Mixtures of experts: published (total, active a token) parameters, billions; DeepSeek-V3's without its
+# multi-token-prediction layer (transformers does not build it).
+MOE_CARDS = {"mixtral-8x7b": (46.7, 12.9), "qwen3-30b-a3b": (30.5, 3.3), "qwen3-235b-a22b": (235.0, 22.0),
+             "deepseek-v3": (671.0, 37.0)}
+
+
+@pytest.mark.parametrize("name", sorted(MOE_CARDS))
+def test_moe_presets_have_published_total_and_active_sizes(name):
+    """Counted on the model transformers builds (meta): all parameters, and those a token goes
+    through (each stacked expert parameter scaled by top_k / experts); the planner's shape agrees."""
+    from tierlm.plan.shapes import shape_of
+    c = make_config(preset=name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(c)
+    k = c.num_experts_per_tok
+    total = sum(p.numel() for p in model.parameters())
+    active = sum(p.numel() * k // p.shape[0] if ".experts." in n else p.numel() for n, p in model.named_parameters())
+    want_total, want_active = MOE_CARDS[name]
+    assert abs(total / 1e9 - want_total) / want_total < 0.03, total
+    assert abs(active / 1e9 - want_active) / want_active < 0.03, active
+    s = shape_of(c, name, "test")
+    assert (s.params, s.active_params) == (total, active)
+
+
+def test_deepseek_v3_preset_has_its_latent_attention_and_dense_first_layers():
+    c = make_config(preset="deepseek-v3")
+    assert (c.q_lora_rank, c.kv_lora_rank, c.qk_rope_head_dim, c.qk_nope_head_dim, c.v_head_dim) == \
+        (1536, 512, 64, 128, 128)
+    assert (c.n_group, c.topk_group, c.first_k_dense_replace, c.n_shared_experts, c.n_routed_experts) == \
+        (8, 4, 3, 1, 256)
+    assert (c.num_hidden_layers, c.hidden_size, c.vocab_size, c.moe_intermediate_size, c.intermediate_size) == \
+        (61, 7168, 129280, 2048, 18432)
+    m = make_config(preset="mixtral-8x7b")
+    assert (m.num_local_experts, m.num_experts_per_tok, m.num_key_value_heads) == (8, 2, 8)

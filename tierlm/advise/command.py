@@ -188,7 +188,7 @@ def _train_probe(config, shape, task: Task, hw: Hardware, nvme: str | None, thre
     # large-GEMM rate where there is none), per step, plus building it and writing its first state.
     r = C.rates(hw, C.Efficiency(), precision)
     rate = r.layer_rate(shape.hidden, T) or r.cpu_flops or 1e11
-    per = 6.0 * T * (model_step.ENGINE_PROBE_LAYERS * shape.layer_params + shape.vocab * shape.hidden)
+    per = 6.0 * T * (model_step.ENGINE_PROBE_LAYERS * shape.active_layer_params + shape.vocab * shape.hidden)
     est = per * model_step.ENGINE_PROBE_STEPS / rate + 5
     what = (f"this model's own training step through the engine ({config.model_type} code, "
             f"{model_step.ENGINE_PROBE_LAYERS} of its layers, {T} tokens in rows of {seq}, {precision}, {threads} "

@@ -23,8 +23,15 @@ def _usd(x: float | None) -> str:
 
 def text(p: Plan) -> str:
     m, t = p.model, p.task
-    lines = [f"{m['name']} ({m['params'] / 1e9:,.2f}B parameters, {m['layers']} layers) — {t['kind']} on "
+    moe = m.get("moe")
+    size = (f"{m['params'] / 1e9:,.2f}B parameters, {moe['active_params'] / 1e9:,.2f}B active a token" if moe
+            else f"{m['params'] / 1e9:,.2f}B parameters")
+    lines = [f"{m['name']} ({size}, {m['layers']} layers) — {t['kind']} on "
              f"{p.hardware['spec']}: {p.hardware['describe']}"]
+    if moe:
+        lines.append(f"  mixture of experts: {moe['top_k']} of {moe['experts']} experts a token in {moe['moe_layers']} "
+                     f"layers, an expert {moe['expert_params'] / 1e6:,.1f}M parameters; dense part "
+                     f"{moe['dense_params'] / 1e9:,.2f}B, routed experts {moe['routed_params'] / 1e9:,.2f}B")
     if t["kind"] == "finetune":
         lines.append(f"  batch {t['batch']} x seq {t['seq_len']} = {p.extra.get('tokens_per_step', 0):,} tokens/step, "
                      f"precision {t['precision']}, activations {t['activations']}")
@@ -50,6 +57,8 @@ def text(p: Plan) -> str:
             f"{k} {v['value']} ({v['why']})" for k, v in p.settings.items() if k in ("prefetch", "shard_elems", "io_threads")))
     if p.step_s is None:
         return "\n".join(lines)
+    if "moe" in p.extra and t["kind"] == "serve":
+        lines += _moe_decode_lines(p.extra["moe"])
     label = "per step" if t["kind"] == "finetune" else "per decode step"
     lines.append(f"  time {label} by resource (overlapped; the busiest binds):")
     for k, v in p.resources_s.items():
@@ -70,6 +79,22 @@ def text(p: Plan) -> str:
                  + (f" ({c['note']})" if c.get("note") else ""))
     lines.append("  assumptions: " + "; ".join(p.assumptions))
     return "\n".join(lines)
+
+
+def _moe_decode_lines(e: dict) -> list[str]:
+    """A mixture of experts' decode: bytes a token reads, the expert cache, the bound by source."""
+    held = ", ".join(f"{k} {v:,}" for k, v in e["experts_held"].items() if v)
+    out = [f"  experts: a token reads {fmt_bytes(e['active_bytes_per_token'])} (the dense part and "
+           f"{e['top_k']} experts a layer; a step of all rows reads {fmt_bytes(e['routed_bytes_per_step'])} of "
+           f"experts), an expert {fmt_bytes(e['expert_bytes'])}; experts held: {held}; hit rate "
+           f"{e['hit_rate']:.0%} (uniform routing assumed)"]
+    b = e.get("bound")
+    if b:
+        sh = b["shares"]
+        out.append(f"  decode bound (reads and compute added, no overlap): {_t(b['total_s'])}/step = RAM (dense "
+                   f"part, cache hits) {_t(b['ram_s'])} ({sh['ram']:.0%}) + SSD (misses) {_t(b['ssd_s'])} "
+                   f"({sh['ssd']:.0%}) + compute {_t(b['compute_s'])} ({sh['compute']:.0%})")
+    return out
 
 
 def write_json(obj, path: str | Path) -> None:

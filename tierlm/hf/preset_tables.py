@@ -99,6 +99,11 @@ _GEMMA2 = dict(vocab_size=256000, max_position_embeddings=8192, head_dim=256, sl
 _GEMMA3 = dict(head_dim=256, query_pre_attn_scalar=256, hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6,
                tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0, dtype="bfloat16")
 
+_QWEN3_MOE = dict(vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6, head_dim=128,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, hidden_act="silu",
+                  num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+                  mlp_only_layers=[], router_aux_loss_coef=0.001, tie_word_embeddings=False,
+                  bos_token_id=151643, eos_token_id=151645, attention_bias=False, dtype="bfloat16")
 # Shapes from each model's published config.json (the fields that set its shape and arithmetic).
 NATIVE_PRESETS: dict[str, NativePreset] = {
     "qwen3-0.6b": NativePreset("qwen3", "Qwen/Qwen3-0.6B", dict(
@@ -150,6 +155,32 @@ NATIVE_PRESETS: dict[str, NativePreset] = {
         intermediate_size=1536, vocab_size=49152, max_position_embeddings=8192, rms_norm_eps=1e-5,
         rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, tie_word_embeddings=True,
         bos_token_id=0, eos_token_id=0, dtype="bfloat16")),
+    # Mixtures of experts: shapes for planning (`tierlm plan`), too large to build on a small machine.
+    # Published totals: Mixtral-8x7B 46.7B (12.9B active a token), Qwen3-30B-A3B 30.5B (3.3B),
+    # Qwen3-235B-A22B 235B (22B), DeepSeek-V3 671B (37B) without its multi-token-prediction layer,
+    # which transformers does not build (tests/hf/test_presets.py checks each against its preset).
+    "mixtral-8x7b": NativePreset("mixtral", "mistralai/Mixtral-8x7B-v0.1", dict(
+        num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+        intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
+        max_position_embeddings=32768, sliding_window=None, rms_norm_eps=1e-5, router_aux_loss_coef=0.02,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, dtype="bfloat16")),
+    "qwen3-30b-a3b": NativePreset("qwen3_moe", "Qwen/Qwen3-30B-A3B", dict(
+        _QWEN3_MOE, num_hidden_layers=48, hidden_size=2048, num_attention_heads=32, num_key_value_heads=4,
+        intermediate_size=6144, moe_intermediate_size=768)),
+    "qwen3-235b-a22b": NativePreset("qwen3_moe", "Qwen/Qwen3-235B-A22B", dict(
+        _QWEN3_MOE, num_hidden_layers=94, hidden_size=4096, num_attention_heads=64, num_key_value_heads=4,
+        intermediate_size=12288, moe_intermediate_size=1536)),
+    "deepseek-v3": NativePreset("deepseek_v3", "deepseek-ai/DeepSeek-V3", dict(
+        num_hidden_layers=61, hidden_size=7168, num_attention_heads=128, num_key_value_heads=128,
+        intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=256, num_experts_per_tok=8,
+        n_shared_experts=1, first_k_dense_replace=3, n_group=8, topk_group=4, routed_scaling_factor=2.5,
+        norm_topk_prob=True, q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+        v_head_dim=128, vocab_size=129280, max_position_embeddings=163840, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "original_max_position_embeddings": 4096},
+        tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, dtype="bfloat16")),
 }
 
 # What `arch` alone means: a model small enough for unit tests, with GQA where the arch has it.

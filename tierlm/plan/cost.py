@@ -201,13 +201,15 @@ def attention_fwd_flops(s: ModelShape, context: float, tokens: float) -> float:
 
 def train_flops(s: ModelShape, tokens: int, seq_len: int) -> float:
     """Model FLOPs of one forward + backward: 6 x (matmul parameters) x tokens, plus attention x 3.
-    The input embedding is a lookup and costs nothing; recomputation is added by the planner."""
+    The input embedding is a lookup and costs nothing; recomputation is added by the planner. A
+    mixture of experts multiplies by its active parameters (ModelShape.matmul_params), not all."""
     return 6.0 * s.matmul_params * tokens + 3 * attention_fwd_flops(s, seq_len / 2, tokens)
 
 
 def layer_fwd_flops(s: ModelShape, tokens: int, seq_len: int) -> float:
-    """One decoder layer's forward: what recomputing it costs."""
-    return 2.0 * s.layer_params * tokens + attention_fwd_flops(s, seq_len / 2, tokens) / s.layers
+    """One decoder layer's forward: what recomputing it costs (a mixture of experts: the experts a
+    token is routed to)."""
+    return 2.0 * s.active_layer_params * tokens + attention_fwd_flops(s, seq_len / 2, tokens) / s.layers
 
 
 # ---- activation and working-set bytes --------------------------------------------------------------

@@ -70,6 +70,20 @@ def finetune(p: Plan, s: ModelShape, hw: Hardware, task: Task, r: C.Rates) -> No
                      "recomputed": n_rec, "policy": task.activations}
     p.placement = _placement(s, r, room, acts, resident, split)
     _record_step(p, s, task, room.T, times, resident)
+    if s.moe is not None:
+        _moe_assumption(p, s)
+
+
+def _moe_assumption(p: Plan, s: ModelShape) -> None:
+    """A mixture of experts: compute from the parameters a token goes through, bytes from all."""
+    m = s.moe
+    p.extra["moe"] = {**m.to_json(), "flops_params": s.matmul_params}
+    p.assumptions.append(
+        f"mixture of experts: FLOPs from the {m.active_params / 1e9:,.2f}B parameters a token goes through (6 x "
+        f"active x tokens: the dense part and {m.top_k} of {m.experts} experts in each of {m.moe_layers} layers); "
+        f"weights, gradients and optimizer state of all {m.total_params / 1e9:,.2f}B parameters are read and "
+        f"written every step, because transformers stacks a layer's experts into one tensor, so each step "
+        f"updates every expert (one no token picked has a zero gradient; its state is still read, updated and written)")
 
 
 def _room(p: Plan, s: ModelShape, hw: Hardware, task: Task, r: C.Rates) -> _Room:

@@ -9,6 +9,7 @@ from ..units import fmt_bytes
 from . import cost as C
 from .catalog import Hardware
 from .inference import InferConfig, plan_placement, scratch_bytes
+from .moe import MoeBytes, moe_bytes, moe_decode_bound, tier_reads
 from .pipeline import combine, unhidden
 from .records import Plan, Task, usable_ram
 from .shapes import ModelShape
@@ -26,6 +27,9 @@ class _Sizes(NamedTuple):
     ram: int          # RAM the run may use
     scratch: int      # the prefill's transients, inference only (no gradients)
     kv_on_gpu: bool   # the KV cache and the prefill's transients fit in GPU memory
+    read: float       # bytes a decode step reads: all the weights (a mixture of experts: those routed to)
+    layers_read: float  # of which the decoder layers'
+    moe: MoeBytes | None = None  # a mixture of experts' bytes
 
 
 def serve(p: Plan, s: ModelShape, hw: Hardware, task: Task, r: C.Rates) -> None:
@@ -33,7 +37,9 @@ def serve(p: Plan, s: ModelShape, hw: Hardware, task: Task, r: C.Rates) -> None:
     prefill, or the problem where none fits."""
     _decode_assumptions(p, hw, r, task)
     sizes = _sizes(s, hw, task, r)
-    engine_resident = _infer_resident_layers(s, task, p) if hw.measured is not None and task.cpu_mem else None
+    # a mixture of experts is placed as dense parts first and an expert cache (tier_reads), not in whole layers
+    engine_resident = (_infer_resident_layers(s, task, p) if hw.measured is not None and task.cpu_mem
+                       and s.moe is None else None)
     best = None
     for site, on_gpu in _sites(hw, r, sizes):
         cand = _option(s, hw, r, task, sizes, site, on_gpu, engine_resident)
@@ -44,7 +50,7 @@ def serve(p: Plan, s: ModelShape, hw: Hardware, task: Task, r: C.Rates) -> None:
                           f"{fmt_bytes(sizes.ram)} of usable RAM and there is no NVMe to stream from; add RAM or drives")
         p.fits = False
         return
-    _record(p, r, task, sizes.kv, best)
+    _record(p, s, r, task, sizes, best)
 
 
 def _decode_assumptions(p: Plan, hw: Hardware, r: C.Rates, task: Task) -> None:
@@ -64,7 +70,13 @@ def _sizes(s: ModelShape, hw: Hardware, task: Task, r: C.Rates) -> _Sizes:
     kv = task.batch * (task.seq_len + task.new_tokens) * C.kv_bytes_per_token(s)
     scratch = C.compute_working_bytes(s, task.batch * task.seq_len) // 4
     kv_on_gpu = hw.gpu is not None and kv + scratch <= r.gpu_bytes
-    return _Sizes(layer_w, s.layers * layer_w + fixed_w, kv, usable_ram(hw, task), scratch, kv_on_gpu)
+    W, layers_w = s.layers * layer_w + fixed_w, s.layers * layer_w
+    if s.moe is None:
+        return _Sizes(layer_w, W, kv, usable_ram(hw, task), scratch, kv_on_gpu, W, layers_w)
+    # a step of `batch` rows reads the experts its tokens are routed to, each once
+    b = moe_bytes(s.moe, W, C.weight_bytes_per_param(task.weights, s.hidden), task.batch)
+    return _Sizes(layer_w, W, kv, usable_ram(hw, task), scratch, kv_on_gpu, b.dense + b.routed_read,
+                  layers_w - b.routed + b.routed_read, b)
 
 
 def _sites(hw: Hardware, r: C.Rates, sizes: _Sizes) -> list[tuple[str, int]]:
@@ -82,7 +94,8 @@ def _option(s: ModelShape, hw: Hardware, r: C.Rates, task: Task, sizes: _Sizes, 
             engine_resident: int | None) -> dict | None:
     """One site's weights by tier, decode step, prefill and request time; None where it does not fit."""
     kv_where = "gpu" if site == "gpu" and sizes.kv_on_gpu else "ram"
-    ram_for_w = max(0, sizes.ram - (sizes.kv if kv_where == "ram" else 0))
+    ram_for_w = max(0, sizes.ram - (sizes.kv if kv_where == "ram" else 0)
+                    - (sizes.scratch if sizes.moe is not None else 0))  # an expert cache has what the rest leaves
     in_ram = min(sizes.W - on_gpu, ram_for_w)
     if engine_resident is not None and site == "cpu":
         # The inference engine's own placement under --cpu-mem: whole layers, after its window.
@@ -91,7 +104,8 @@ def _option(s: ModelShape, hw: Hardware, r: C.Rates, task: Task, sizes: _Sizes, 
     if (from_ssd and not hw.drive) or (kv_where == "ram" and sizes.kv > sizes.ram):
         return None
     weights = {"gpu": on_gpu, "ram": in_ram, "nvme": from_ssd}
-    res, devices = _decode_times(s, r, task, sizes, site, weights, kv_where)
+    tiers = tier_reads(weights, sizes.moe, s.moe.all_experts) if sizes.moe is not None else None
+    res, devices = _decode_times(s, r, task, sizes, site, tiers.reads if tiers else weights, kv_where)
     binding, step = combine(devices, s.layers)
     if site == "cpu":
         step += unhidden(r, devices, res)
@@ -100,15 +114,16 @@ def _option(s: ModelShape, hw: Hardware, r: C.Rates, task: Task, sizes: _Sizes, 
     prefill = _prefill(s, hw, r, task.batch, task.seq_len, on_gpu, in_ram, from_ssd)
     total = prefill + task.new_tokens * step
     return dict(site=site, weights=weights, kv_where=kv_where, res=res, devices=devices, binding=binding,
-                step=step, prefill=prefill, total=total)
+                step=step, prefill=prefill, total=total, tiers=tiers)
 
 
 def _decode_times(s: ModelShape, r: C.Rates, task: Task, sizes: _Sizes, site: str, weights: dict,
                   kv_where: str) -> tuple[dict, dict]:
-    """One decode step's seconds per resource, and per device, with the weights where `weights` has them."""
+    """One decode step's seconds per resource, and per device, with the bytes it reads where `weights`
+    has them."""
     B, Sp, N = task.batch, task.seq_len, task.new_tokens
-    W, kv, on_gpu, in_ram, from_ssd = sizes.W, sizes.kv, weights["gpu"], weights["ram"], weights["nvme"]
-    flops_tok = 2.0 * s.matmul_params * B + C.attention_fwd_flops(s, Sp + N / 2, B)
+    W, kv, on_gpu, in_ram, from_ssd = sizes.read, sizes.kv, weights["gpu"], weights["ram"], weights["nvme"]
+    flops_tok = _step_flops(s, task)
     comp = r.compute_flops if site == "gpu" else r.cpu_flops
     t_comp = flops_tok / comp
     if site == "cpu" and r.gemv:
@@ -116,7 +131,7 @@ def _decode_times(s: ModelShape, r: C.Rates, task: Task, sizes: _Sizes, site: st
         # format (bench compute's decode step), the head at the bf16 one; more rows of a batch
         # add at the large-GEMM rate.
         rate = (r.decode or {}).get(task.weights) or r.gemv
-        t_comp = s.layers * sizes.layer_w / rate + s.vocab * s.hidden * C.W_BYTES / r.gemv \
+        t_comp = sizes.layers_read / rate + s.vocab * s.hidden * C.W_BYTES / r.gemv \
             + (B - 1) * flops_tok / B / comp
     # The measured decode step reads its weights from RAM (256 MiB, past the caches): that rate
     # is already the memory's for those bytes. Counting them again at bench io's copy rate (read
@@ -133,6 +148,12 @@ def _decode_times(s: ModelShape, r: C.Rates, task: Task, sizes: _Sizes, site: st
     return res, devices
 
 
+def _step_flops(s: ModelShape, task: Task) -> float:
+    """A decode step's FLOPs: every row's token through the parameters it multiplies by (a mixture
+    of experts: those it is routed to) and its attention over the prompt and half the new tokens."""
+    return 2.0 * s.matmul_params * task.batch + C.attention_fwd_flops(s, task.seq_len + task.new_tokens / 2, task.batch)
+
+
 def _decode_overhead(s: ModelShape, r: C.Rates, engine_resident: int | None, res: dict) -> float:
     """The engine's fixed costs of a decode step, measured (bench compute): per step, and per
     layer resident or streamed (a streamed layer also waits on its read's hand-off). Recorded in `res`."""
@@ -142,13 +163,14 @@ def _decode_overhead(s: ModelShape, r: C.Rates, engine_resident: int | None, res
     return res["overhead"]
 
 
-def _record(p: Plan, r: C.Rates, task: Task, kv: int, best: dict) -> None:
+def _record(p: Plan, s: ModelShape, r: C.Rates, task: Task, sizes: _Sizes, best: dict) -> None:
     """The chosen site's placement, times and request figures into `p`."""
     B, N = task.batch, task.new_tokens
     if best["weights"]["nvme"] > r.nvme_bytes:
         p.problems.append(f"NVMe capacity: {fmt_bytes(best['weights']['nvme'])} of weights on drives of "
                           f"{fmt_bytes(r.nvme_bytes)}; add drives")
     p.fits = not p.problems
+    kv = sizes.kv
     p.placement = {"weights": best["weights"], "kv_cache": {best["kv_where"]: kv}, "compute": best["site"]}
     p.resources_s, p.devices_s, p.binding = best["res"], best["devices"], best["binding"]
     p.step_s = best["step"]
@@ -156,6 +178,28 @@ def _record(p: Plan, r: C.Rates, task: Task, kv: int, best: dict) -> None:
     p.extra = {"decode_tokens_per_s": B / best["step"], "prefill_s": best["prefill"],
                "request_s": best["total"], "ttft_s": best["prefill"] + best["step"],
                "generated_tokens": B * N, "kv_cache_bytes": kv}
+    if best["tiers"] is not None:
+        p.extra["moe"] = _moe_record(s, r, task, sizes, best)
+        p.assumptions.append(
+            "mixture of experts: routing taken as uniform and independent between tokens and layers, so the expert "
+            "cache's hit rate is the share of all experts it holds, min(1, cached / all) (an assumption: real "
+            "routing is skewed, and a cache of the experts picked most hits more); a step of several rows reads "
+            "E·(1 − (1 − k/E)^rows) distinct experts a layer")
+
+
+def _moe_record(s: ModelShape, r: C.Rates, task: Task, sizes: _Sizes, best: dict) -> dict:
+    """A mixture of experts' decode: its active bytes, the experts each tier holds, the hit rate
+    assumed and, computing on the CPU, the decode bound (moe.moe_decode_bound) split by source."""
+    b, t, m = sizes.moe, best["tiers"], s.moe
+    out = {"total_params": m.total_params, "active_params": m.active_params, "experts": m.experts,
+           "top_k": m.top_k, "moe_layers": m.moe_layers, "expert_bytes": b.expert,
+           "active_bytes_per_token": b.active_token, "routed_bytes_per_step": b.routed_read,
+           "experts_held": t.experts, "hit_rate": t.shares["ram"] + t.shares["gpu"], "bound": None}
+    if best["site"] == "cpu" and r.dram:
+        bound = moe_decode_bound(t.dense["ram"], b.routed_read, t.shares["ram"], r.dram, r.ssd_read,
+                                 _step_flops(s, task) / r.cpu_flops, dense_ssd_bytes=t.dense["nvme"])
+        out["bound"] = {**bound._asdict(), "total_s": bound.total_s, "shares": bound.shares()}
+    return out
 
 
 def _infer_resident_layers(s: ModelShape, task: Task, p: Plan) -> int | None:

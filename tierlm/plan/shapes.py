@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ..hf.fields import get, head_dim as head_dim_of
+from .moe import EXPERT_FIELDS, TOP_K_FIELDS, MoeShape, experts_in_config, experts_per_token, moe_shape
 
 # Shapes of models the planner is asked about that tierlm has no `init` preset for (planning only).
 PLAN_SHAPES = {
@@ -41,7 +42,7 @@ class ModelShape:
     params: int              # unique parameters (tied embeddings once)
     embed_params: int        # input embeddings (token + learned positions): lookups, no FLOPs
     head_params: int         # final norm + output projection when it is its own matrix
-    layer_params: int        # one decoder layer (all layers have the same shape)
+    layer_params: int        # one decoder layer (a mixture of experts' layers may differ: their mean)
     layers: int
     hidden: int
     intermediate: int
@@ -50,6 +51,20 @@ class ModelShape:
     head_dim: int
     vocab: int
     gated_mlp: bool          # SwiGLU-style (three matrices) rather than two
+    moe: MoeShape | None = None  # a mixture of experts' routed experts (moe.py); None for a dense model
+
+    @property
+    def active_params(self) -> int:
+        """Parameters a token goes through: all of them, but for a mixture of experts only its routed
+        experts' top_k a layer."""
+        return self.moe.active_params if self.moe else self.params
+
+    @property
+    def active_layer_params(self) -> float:
+        """One decoder layer's parameters a token goes through (a mixture of experts: their mean)."""
+        if self.moe is None:
+            return self.layer_params
+        return (self.active_params - self.embed_params - self.head_params) / self.layers
 
     @property
     def q_dim(self) -> int:
@@ -61,11 +76,17 @@ class ModelShape:
 
     @property
     def matmul_params(self) -> int:
-        """Parameters a token multiplies by: every layer, plus the output projection (tied or not)."""
+        """Parameters a token multiplies by: every layer (a mixture of experts: the experts it is
+        routed to), plus the output projection (tied or not)."""
+        if self.moe is not None:
+            return self.active_params - self.embed_params - self.head_params + self.vocab * self.hidden
         return self.layers * self.layer_params + self.vocab * self.hidden
 
     def to_json(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        if self.moe is not None:  # with its derived counts (active, dense, routed)
+            out["moe"] = self.moe.to_json()
+        return out
 
 
 def shape_of(config, model_name: str, source: str) -> ModelShape:
@@ -75,7 +96,7 @@ def shape_of(config, model_name: str, source: str) -> ModelShape:
     n = get(config, "layers")
     layers_name = next(name for name, mod in m.named_modules()
                        if isinstance(mod, torch.nn.ModuleList) and len(mod) == n)
-    per_layer = [0] * n
+    per_layer, routed, stacked = [0] * n, [0] * n, set()
     embed = head = 0
     seen: set[int] = set()
     embeddings = {id(mod.weight) for mod in m.modules() if isinstance(mod, torch.nn.Embedding)}
@@ -86,6 +107,9 @@ def shape_of(config, model_name: str, source: str) -> ModelShape:
         hit = re.match(re.escape(layers_name) + r"\.(\d+)\.", name)
         if hit:
             per_layer[int(hit.group(1))] += p.numel()
+            if ".experts." in name[hit.end() - 1:]:  # a routed expert's weights (not shared_experts)
+                routed[int(hit.group(1))] += p.numel()
+                stacked.add(p.shape[0])
         elif id(p) in embeddings:
             embed += p.numel()
         else:
@@ -93,13 +117,28 @@ def shape_of(config, model_name: str, source: str) -> ModelShape:
     # a gated MLP (SwiGLU, GeGLU) multiplies three matrices, whatever the family calls them
     gated = any("gate" in name for name, _ in m.get_submodule(layers_name)[0].named_modules())
     del m
-    if len(set(per_layer)) != 1:
+    moe = _moe(config, model_name, sum(per_layer) + embed + head, routed, stacked)
+    if len(set(per_layer)) != 1 and moe is None:
         raise ValueError(f"{model_name}: decoder layers of different sizes are not planned yet ({sorted(set(per_layer))})")
     hidden, heads = get(config, "hidden"), get(config, "heads")
     inter = get(config, "intermediate") or 4 * hidden
     return ModelShape(
         name=model_name, model_type=config.model_type,
         source=source, params=sum(per_layer) + embed + head, embed_params=embed, head_params=head,
-        layer_params=per_layer[0], layers=n, hidden=hidden, intermediate=inter, heads=heads,
+        layer_params=per_layer[0] if moe is None else round(sum(per_layer) / n), layers=n, hidden=hidden,
+        intermediate=inter, heads=heads,
         kv_heads=get(config, "kv_heads") or heads, head_dim=head_dim_of(config),
-        vocab=config.vocab_size, gated_mlp=gated)
+        vocab=config.vocab_size, gated_mlp=gated, moe=moe)
+
+
+def _moe(config, model_name: str, total: int, routed: list[int], stacked: set[int]) -> MoeShape | None:
+    """The routed experts counted on the model: each layer's parameters under `.experts.`; how many
+    experts a layer has from the config, else from the stacked parameters' first dimension."""
+    if not any(routed):
+        return None
+    experts = experts_in_config(config) or (stacked.pop() if len(stacked) == 1 else None)
+    top_k = experts_per_token(config)
+    if experts is None or top_k is None:
+        raise ValueError(f"{model_name}: a mixture of experts whose config names no expert count or experts a "
+                         f"token (fields {', '.join(EXPERT_FIELDS + TOP_K_FIELDS)}); not planned yet")
+    return moe_shape(total, routed, experts, top_k)
