@@ -174,3 +174,31 @@ def test_a_batch_reads_more_experts_a_step_than_one_token(mixtral):
 def test_moe_shape_json_has_derived_counts():
     m = MoeShape(4, 2, 10, 3, 500)
     assert m.to_json()["active_params"] == 500 - 120 + 60 and m.to_json()["routed_params"] == 120
+
+
+def test_this_machine_follows_the_inference_engines_expert_placement():
+    """`--hardware this --cpu-mem`: the experts the plan caches are plan.expert_placement's, the
+    inference engine's own rule (dense parts resident as far as they fit, the rest an expert cache);
+    with room for everything, whole layers stay resident and every expert hits."""
+    from tierlm.advise.command import hardware_from_measurements
+    from tierlm.plan.expert_placement import plan_expert_placement
+    from tierlm.plan.inference import InferConfig, scratch_bytes
+    from tierlm.plan.serve_plan import INFER_BASELINE
+
+    from .test_this_machine import measurements
+    config = AutoConfig.for_model("mixtral", **{**_BASE, **FAMILIES["mixtral"][0], "hidden_size": 256,
+                                                "intermediate_size": 512, "num_local_experts": 8})
+    s = shape_of(config, "tiny-mixtral", "test")
+    hw = hardware_from_measurements(measurements())
+    task = Task(kind="serve", batch=1, seq_len=16, new_tokens=8, cpu_mem=36 << 20)
+    p = plan(s, hw, task)
+    e = p.extra["moe"]
+    cfg = InferConfig(cpu_mem=task.cpu_mem, max_batch=1, max_seq_len=24)
+    kv = 25 * C.kv_bytes_per_token(s)
+    ep = plan_expert_placement(cfg, INFER_BASELINE, (s.embed_params + s.head_params) * 2,
+                               s.moe.dense_layer_params * 2, s.layers, kv,
+                               scratch_bytes(C.hf_like_config(s), cfg, 24), (s.moe.expert_params * 2, 8, 3))
+    assert p.fits and 0 < e["experts_held"]["ram"] == ep.slots < s.moe.all_experts
+    assert e["hit_rate"] == ep.cached_share and e["bound"]["ssd_s"] > 0
+    roomy = plan(s, hw, Task(kind="serve", batch=1, seq_len=16, new_tokens=8, cpu_mem=1 << 30)).extra["moe"]
+    assert roomy["hit_rate"] == 1.0 and roomy["bound"]["ssd_s"] == 0.0

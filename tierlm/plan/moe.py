@@ -47,6 +47,7 @@ class MoeShape:
     expert_params: int  # one routed expert: its slice of every stacked parameter
     moe_layers: int     # decoder layers with routed experts
     total_params: int   # the model's unique parameters (tied embeddings once)
+    dense_layer_params: int = 0  # the largest decoder layer's dense part (a resident layer's room)
 
     @property
     def routed_params(self) -> int:
@@ -81,9 +82,11 @@ class MoeShape:
                 "active_params": self.active_params}
 
 
-def moe_shape(total_params: int, experts_params_per_layer: list[int], experts: int, top_k: int) -> MoeShape:
+def moe_shape(total_params: int, experts_params_per_layer: list[int], experts: int, top_k: int,
+              layer_params: list[int] | None = None) -> MoeShape:
     """The MoeShape from counts: each decoder layer's routed-expert parameters (0 for a dense
-    layer), the experts of a layer, and the experts a token is routed to."""
+    layer), the experts of a layer, the experts a token is routed to, and each layer's parameters
+    (for the largest dense part; none given, 0)."""
     routed = [n for n in experts_params_per_layer if n]
     if not routed:
         raise ValueError("moe_shape: no layer has routed experts")
@@ -92,7 +95,9 @@ def moe_shape(total_params: int, experts_params_per_layer: list[int], experts: i
                          f"{experts} equal experts; not planned yet")
     if not 0 < top_k <= experts:
         raise ValueError(f"moe_shape: {top_k} experts a token out of {experts}")
-    return MoeShape(experts, top_k, routed[0] // experts, len(routed), total_params)
+    dense_layer = max((n - e for n, e in zip(layer_params, experts_params_per_layer)), default=0) \
+        if layer_params else 0
+    return MoeShape(experts, top_k, routed[0] // experts, len(routed), total_params, dense_layer)
 
 
 def uniform_hit_rate(cached_experts: float, all_experts: int) -> float:

@@ -9,9 +9,10 @@ from ..units import fmt_bytes
 from . import cost as C
 from .catalog import Hardware
 from .inference import InferConfig, plan_placement, scratch_bytes
-from .moe import MoeBytes, moe_bytes, moe_decode_bound, tier_reads
+from .moe import MoeBytes, TierReads, moe_bytes, moe_decode_bound, tier_reads
 from .pipeline import combine, unhidden
 from .records import Plan, Task, usable_ram
+from .serve_experts import engine_tiers
 from .shapes import ModelShape
 
 # The inference engine's process baseline beyond its libraries: 12 KiB in the runs of docs/planner.md at a2b1c1e
@@ -30,6 +31,7 @@ class _Sizes(NamedTuple):
     read: float       # bytes a decode step reads: all the weights (a mixture of experts: those routed to)
     layers_read: float  # of which the decoder layers'
     moe: MoeBytes | None = None  # a mixture of experts' bytes
+    engine: TierReads | None = None  # ... where the inference engine's own placement reads them (serve_experts)
 
 
 def serve(p: Plan, s: ModelShape, hw: Hardware, task: Task, r: C.Rates) -> None:
@@ -37,9 +39,13 @@ def serve(p: Plan, s: ModelShape, hw: Hardware, task: Task, r: C.Rates) -> None:
     prefill, or the problem where none fits."""
     _decode_assumptions(p, hw, r, task)
     sizes = _sizes(s, hw, task, r)
-    # a mixture of experts is placed as dense parts first and an expert cache (tier_reads), not in whole layers
-    engine_resident = (_infer_resident_layers(s, task, p) if hw.measured is not None and task.cpu_mem
-                       and s.moe is None else None)
+    engine_resident = None
+    if hw.measured is not None and task.cpu_mem:
+        if s.moe is None:
+            engine_resident = _infer_resident_layers(s, task, p)
+        else:  # dense parts first and an expert cache, as the engine places them
+            engine, engine_resident = _infer_expert_tiers(s, task, p, sizes)
+            sizes = sizes._replace(engine=engine)
     best = None
     for site, on_gpu in _sites(hw, r, sizes):
         cand = _option(s, hw, r, task, sizes, site, on_gpu, engine_resident)
@@ -97,14 +103,18 @@ def _option(s: ModelShape, hw: Hardware, r: C.Rates, task: Task, sizes: _Sizes, 
     ram_for_w = max(0, sizes.ram - (sizes.kv if kv_where == "ram" else 0)
                     - (sizes.scratch if sizes.moe is not None else 0))  # an expert cache has what the rest leaves
     in_ram = min(sizes.W - on_gpu, ram_for_w)
-    if engine_resident is not None and site == "cpu":
+    engine = sizes.engine if engine_resident is not None and site == "cpu" else None
+    if engine is not None:
+        # The inference engine's own placement of a mixture of experts: dense parts, expert cache.
+        in_ram = engine.dense["ram"] + engine.experts["ram"] * sizes.moe.expert
+    elif engine_resident is not None and site == "cpu":
         # The inference engine's own placement under --cpu-mem: whole layers, after its window.
         in_ram = sizes.W - (s.layers - engine_resident) * sizes.layer_w
     from_ssd = sizes.W - on_gpu - in_ram
     if (from_ssd and not hw.drive) or (kv_where == "ram" and sizes.kv > sizes.ram):
         return None
     weights = {"gpu": on_gpu, "ram": in_ram, "nvme": from_ssd}
-    tiers = tier_reads(weights, sizes.moe, s.moe.all_experts) if sizes.moe is not None else None
+    tiers = engine or (tier_reads(weights, sizes.moe, s.moe.all_experts) if sizes.moe is not None else None)
     res, devices = _decode_times(s, r, task, sizes, site, tiers.reads if tiers else weights, kv_where)
     binding, step = combine(devices, s.layers)
     if site == "cpu":
@@ -214,6 +224,16 @@ def _infer_resident_layers(s: ModelShape, task: Task, p: Plan) -> int | None:
     except BudgetError as e:
         p.problems.append(str(e))
         return None
+
+
+def _infer_expert_tiers(s: ModelShape, task: Task, p: Plan, sizes: _Sizes) -> tuple[TierReads | None, int | None]:
+    """A mixture of experts under `tierlm generate --cpu-mem`: where the engine's placement reads a
+    step from, and the layers whose dense parts stay resident (serve_experts.engine_tiers)."""
+    try:
+        return engine_tiers(s, task, sizes.moe, sizes.layer_w, sizes.W - s.layers * sizes.layer_w, INFER_BASELINE)
+    except BudgetError as e:
+        p.problems.append(str(e))
+        return None, None
 
 
 def _prefill(s: ModelShape, hw: Hardware, r: C.Rates, batch: int, prompt: int, on_gpu: int, in_ram: int, from_ssd: int) -> float:

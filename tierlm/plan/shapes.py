@@ -117,7 +117,7 @@ def shape_of(config, model_name: str, source: str) -> ModelShape:
     # a gated MLP (SwiGLU, GeGLU) multiplies three matrices, whatever the family calls them
     gated = any("gate" in name for name, _ in m.get_submodule(layers_name)[0].named_modules())
     del m
-    moe = _moe(config, model_name, sum(per_layer) + embed + head, routed, stacked)
+    moe = _moe(config, model_name, per_layer, embed + head, routed, stacked)
     if len(set(per_layer)) != 1 and moe is None:
         raise ValueError(f"{model_name}: decoder layers of different sizes are not planned yet ({sorted(set(per_layer))})")
     hidden, heads = get(config, "hidden"), get(config, "heads")
@@ -131,7 +131,8 @@ def shape_of(config, model_name: str, source: str) -> ModelShape:
         vocab=config.vocab_size, gated_mlp=gated, moe=moe)
 
 
-def _moe(config, model_name: str, total: int, routed: list[int], stacked: set[int]) -> MoeShape | None:
+def _moe(config, model_name: str, per_layer: list[int], outside: int, routed: list[int],
+         stacked: set[int]) -> MoeShape | None:
     """The routed experts counted on the model: each layer's parameters under `.experts.`; how many
     experts a layer has from the config, else from the stacked parameters' first dimension."""
     if not any(routed):
@@ -141,4 +142,4 @@ def _moe(config, model_name: str, total: int, routed: list[int], stacked: set[in
     if experts is None or top_k is None:
         raise ValueError(f"{model_name}: a mixture of experts whose config names no expert count or experts a "
                          f"token (fields {', '.join(EXPERT_FIELDS + TOP_K_FIELDS)}); not planned yet")
-    return moe_shape(total, routed, experts, top_k)
+    return moe_shape(sum(per_layer) + outside, routed, experts, top_k, per_layer)
