@@ -6,7 +6,7 @@ import torch
 from tierlm.hf.init import init_model
 from tierlm.infer import engine as engine_mod
 from tierlm.infer.engine import InferConfig, InferenceEngine
-from tierlm.infer.experts import ExpertCache, find_moe
+from tierlm.infer.experts import ExpertCache, Part
 from tierlm.plan.expert_placement import plan_expert_placement
 from tierlm.storage import BudgetError
 
@@ -31,7 +31,7 @@ def _decode(d, tmp_path, resident, tag, **cfg):
                           library_rss=0)
     read, routed = [], set()
     try:
-        for i, moe in find_moe(eng.model, eng.blocks).items():
+        for i, moe in eng.moe.items():
             for _, mod, _ in moe.modules:
                 def note(m, args, kwargs, i=i):
                     idx = next(v for v in list(args) + list(kwargs.values())
@@ -101,8 +101,8 @@ class _Store:
 @pytest.mark.parametrize("policy", ["lfu", "lru"])
 def test_the_cache_evicts_by_its_policy_and_never_a_pinned_expert(policy):
     store = _Store()
-    parts = [("w", torch.float32, (4, 4))]
-    c = ExpertCache(store, lambda i, a, e: f"{i}.{a}#e{e}", parts, capacity=3 * 4096, experts=2, policy=policy)
+    parts = [Part("w", "", torch.float32, (4, 4))]
+    c = ExpertCache(store, lambda i, p, e: f"{i}.{p.attr}#e{e}", parts, capacity=3 * 4096, experts=2, policy=policy)
     assert c.slots == 3
     for e in (0, 0, 0, 1):      # expert 0 often, expert 1 once, then 2 most recently
         c.release(0, list(c.acquire(0, [e])))
@@ -124,3 +124,57 @@ def test_a_budget_without_room_for_one_layers_experts_is_refused_with_the_fix():
                               (1 << 20, 128, 8))
     assert p.placement.resident == 8 and p.placement.window == 0   # dense parts first
     assert p.slots == (400 - 10 - 10 - 8 - 1 - 1)                  # then the cache, in whole experts
+
+
+def _dequantised_reference(d, mode="int8"):
+    """The model with each decoder layer's linear maps and each expert's matrices replaced by what
+    int8 keeps of them (round(w / scale) * scale, a scale per output row): what --weights int8
+    computes with, in fp32."""
+    from transformers import AutoModelForCausalLM
+
+    from tierlm.hf.structure import find_layers
+    from tierlm.infer.quant import QLinear, quantizable
+
+    def deq(w):
+        q = QLinear(w.shape[1], w.shape[0], mode).quantize(w, None, torch.float32)
+        return q["qweight"].float() * q["scales"][:, None]
+    model = AutoModelForCausalLM.from_pretrained(d).float().eval()
+    with torch.no_grad():
+        for layer in find_layers(model)[1]:
+            for mod, _ in quantizable(layer, mode).values():
+                mod.weight.copy_(deq(mod.weight))
+            for name, p in layer.named_parameters():
+                if ".experts." in name and p.dim() == 3:
+                    for e in range(p.shape[0]):
+                        p[e].copy_(deq(p[e]))
+    return model
+
+
+def test_int8_experts_compute_with_their_quantised_weights(moe_dir, tmp_path):
+    ref = _dequantised_reference(moe_dir)
+    eng = InferenceEngine(moe_dir, InferConfig(cpu_mem="1GiB", dtype="fp32", weights="int8", max_batch=1,
+                                               max_seq_len=32, nvme_dir=str(tmp_path / "q8")), library_rss=0)
+    try:
+        assert eng.expert_placement is not None  # quantised experts always go by expert
+        assert {(p.kind, p.dtype) for p in eng.expert_parts} == {("qweight", torch.int8), ("scales", torch.float32)}
+        got = eng.step([PROMPTS[0]], [0])[0]
+    finally:
+        eng.close()
+    with torch.no_grad():
+        want = ref(torch.tensor([PROMPTS[0]])).logits[0, -1]
+    # one-row int8 products round x to 16 bits a row: far inside this
+    assert (got - want).abs().max().item() <= 2e-3 * want.abs().max().item()
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_quantised_experts_give_the_same_bits_whatever_the_cache_holds(moe_dir, tmp_path, monkeypatch, weights):
+    full, _, _, _, _ = _decode(moe_dir, tmp_path, None, f"{weights}-full", weights=weights)
+
+    def one_layer(*a, **k):
+        p = plan_expert_placement(*a, **k)
+        p.cache = p.experts * p.slot_bytes
+        return p
+    monkeypatch.setattr(engine_mod, "plan_expert_placement", one_layer)
+    small, stats, _, _, _ = _decode(moe_dir, tmp_path, None, f"{weights}-small", weights=weights)
+    assert stats.hits < stats.requests
+    assert torch.equal(full, small)

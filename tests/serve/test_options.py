@@ -12,7 +12,8 @@ from tierlm.serve.options import ChatConfig, GenerateConfig, ServeConfig
 from tierlm.validate import CHAT, GENERATE, SERVE
 
 ENGINE_DEFAULTS = {"cpu_mem": "4GiB", "weights": "bf16", "dtype": None, "nvme": None, "max_seq_len": None,
-                   "step_tokens": 256, "prefetch": 2, "resident_layers": None, "tp": 1, "threads": None}
+                   "step_tokens": 256, "prefetch": 2, "expert_cache": "lfu", "resident_layers": None, "tp": 1,
+                   "threads": None}
 SAMPLING_DEFAULTS = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0, "stop": []}
 
 

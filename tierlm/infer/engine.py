@@ -31,7 +31,7 @@ from ..hf.safetensors_io import SafetensorsDir
 from ..hf.structure import discover_blocks, empty_model, find_layers
 from ..plan.expert_placement import plan_expert_placement
 from ..plan.inference import InferConfig, plan_placement, scratch_bytes
-from ..storage import HostBufferPool
+from ..storage import BudgetError, HostBufferPool
 from ..storage.aligned import round_up
 from . import packed as packed_attention
 from .gemv import use_gemv
@@ -39,7 +39,9 @@ from .generic import GenericStep, check as generic_check
 from .kvcache import SlotKVCache, kv_bytes
 from .lean import LeanDecoder
 from .quant import int4_layout
-from .experts import ExpertCache, StreamedExperts, expert_key, find_moe, unrouted_params, write_experts
+from .expert_rows import use_expert_rows
+from .experts import (ExpertCache, RoutedCount, StreamedExperts, expert_key, expert_parts, find_moe, quantizers,
+                      unrouted_params, write_experts)
 from .weights import LayerStream, PieceStore, fingerprint, install_resident, plan_pieces
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -108,6 +110,7 @@ class InferenceEngine:
         if self.max_len > limit:
             raise ValueError(f"--max-seq-len {self.max_len} exceeds the model's {limit} positions")
         self.model = empty_model(config).eval()
+        use_expert_rows(self.model)  # a mixture of experts' experts: only the routed ones, on our kernels
         # what the library baseline's warm-up forward runs until packed.install names the steps'
         config._attn_implementation = "sdpa" if getattr(self.model, "_supports_sdpa", False) else "eager"
         self.blocks, _ = discover_blocks(self.model)
@@ -142,9 +145,15 @@ class InferenceEngine:
         scratch = scratch_bytes(config, cfg, self.max_len, self.dtype,
                                 eager=not getattr(self.model, "_supports_sdpa", True),
                                 packs=packed_attention.packs(self.model))
-        self.placement = plan_placement(cfg, baseline, fixed, lbytes, len(layer_idx), kv, scratch)
         self.experts = self.expert_placement = None
-        if self.moe and self.placement.resident < len(layer_idx):
+        try:
+            self.placement = plan_placement(cfg, baseline, fixed, lbytes, len(layer_idx), kv, scratch)
+        except BudgetError:
+            if not self.moe:  # a mixture of experts needs no window of whole layers: its experts stream
+                raise
+            self.placement = None
+        # quantised experts are stored and cached an expert at a time whether or not they fit
+        if self.moe and (cfg.quant or self.placement is None or self.placement.resident < len(layer_idx)):
             self.experts = self._expert_pieces()
             dense = max(sum(round_up(p.nbytes) for p in self.pieces[i]) for i in layer_idx)
             self.expert_placement = plan_expert_placement(
@@ -156,14 +165,16 @@ class InferenceEngine:
 
     def _expert_pieces(self) -> dict[int, list]:
         """Take each layer's stacked expert parameters out of its pieces (layer -> those pieces),
-        and size one expert's cache slot."""
-        out, slot = {}, 0
+        and size one expert's cache slot from the tensors an expert is stored as."""
+        out = {}
         for i, moe in self.moe.items():
             names = set(moe.names())
             out[i] = [p for p in self.pieces[i] if p.key in names]
             self.pieces[i] = [p for p in self.pieces[i] if p.key not in names]
-            slot = max(slot, sum(round_up(p.nbytes // moe.experts) for p in out[i]))
-        self.expert_slot = slot
+        _, mod, attrs = next(iter(self.moe.values())).modules[0]
+        self.expert_quant = quantizers(mod, attrs, self.cfg.quant)
+        self.expert_parts = expert_parts(mod, attrs, self.dtype, self.cfg.quant)
+        self.expert_slot = sum(round_up(p.nbytes) for p in self.expert_parts)
         return out
 
     def _load_weights(self, model_dir, resident: set[int], streamed: list[int]) -> None:
@@ -195,21 +206,25 @@ class InferenceEngine:
             self._stream(streamed, src)
         if self.experts:
             self._stream_experts(in_file, st)
+        # resident experts: a step reads those it routes to (counted), not all of them
+        self.routed_count = RoutedCount(self.moe) if self.moe and not self.experts else None
+        names = {n for m in self.moe.values() for n in m.names()} if self.routed_count else set()
+        self.resident_expert_bytes = sum(p.nbytes for i in self.moe for p in self.pieces[i] if p.key in names)
         st.close()
         self.load_s = time.perf_counter() - t0
         self.streamed_bytes = sum(self.stream.layer_bytes.values()) if self.stream else 0
 
     def _stream_experts(self, in_file, st) -> None:
-        """The experts of every layer with experts: in the store an expert at a time, read into the
-        expert cache when routed to (tierlm.infer.experts)."""
-        written = write_experts(self.store, self.experts, self.moe, in_file, st, self.dtype)
-        self.store_written += written
-        first = next(iter(self.moe.values()))
-        parts = [(a, self.dtype, tuple(m._parameters[a].shape[1:])) for _, m, attrs in first.modules for a in attrs]
+        """The experts of every layer with experts: in the store an expert at a time (quantised with
+        --weights int8/int4), read into the expert cache when routed to (tierlm.infer.experts)."""
+        self.store_written += write_experts(self.store, self.moe, self.expert_parts, self.expert_quant, in_file,
+                                            st, self.dtype)
         names = {(i, a): f"{q}.{a}" for i, moe in self.moe.items() for q, _, attrs in moe.modules for a in attrs}
-        cache = ExpertCache(self.store.store, lambda i, a, e: expert_key(names[(i, a)], e), parts,
-                            self.expert_placement.cache, first.experts, policy=self.cfg.expert_policy)
-        self.streamed_experts = StreamedExperts(cache, {i: self.moe[i].modules for i in self.experts})
+        cache = ExpertCache(self.store.store, lambda i, p, e: expert_key(names[(i, p.attr)], e) + p.suffix,
+                            self.expert_parts, self.expert_placement.cache,
+                            max(m.experts for m in self.moe.values()), policy=self.cfg.expert_policy)
+        self.streamed_experts = StreamedExperts(cache, {i: self.moe[i].modules for i in self.experts},
+                                                self.expert_quant)
 
     def _open_store(self) -> None:
         cfg = self.cfg
@@ -282,14 +297,16 @@ class InferenceEngine:
 
     # ---- what a step moves, for the report ----------------------------------------------
     def ram_weight_bytes(self) -> int:
-        """Weight bytes a forward reads from RAM (resident layers and the head; the embedding
-        lookup reads a few rows)."""
+        """Weight bytes every forward reads from RAM (resident layers and the head; the embedding
+        lookup reads a few rows), a mixture of experts' experts apart: `routed_expert_bytes`."""
         emb = sum(p.nbytes for p in self.pieces[self.blocks[0].index])
-        return self.resident_bytes - emb + (self.streamed_bytes if self.stream else 0)
+        return self.resident_bytes - self.resident_expert_bytes - emb + (self.streamed_bytes if self.stream else 0)
 
     def routed_expert_bytes(self) -> int:
         """Bytes of the streamed experts the steps so far routed to (computed from RAM: cache hits,
         and misses once read)."""
+        if self.routed_count is not None:
+            return self.routed_count.bytes
         s = self.streamed_experts.cache.stats if self.streamed_experts else None
         return s.hit_bytes + s.miss_bytes if s else 0
 

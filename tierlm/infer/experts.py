@@ -7,10 +7,10 @@ chosen experts. Of a streamed layer only what every token needs (attention, norm
 experts) streams with the layer; each stacked parameter is stored one expert at a time, and the
 module's forward sees an `ExpertSlices` in its place: indexed by an expert, it gives that expert's
 slice from the cache. A hook before the module's forward reads the step's missing experts (all of
-them at once, in parallel) into cache slots; a hook after it unpins them. The module computes with
-its own code, in the family's own loop over the experts it routed to (transformers' "eager"
-experts implementation, the one that indexes one expert at a time), so a batch reads each routed
-expert once per step whatever the number of its tokens.
+them at once, in parallel) into cache slots; a hook after it unpins them. The module runs an
+experts implementation that indexes only the experts it routed to, one at a time
+(`expert_rows.py`), so a batch reads each routed expert once per step whatever the number of its
+tokens.
 
 Which experts stay is the cache policy's choice (`least recently used` or `least frequently used`,
 counts halved every `decay` requests so that the counts follow a drifting routing); it changes what
@@ -18,7 +18,6 @@ is read, never what is computed: the bits are the same under any policy and any 
 """
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import dataclass, field
 
@@ -26,6 +25,7 @@ import torch
 from torch import nn
 
 from ..storage.aligned import aligned_empty, round_up
+from .quant import QLinear, int4_group_for, qproduct
 
 POLICIES = ("lfu", "lru")
 
@@ -85,6 +85,68 @@ def expert_key(name: str, e: int) -> str:
     return f"{name}#e{e}"
 
 
+@dataclass
+class Part:
+    """One tensor of an expert in the store and in a cache slot: a stacked parameter's slice as it
+    is, or the quantised matrix's packed weights or scales."""
+    attr: str
+    kind: str           # "" | "qweight" | "scales"
+    dtype: torch.dtype
+    shape: tuple
+
+    @property
+    def suffix(self) -> str:
+        return f".{self.kind}" if self.kind else ""
+
+    @property
+    def nbytes(self) -> int:
+        return torch.Size(self.shape).numel() * torch.empty((), dtype=self.dtype).element_size()
+
+
+class QSlice:
+    """One expert's quantised matrix (what a QLinear holds, without a module per expert)."""
+    __slots__ = ("mode", "layout", "group", "in_features", "out_features", "qweight", "scales")
+
+    def __init__(self, q: QLinear, qweight: torch.Tensor, scales: torch.Tensor):
+        self.mode, self.layout, self.group = q.mode, q.layout, q.group
+        self.in_features, self.out_features = q.in_features, q.out_features
+        self.qweight, self.scales = qweight, scales
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return qproduct(self, x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
+
+
+def quantizers(mod: nn.Module, attrs: list[str], mode: str | None) -> dict[str, QLinear]:
+    """attr -> the QLinear that quantises each expert's matrix of it (as [out, in]: transposed
+    stacks are turned), for the stacked matrices `mode` can hold."""
+    out = {}
+    for a in attrs if mode else []:
+        p = mod._parameters[a] if a in mod._parameters else None
+        if p is None or p.dim() != 3:
+            continue
+        n, k = (p.shape[2], p.shape[1]) if getattr(mod, "is_transposed", False) else (p.shape[1], p.shape[2])
+        g = int4_group_for(k) if mode == "int4" else 0
+        if mode == "int4" and g is None:
+            continue
+        out[a] = QLinear(k, n, mode, g)
+    return out
+
+
+def expert_parts(mod: nn.Module, attrs: list[str], dtype: torch.dtype, mode: str | None) -> list[Part]:
+    """The tensors one expert of `mod` is stored as (quantised where `mode` holds the matrix)."""
+    qs = quantizers(mod, attrs, mode)
+    parts = []
+    for a in attrs:
+        shape = tuple(mod._parameters[a].shape[1:])
+        if a not in qs:
+            parts.append(Part(a, "", dtype, shape))
+            continue
+        q = qs[a]
+        made = q.quantize(torch.zeros(q.out_features, q.in_features), None, dtype)
+        parts += [Part(a, kind, t.dtype, tuple(t.shape)) for kind, t in made.items()]
+    return parts
+
+
 class ExpertSlices:
     """Stands for a stacked expert parameter in its module: `[e]` is expert e's slice, installed
     from the cache for this step (an expert the router did not pick this step is not there)."""
@@ -133,17 +195,16 @@ class ExpertStats:
 
 
 class ExpertCache:
-    """Slots of one expert's every stacked parameter (all experts of a model are the same size),
-    in one buffer of `capacity` bytes; at least one layer's experts fit (a prefill step may route
-    to all of them)."""
+    """Slots of one expert's every tensor (`Part`s: all experts of a model are the same size), in
+    one buffer of `capacity` bytes; at least one layer's experts fit (a prefill step may route to
+    all of them). key_of(layer, part, expert) names a part in the store."""
 
-    def __init__(self, store, key_of, parts: list[tuple[str, torch.dtype, tuple]], capacity: int,
-                 experts: int, policy: str = "lfu", decay: int = 4096):
+    def __init__(self, store, key_of, parts: list[Part], capacity: int, experts: int, policy: str = "lfu",
+                 decay: int = 4096):
         if policy not in POLICIES:
             raise ValueError(f"expert cache policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.store, self.key_of, self.parts = store, key_of, parts
-        self.sizes = [round_up(torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size())
-                      for _, dt, shape in parts]
+        self.sizes = [round_up(p.nbytes) for p in parts]
         self.slot_bytes = sum(self.sizes)
         self.slots = int(capacity // self.slot_bytes)
         if self.slots < experts:
@@ -160,9 +221,8 @@ class ExpertCache:
 
     def views(self, slot: int) -> list[torch.Tensor]:
         out, off = [], slot * self.slot_bytes
-        for (_, dt, shape), size in zip(self.parts, self.sizes):
-            n = torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()
-            out.append(self.buf[off: off + n].view(dt).view(shape))
+        for p, size in zip(self.parts, self.sizes):
+            out.append(self.buf[off: off + p.nbytes].view(p.dtype).view(p.shape))
             off += size
         return out
 
@@ -180,8 +240,7 @@ class ExpertCache:
             self.count = {key: c / 2 for key, c in self.count.items()}
 
     def acquire(self, layer: int, experts: list[int]) -> dict[int, list[torch.Tensor]]:
-        """Each expert's parameter slices (in `parts` order), read where missing; pinned until
-        `release`."""
+        """Each expert's tensors (in `parts` order), read where missing; pinned until `release`."""
         got, futs = {}, []
         st = self.stats
         lay = st.per_layer.setdefault(layer, [0, 0])
@@ -199,8 +258,8 @@ class ExpertCache:
                 slot = self.free.pop() if self.free else self.where.pop(self._victim())
                 self.where[k] = slot
                 st.miss_bytes += self.slot_bytes
-                for (name, _, _), t in zip(self.parts, self.views(slot)):
-                    futs.append(self.store.read_into(self.key_of(layer, name, e), t, owns_padding=True))
+                for p, t in zip(self.parts, self.views(slot)):
+                    futs.append(self.store.read_into(self.key_of(layer, p, e), t, owns_padding=True))
             self.pinned.add(k)
             got[e] = self.views(slot)
         t0 = time.perf_counter()
@@ -231,72 +290,112 @@ def _routed(args, kwargs, experts: int) -> torch.Tensor:
 
 
 class StreamedExperts:
-    """The experts modules of the streamed layers, computing from an `ExpertCache`."""
+    """The experts modules of the streamed layers, computing from an `ExpertCache` whose parts are
+    those of every module (one experts module a layer). Each stacked parameter's place in its module
+    holds an `ExpertSlices` (a plain attribute: the model's parameters() does not list it)."""
 
-    def __init__(self, cache: ExpertCache, layers: dict[int, list[tuple[str, nn.Module, list[str]]]]):
-        self.cache = cache
+    def __init__(self, cache: ExpertCache, layers: dict[int, list], quant: dict[str, QLinear]):
+        self.cache, self.quant = cache, quant
         self.handles = []
         for i, mods in layers.items():
-            for mod_name, mod, names in mods:
-                self._install(i, mod, names)
+            for _, mod, attrs in mods:
+                self._install(i, mod, attrs)
 
-    def _install(self, layer: int, mod: nn.Module, names: list[str]) -> None:
-        slices = []
-        for a in names:
-            p = mod._parameters[a]
-            s = ExpertSlices(a, tuple(p.shape), p.dtype)
-            mod._parameters[a] = s
-            slices.append(s)
-        # the family's own loop over its routed experts, one expert's slice at a time
-        mod.config = copy.copy(mod.config)
-        mod.config._experts_implementation = "eager"
-        names_in_cache = [name for name, _, _ in self.cache.parts]
-        order = [names_in_cache.index(a) for a in names]
+    def _install(self, layer: int, mod: nn.Module, attrs: list[str]) -> None:
+        slices = {}
+        for a in attrs:
+            p = mod._parameters.pop(a)
+            slices[a] = ExpertSlices(a, tuple(p.shape), p.dtype)
+            mod.__dict__[a] = slices[a]
+        where = {(p.attr, p.kind): j for j, p in enumerate(self.cache.parts)}
         state: dict = {}
+
+        def made(a: str, views: list[torch.Tensor]):
+            if a in self.quant:
+                return QSlice(self.quant[a], views[where[(a, "qweight")]], views[where[(a, "scales")]])
+            return views[where[(a, "")]]
 
         def before(m, args, kwargs):
             idx = _routed(args, kwargs, m.num_experts)
             used = [e for e in torch.unique(idx).tolist() if 0 <= e < m.num_experts]
             got = self.cache.acquire(layer, used)
-            for s, j in zip(slices, order):
-                s.now = {e: views[j] for e, views in got.items()}
+            for a, sl in slices.items():
+                sl.now = {e: made(a, views) for e, views in got.items()}
             state["used"] = used
             self.cache.stats.tokens += int(idx.shape[0]) if idx.dim() > 1 else 1
 
         def after(m, args, kwargs, out):
-            for s in slices:
-                s.now = {}
+            for sl in slices.values():
+                sl.now = {}
             self.cache.release(layer, state.pop("used", []))
 
         self.handles.append(mod.register_forward_pre_hook(before, with_kwargs=True))
         self.handles.append(mod.register_forward_hook(after, with_kwargs=True))
 
 
-def write_experts(store, pieces: dict[int, list], moe: dict[int, MoELayer], in_file, st, dtype) -> int:
-    """Write each layer's stacked expert parameters to the PieceStore an expert at a time (where
-    the store lacks them), each slice made from that expert's own file tensors; returns bytes
-    written."""
-    from ..hf.stacked import Stacked, read_param
+def write_experts(store, moe: dict[int, MoELayer], parts: list[Part], quant: dict[str, QLinear], in_file, st,
+                  dtype) -> int:
+    """Write every layer's experts to the PieceStore, an expert's parts at a time (where the store
+    lacks them), each slice made from that expert's own file tensors and quantised where `quant`
+    holds its parameter; returns bytes written."""
     from .weights import Piece
 
     written = 0
-    for i, ps in pieces.items():
-        for p in ps:
-            entry = in_file.get(p.key)
-            if entry is None:
-                raise ValueError(f"the checkpoint has no tensor {p.key!r} that the model needs; is this the "
-                                 "right model directory?")
-            whole = None
-
-            def make(src, e, entry=entry):
-                nonlocal whole
-                if isinstance(entry, Stacked):
-                    return entry.expert(st.read, e)[0].to(dtype).contiguous()
-                if whole is None:  # one file tensor of every expert: read once, sliced
-                    whole = read_param(st, entry)
-                return whole[e].to(dtype).contiguous()
-
-            keys = [Piece(expert_key(p.key, e), [], p.nbytes // moe[i].experts,
-                          lambda src, e=e, make=make: make(src, e)) for e in range(moe[i].experts)]
-            written += store.ensure(keys, None)
+    for i, layer in moe.items():
+        for q, mod, attrs in layer.modules:
+            for a in attrs:
+                name = f"{q}.{a}"
+                entry = in_file.get(name)
+                if entry is None:
+                    raise ValueError(f"the checkpoint has no tensor {name!r} that the model needs; is this the "
+                                     "right model directory?")
+                mine = [p for p in parts if p.attr == a]
+                made = _expert_maker(entry, st, dtype, quant.get(a), getattr(mod, "is_transposed", False))
+                pieces = [Piece(expert_key(name, e) + p.suffix, [], p.nbytes,
+                                lambda src, e=e, p=p, made=made: made(e)[p.kind])
+                          for e in range(layer.experts) for p in mine]
+                written += store.ensure(pieces, None)
     return written
+
+
+def _expert_maker(entry, st, dtype, q: QLinear | None, transposed: bool):
+    """e -> {part kind: tensor} of expert e's slice of one stacked parameter; the last expert made
+    is kept, as its parts are written one after another."""
+    from ..hf.stacked import Stacked, read_param
+
+    memo: dict = {}
+
+    def slice_of(e: int) -> torch.Tensor:
+        if isinstance(entry, Stacked):
+            return entry.expert(st.read, e)[0]
+        if "whole" not in memo:  # one file tensor of every expert: read once, sliced
+            memo["whole"] = read_param(st, entry)
+        return memo["whole"][e]
+
+    def made(e: int) -> dict[str, torch.Tensor]:
+        if memo.get("e") != e:
+            t = slice_of(e)
+            memo["e"] = e
+            if q is None:
+                memo["parts"] = {"": t.to(dtype).contiguous()}
+            else:
+                memo["parts"] = q.quantize((t.t() if transposed else t).float(), None, dtype)
+        return memo["parts"]
+    return made
+
+
+class RoutedCount:
+    """Resident experts: the bytes of the experts each call routes to (what a step reads of them)."""
+
+    def __init__(self, layers: dict[int, MoELayer]):
+        self.bytes = 0
+        self.handles = []
+        for moe in layers.values():
+            for _, mod, attrs in moe.modules:
+                per = sum(mod._parameters[a].nbytes // moe.experts for a in attrs)
+                self.handles.append(mod.register_forward_pre_hook(
+                    lambda m, args, kwargs, per=per: self._add(m, args, kwargs, per), with_kwargs=True))
+
+    def _add(self, m, args, kwargs, per: int) -> None:
+        idx = _routed(args, kwargs, m.num_experts)
+        self.bytes += per * sum(1 for e in torch.unique(idx).tolist() if 0 <= e < m.num_experts)

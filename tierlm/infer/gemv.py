@@ -44,25 +44,30 @@ class GemvLinear(nn.Linear):
     whose many-row bf16 products run in fp32 where this CPU has no fast bf16 kernel."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        if w.dtype != torch.bfloat16:
-            return F.linear(x, w, self.bias)
-        rows = x.numel() // x.shape[-1]
-        cpu = w.device.type == "cpu"
-        if rows >= UPCAST_MIN_ROWS and cpu and bf16_matmul_is_slow():
-            b = None if self.bias is None else self.bias.float()
-            return F.linear(x.float(), w.float(), b).to(x.dtype)
-        if cpu and (rows == 1 or bf16_matmul_is_slow()) and native.available():
-            y = native.gemv_bf16(x, w)
-            if self.bias is not None:
-                y = y + self.bias.float()
-            return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
-        if rows != 1:
-            return F.linear(x, w, self.bias)
-        y = torch.mv(w, x.reshape(-1).to(w.dtype))
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*x.shape[:-1], w.shape[0])
+        return linear(x, self.weight, self.bias)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T (+ bias) as GemvLinear computes it: one bf16 row on the matrix-vector kernel, many
+    bf16 rows in fp32 where this CPU has no fast bf16 kernel."""
+    if w.dtype != torch.bfloat16:
+        return F.linear(x, w, bias)
+    rows = x.numel() // x.shape[-1]
+    cpu = w.device.type == "cpu"
+    if rows >= UPCAST_MIN_ROWS and cpu and bf16_matmul_is_slow():
+        b = None if bias is None else bias.float()
+        return F.linear(x.float(), w.float(), b).to(x.dtype)
+    if cpu and (rows == 1 or bf16_matmul_is_slow()) and native.available() and w.is_contiguous():
+        y = native.gemv_bf16(x, w)
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+    if rows != 1:
+        return F.linear(x, w, bias)
+    y = torch.mv(w, x.reshape(-1).to(w.dtype))
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], w.shape[0])
 
 
 def use_gemv(model: nn.Module) -> int:

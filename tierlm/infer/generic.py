@@ -21,6 +21,7 @@ import torch
 
 from ..hf.fields import shrunk
 from . import packed as packed_attention
+from .expert_rows import use_expert_rows
 from .gemv import use_gemv
 from .kvcache import SlotKVCache, cache_kwarg
 
@@ -142,6 +143,7 @@ def _check(cls, cfg) -> str | None:
             return None
     ref = torch.stack(ref)  # [rows, 2 (after the prompt, after one more token), vocab]
     use_gemv(tiny)  # the engine's linear modules, as it runs them (gemv.use_gemv swaps some subclasses)
+    use_expert_rows(tiny)  # ... and its experts' implementation
     step = GenericStep(tiny, cfg, SlotKVCache(cfg, len(seqs), n + 1, torch.float32))
     try:
         first = step([t[:-1] for t in ids], [0] * len(seqs))

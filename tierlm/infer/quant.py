@@ -132,25 +132,7 @@ class QLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
-        few = x2.shape[0] <= NATIVE_MAX_ROWS and x2.device.type == "cpu" and native.available()
-        if not few and self.integer_rows(x2):
-            y = qgemm.product(x2, self.qweight, self.scales, self.group).to(x.dtype)
-        elif self.mode == "int8" and few:
-            y = native.gemv_int8(x2, self.qweight, self.scales).to(x.dtype)
-        elif self.layout == "tierlm" and few:
-            y = native.gemv_int4(x2, self.qweight, self.scales, self.group).to(x.dtype)
-        elif self.layout == "tierlm":  # a prefill: one matrix in fp32 at a time (scratch_bytes counts it)
-            if native.available():
-                w = native.dequant_int4(self.qweight, self.scales, self.group,
-                                        out=_scratch(self.out_features * self.in_features))
-            else:
-                w = dequant_int4(self.qweight, self.scales, self.group)
-            y = F.linear(x2.float(), w).to(x.dtype)
-        elif self.mode == "int8":
-            y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
-        else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group, self.scales)
+        y = qproduct(self, x.reshape(-1, self.in_features))
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
@@ -169,6 +151,27 @@ class QLinear(nn.Module):
     def extra_repr(self) -> str:
         g = f", group={self.group}" if self.mode == "int4" else ""
         return f"{self.in_features} -> {self.out_features}, {self.mode}{g}"
+
+
+def qproduct(q, x2: torch.Tensor) -> torch.Tensor:
+    """x2 [rows, in] times the quantised W^T of `q` (a QLinear, or anything with its mode, layout,
+    group, in/out features, qweight and scales), in x2's dtype, without the bias."""
+    few = x2.shape[0] <= NATIVE_MAX_ROWS and x2.device.type == "cpu" and native.available()
+    if not few and QLinear.integer_rows(q, x2):
+        return qgemm.product(x2, q.qweight, q.scales, q.group).to(x2.dtype)
+    if q.mode == "int8" and few:
+        return native.gemv_int8(x2, q.qweight, q.scales).to(x2.dtype)
+    if q.layout == "tierlm" and few:
+        return native.gemv_int4(x2, q.qweight, q.scales, q.group).to(x2.dtype)
+    if q.layout == "tierlm":  # a prefill: one matrix in fp32 at a time (scratch_bytes counts it)
+        if native.available():
+            w = native.dequant_int4(q.qweight, q.scales, q.group, out=_scratch(q.out_features * q.in_features))
+        else:
+            w = dequant_int4(q.qweight, q.scales, q.group)
+        return F.linear(x2.float(), w).to(x2.dtype)
+    if q.mode == "int8":
+        return torch.ops.aten._weight_int8pack_mm(x2, q.qweight, q.scales)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, q.qweight, q.group, q.scales)
 
 
 def quantizable(layer: nn.Module, mode: str) -> dict[str, tuple[nn.Module, bool]]:
