@@ -120,8 +120,9 @@ def ensure_tokenizer(model_dir: Path, vocab_size: int) -> None:
     make_tokenizer(model_dir, [str(corpus)], vocab_size=vocab_size)
 
 
-def _run(cmd: list[str], log: Path | None = None) -> str:
-    p = subprocess.run(cmd, capture_output=True, text=True)
+def _run(cmd: list[str], log: Path | None = None, wrap=None) -> str:
+    """Run `cmd` (through `wrap(cmd)` where given, e.g. into a memory cgroup); its stdout."""
+    p = subprocess.run(wrap(cmd) if wrap else cmd, capture_output=True, text=True)
     if log is not None:
         log.write_text(p.stdout + p.stderr)
     if p.returncode:
@@ -166,21 +167,24 @@ def gguf_files(peer: LlamaCpp, model_dir: Path, work: Path, formats: list[str], 
     return files, cmds
 
 
-def _bench(peer: LlamaCpp, gguf: Path, args: list[str]) -> tuple[dict, list[str]]:
+def _bench(peer: LlamaCpp, gguf: Path, args: list[str], wrap=None) -> tuple[dict, list[str]]:
     cmd = [str(peer.bench), "-m", str(gguf), "-o", "json", *args]
-    rows = json.loads(_run(cmd))
+    rows = json.loads(_run(cmd, wrap=wrap))
     if len(rows) != 1:
         raise RuntimeError(f"llama-bench gave {len(rows)} results for one test: {' '.join(cmd)}")
     return rows[0], cmd
 
 
-def measure(peer: LlamaCpp, gguf: Path, prompt_len: int, tokens: int, threads: int, reps: int = 3) -> dict:
+def measure(peer: LlamaCpp, gguf: Path, prompt_len: int, tokens: int, threads: int, reps: int = 3,
+            extra: tuple[str, ...] = (), wrap=None) -> dict:
     """Prefill and decode tokens/s of one GGUF by llama-bench, as tierlm's engine is measured: prefill
     of a `prompt_len`-token prompt, then `tokens` decoded after that prompt (-d: the KV cache holds
-    it). Means over `reps` runs after llama-bench's warm-up, with their spread and the commands."""
-    common = ["-t", str(threads), "-r", str(reps)]
-    pp, cmd_p = _bench(peer, gguf, ["-p", str(prompt_len), "-n", "0", *common])
-    tg, cmd_d = _bench(peer, gguf, ["-p", "0", "-n", str(tokens), "-d", str(prompt_len), *common])
+    it). Means over `reps` runs after llama-bench's warm-up, with their spread and the commands.
+    `extra`: more llama-bench arguments (e.g. -mmp 0); `wrap`: how each command is started (e.g.
+    benchmarks/peers/memlimit.MemoryLimit.command, inside a memory cgroup)."""
+    common = ["-t", str(threads), "-r", str(reps), *extra]
+    pp, cmd_p = _bench(peer, gguf, ["-p", str(prompt_len), "-n", "0", *common], wrap)
+    tg, cmd_d = _bench(peer, gguf, ["-p", "0", "-n", str(tokens), "-d", str(prompt_len), *common], wrap)
     return {"engine": "llama.cpp", "gguf": gguf.name, "type": pp.get("model_type"), "threads": threads,
             "prompt_len": prompt_len, "tokens": tokens,
             "prefill_tok_s": pp["avg_ts"], "prefill_tok_s_sd": pp["stddev_ts"],
