@@ -11,7 +11,7 @@ tierlm's int8, int4). Both engines are then held to the same memory: a memory cg
 --cpu-mem + --allowance bytes (benchmarks/peers/memlimit.py), which counts the page cache, so
 llama.cpp's memory-mapped GGUF is read from the drive as its pages fall out, and tierlm runs with
 --cpu-mem inside it. llama.cpp is also measured without a limit (the whole file cached in RAM) and,
-under the limit, with --no-mmap (-mmp 0: it reads the weights into its own memory, which cannot
+under the limit, with --no-mmap (llama-bench -lm none: it reads the weights into its own memory, which cannot
 hold them; recorded as it ends). Each limited run starts with the files it reads dropped from the
 page cache, so every page it touches is charged to it. Prints the machine, llama.cpp's build, the
 model's total and active sizes, the limit, each run's cgroup peak, and a markdown table.
@@ -60,18 +60,27 @@ def sizes(config, preset: str) -> dict:
             "total_bf16_bytes": 2 * moe.total_params, "active_bf16_bytes": 2 * moe.active_params}
 
 
+def ssd_read_gbps(directory: Path) -> float:
+    """The drive's read rate right before a limited run (as `tierlm bench io`: 512 MiB, direct
+    I/O): this virtual disk's rate moves within minutes, and a limited run reads from it."""
+    from tierlm.bench.measure import bench_io
+    return bench_io(directory, 512 << 20)["read_gbps"]
+
+
 def llama_limited(peer, gguf: Path, a, limit: int, extra: tuple[str, ...] = ()) -> dict:
     """llama-bench inside a fresh memory cgroup of `limit` bytes, the GGUF evicted from the page
     cache first; the result carries the cgroup's peak, or how the run ended where it failed."""
+    ssd = ssd_read_gbps(gguf.parent / "ssd-probe")
     memlimit.evict(gguf)
     with memlimit.MemoryLimit(limit) as g:
         t = time.perf_counter()
         try:
             r = llamacpp.measure(peer, gguf, a.prompt_len, a.tokens, a.threads, a.reps, extra, wrap=g.command)
         except RuntimeError as e:
-            r = {"engine": "llama.cpp", "gguf": gguf.name, "error": str(e).splitlines()[0][-300:]}
+            r = {"engine": "llama.cpp", "gguf": gguf.name, "error": " / ".join(str(e).splitlines()[-3:])[-400:]}
         r["wall_s"] = time.perf_counter() - t
         r["cgroup"] = g.stats()
+    r["ssd_read_gbps"] = ssd
     return r
 
 
@@ -87,7 +96,7 @@ def llama_side(peer, gguf: Path, a, limit: int) -> dict:
     out["limited"] = llama_limited(peer, gguf, a, limit)
     print(json.dumps({"llama.cpp limited": _brief(out["limited"])}), flush=True)
     if a.no_mmap:
-        out["limited_no_mmap"] = llama_limited(peer, gguf, a, limit, ("-mmp", "0"))
+        out["limited_no_mmap"] = llama_limited(peer, gguf, a, limit, ("-lm", "none"))
         print(json.dumps({"llama.cpp limited --no-mmap": _brief(out["limited_no_mmap"])}), flush=True)
     return out
 
@@ -173,6 +182,7 @@ def tierlm_side(model: Path, fmt: str, a, limit: int, work: Path) -> dict:
         tail = "\n".join((prep.stdout + prep.stderr).splitlines()[-15:])
         return {"engine": "tierlm", "weights": fmt, "error": f"tierlm cannot run this model yet:\n{tail}"}
     files = [p for d in (model, nvme) for p in d.rglob("*") if p.is_file()]
+    ssd = ssd_read_gbps(work / "ssd-probe")
     memlimit.evict(*files)
     with memlimit.MemoryLimit(limit) as g:
         t = time.perf_counter()
@@ -183,6 +193,7 @@ def tierlm_side(model: Path, fmt: str, a, limit: int, work: Path) -> dict:
             r = {"engine": "tierlm", "weights": fmt, "error": f"exit {p.returncode}:\n{tail}"}
         r["wall_s"] = time.perf_counter() - t
         r["cgroup"] = g.stats()
+    r["ssd_read_gbps"] = ssd
     return r
 
 
@@ -202,6 +213,10 @@ def _peak(r: dict) -> str:
     return f"{c['peak'] / GIB:.2f} GiB" + (f", {c['oom_kills']} OOM kill" if c["oom_kills"] else "")
 
 
+def _ssd(r: dict) -> str:
+    return f"{r['ssd_read_gbps']:.2f}" if "ssd_read_gbps" in r else "—"
+
+
 def _note(r: dict) -> str:
     if "error" in r:
         return r["error"].splitlines()[0][:120]
@@ -211,8 +226,8 @@ def _note(r: dict) -> str:
 
 def table(rows: list[dict], limit: int) -> list[str]:
     """Markdown: one line per engine, format and memory condition."""
-    out = ["| engine | weights | memory | prefill tok/s | decode tok/s | cgroup peak | note |",
-           "|---|---|---|---|---|---|---|"]
+    out = ["| engine | weights | memory | prefill tok/s | decode tok/s | cgroup peak | SSD GB/s before | note |",
+           "|---|---|---|---|---|---|---|---|"]
     lim = f"cgroup {limit / GIB:.2f} GiB"
     for row in rows:
         fmt, gguf = row["format"], llamacpp.FORMATS[row["format"]]
@@ -224,7 +239,7 @@ def table(rows: list[dict], limit: int) -> list[str]:
             runs.append(("tierlm", fmt, f"{lim}, --cpu-mem {row['tierlm'].get('cpu_mem', '?')}", row["tierlm"]))
         for who, w, mem, r in runs:
             out.append(f"| {who} | {w} | {mem} | {_rate(r, 'prefill_tok_s', 1)} | {_rate(r, 'decode_tok_s', 2)} "
-                       f"| {_peak(r)} | {_note(r)} |")
+                       f"| {_peak(r)} | {_ssd(r)} | {_note(r)} |")
     return out
 
 
@@ -242,7 +257,7 @@ def parse_args(argv=None):
     p.add_argument("--tokens", type=int, default=32, help="decode: tokens generated after the prompt (-n, -d)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reps", type=int, default=2, help="measured runs of each (llama-bench -r)")
-    p.add_argument("--no-mmap", action="store_true", help="also run llama.cpp under the limit with -mmp 0")
+    p.add_argument("--no-mmap", action="store_true", help="also run llama.cpp under the limit with -lm none (no mmap)")
     p.add_argument("--no-tierlm", action="store_true", help="llama.cpp's side only")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--tierlm-job", default=None, help=argparse.SUPPRESS)  # the child process's work

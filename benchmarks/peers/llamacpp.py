@@ -180,7 +180,7 @@ def measure(peer: LlamaCpp, gguf: Path, prompt_len: int, tokens: int, threads: i
     """Prefill and decode tokens/s of one GGUF by llama-bench, as tierlm's engine is measured: prefill
     of a `prompt_len`-token prompt, then `tokens` decoded after that prompt (-d: the KV cache holds
     it). Means over `reps` runs after llama-bench's warm-up, with their spread and the commands.
-    `extra`: more llama-bench arguments (e.g. -mmp 0); `wrap`: how each command is started (e.g.
+    `extra`: more llama-bench arguments (e.g. -lm none: no mmap); `wrap`: how each command is started (e.g.
     benchmarks/peers/memlimit.MemoryLimit.command, inside a memory cgroup)."""
     common = ["-t", str(threads), "-r", str(reps), *extra]
     pp, cmd_p = _bench(peer, gguf, ["-p", str(prompt_len), "-n", "0", *common], wrap)

@@ -93,10 +93,10 @@ def test_measure_passes_extra_arguments_and_runs_through_wrap(tmp_path):
     def wrap(cmd):
         wrapped.append(cmd)
         return ["/bin/sh", "-c", 'exec "$@"', "sh", *cmd]
-    r = llamacpp.measure(peer, Path("m.gguf"), 16, 4, 2, reps=1, extra=("-mmp", "0"), wrap=wrap)
+    r = llamacpp.measure(peer, Path("m.gguf"), 16, 4, 2, reps=1, extra=("-lm", "none"), wrap=wrap)
     assert r["decode_tok_s"] == 12.5 and r["prefill_tok_s_sd"] == 0.5 and r["build"] == "abc1234 (build 1)"
     calls = (tmp_path / "calls").read_text().splitlines()
-    assert len(calls) == 2 == len(wrapped) and all(c.endswith("-mmp 0") for c in calls)
+    assert len(calls) == 2 == len(wrapped) and all(c.endswith("-lm none") for c in calls)
     assert "-d 16" in calls[1] and r["commands"] == wrapped
 
 
