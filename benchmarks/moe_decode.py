@@ -1,8 +1,9 @@
 """A mixture of experts larger than the memory it may use, decoded by tierlm and by llama.cpp side by side.
 
     benchmarks/peers/build_llama_cpp.sh          # once: llama.cpp built at /work/peers/llama.cpp
+    python benchmarks/moe_decode.py --llama-cpp /work/peers/llama.cpp --prepare   # model, GGUF, store
     flock /tmp/tierlm-bench.lock python benchmarks/moe_decode.py --llama-cpp /work/peers/llama.cpp \
-        --dir /work/bench-moe/qwen3-30b-a3b-9l --layers 9 --cpu-mem 2.75GiB --json moe_decode.json
+        --dir /work/bench-moe/qwen3-30b-a3b-9l --layers 9 --cpu-mem 2.75GiB --no-mmap --json moe_decode.json
 
 A model of the preset's shape (default Qwen3-30B-A3B: 128 experts, 8 a token) with --layers decoder
 layers is created with random weights (tierlm.hf.init, a tokenizer the converter reads), converted
@@ -35,15 +36,22 @@ from tierlm.units import fmt_bytes  # noqa: E402
 GIB = 1 << 30
 
 
-def model_config(preset: str, layers: int):
+def model_config(preset: str, layers: int, init_std: float):
     from tierlm.hf.presets import make_config
-    return make_config(None, preset, {"layers": layers})
+    config = make_config(None, preset, {"layers": layers})
+    config.initializer_range = init_std
+    return config
 
 
 def ensure_model(model: Path, config) -> None:
     """The HF directory (bf16 weights in the family's own tensor names) and a tokenizer the converter
-    takes; kept when already there."""
-    if not (model / "config.json").exists():
+    takes; kept when already there (and made with the same init std)."""
+    if (model / "config.json").exists():
+        have = json.loads((model / "config.json").read_text()).get("initializer_range")
+        if have != config.initializer_range:
+            raise SystemExit(f"{model} was made with initializer_range {have}, not {config.initializer_range}: "
+                             f"remove its work directory (model, GGUF, store) or pass --init-std {have}")
+    else:
         from tierlm.hf.init import init_model
         init_model(model, config, dtype="bfloat16", tokenizer=False)  # ensure_tokenizer writes it
     llamacpp.ensure_tokenizer(model, config.vocab_size)
@@ -248,6 +256,12 @@ def parse_args(argv=None):
     p.add_argument("--llama-cpp", default=None, help="llama.cpp build directory (default: llama-bench on PATH)")
     p.add_argument("--preset", default="qwen3-30b-a3b")
     p.add_argument("--layers", type=int, default=9, help="decoder layers (the preset's shape, fewer of them)")
+    # With random weights the attention output (~std^2 * sqrt(hidden * heads * head_dim)) drowns the
+    # token's embedding (~std) at the usual 0.02, so every token after the first layer carries nearly
+    # the same hidden state and routes to the same ~12 of 128 experts; at 5e-4 the two are comparable
+    # and 32 tokens pick 94-120 distinct experts a layer (uniform routing: 112). Top-k routing only
+    # ranks the logits, so their small scale does not matter.
+    p.add_argument("--init-std", type=float, default=5e-4, help="initializer_range of the random weights")
     p.add_argument("--dir", default="/work/bench-moe/qwen3-30b-a3b-9l", help="work directory: model, GGUF, store")
     p.add_argument("--cpu-mem", default="2.75GiB", help="tierlm's --cpu-mem, and the memory limit's base")
     p.add_argument("--allowance", default="512MiB", help="added to --cpu-mem for the cgroup limit of both engines: "
@@ -259,6 +273,8 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=2, help="measured runs of each (llama-bench -r)")
     p.add_argument("--no-mmap", action="store_true", help="also run llama.cpp under the limit with -lm none (no mmap)")
     p.add_argument("--no-tierlm", action="store_true", help="llama.cpp's side only")
+    p.add_argument("--prepare", action="store_true", help="only create the model, GGUF files and tierlm's store "
+                   "(outside the timing lock), then exit")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--tierlm-job", default=None, help=argparse.SUPPRESS)  # the child process's work
     return p.parse_args(argv)
@@ -292,11 +308,16 @@ def main(argv=None):
     kind = machine_kind()
     print(f"machine: {machine_line(kind)}", flush=True)
     work = Path(a.dir)
-    config = model_config(a.preset, a.layers)
+    config = model_config(a.preset, a.layers, a.init_std)
     sz = sizes(config, a.preset)
     model = work / "model"
     ensure_model(model, config)
     ggufs, prep = llamacpp.gguf_files(peer, model, work / "gguf", a.formats, a.threads)
+    if a.prepare:
+        for fmt in [] if a.no_tierlm else a.formats:
+            p = subprocess.run(_tierlm_cmd(model, fmt, a, work / "tierlm-store" / fmt, 1, 2))
+            print(f"tierlm's {fmt} store: " + ("ready" if p.returncode == 0 else f"not made (exit {p.returncode})"))
+        return None
     rows = []
     for fmt in a.formats:
         row = {"format": fmt, "gguf_bytes": ggufs[fmt].stat().st_size,

@@ -114,3 +114,12 @@ def test_moe_decode_table_and_child_output():
     assert "--cpu-mem 2.75GiB" in lines[3] and "hit rate 62.5%" in lines[3]
     out = "loading\n" + json.dumps({"decode_tok_s": 1.5}) + "\n"
     assert moe_decode._last_json(out) == {"decode_tok_s": 1.5} and moe_decode._last_json("no json") is None
+
+
+def test_moe_decode_refuses_a_model_made_with_another_init(tmp_path):
+    import moe_decode
+    config = moe_decode.model_config("qwen3-30b-a3b", 2, 5e-4)
+    assert config.initializer_range == 5e-4 and config.num_hidden_layers == 2
+    (tmp_path / "config.json").write_text(json.dumps({"initializer_range": 0.02}))
+    with pytest.raises(SystemExit, match="initializer_range 0.02"):
+        moe_decode.ensure_model(tmp_path, config)
