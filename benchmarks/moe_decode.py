@@ -227,6 +227,8 @@ def _ssd(r: dict) -> str:
 
 def _note(r: dict) -> str:
     if "error" in r:
+        if r.get("cgroup", {}).get("oom_kills"):
+            return "killed at the limit (out of memory)"
         return r["error"].splitlines()[0][:120]
     ec = r.get("expert_cache")
     return f"expert cache hit rate {ec['hit_rate']:.1%}" if ec else ""

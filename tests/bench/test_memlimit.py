@@ -110,7 +110,7 @@ def test_moe_decode_table_and_child_output():
     head, _, *lines = moe_decode.table(rows, 3 << 30)
     assert "cgroup peak" in head and len(lines) == 4
     assert "| llama.cpp | BF16 | no limit | 50.0 ± 1.0 | 4.00 ± 0.10 | — |" in lines[0]
-    assert "3.00 GiB, 1 OOM kill" in lines[2] and "killed" in lines[2]
+    assert "3.00 GiB, 1 OOM kill" in lines[2] and "killed at the limit" in lines[2]
     assert "--cpu-mem 2.75GiB" in lines[3] and "hit rate 62.5%" in lines[3]
     out = "loading\n" + json.dumps({"decode_tok_s": 1.5}) + "\n"
     assert moe_decode._last_json(out) == {"decode_tok_s": 1.5} and moe_decode._last_json("no json") is None
