@@ -125,11 +125,32 @@ def layer_activation_bytes(config, tokens: int, dtype: torch.dtype, seq: int | N
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     kv_dim = h // heads * kv
-    per_token = 10 * h + 4 * inter + 4 * kv_dim
+    per_token = 10 * h + 4 * inter + 4 * kv_dim + _routed_bytes_per_token(config, inter)
     out = tokens * per_token * dtype.itemsize
     if flash_attention(config):
         return out + 4 * heads * tokens
     return out + SCORE_SAVED_BYTES * heads * tokens * min(seq or tokens, tokens)
+
+
+def _routed_bytes_per_token(config, inter: int) -> int:
+    """What a mixture of experts adds (in elements a token): each of its top-k experts holds the
+    token's hidden state, its own MLP width and its output (transformers' grouped product sorts a
+    copy of the hidden states by expert), and their gradients in backward; a shared expert adds its
+    width. The dense MLP width counted above is not the experts' (Qwen3-MoE's intermediate_size is
+    a dense layer's; the routed width is top-k x moe_intermediate_size). A Qwen3-MoE-shaped model
+    (hidden 1024, 64 experts, top 8, width 512) at 2 x 512 tokens in bf16 peaked 220 MiB past its
+    --cpu-mem 1536MiB counted as a dense layer, 40 MiB past with 6 hidden states an expert: 8 here."""
+    from ..hf.fields import ROLES
+
+    def first(*names):
+        return next((v for v in (getattr(config, n, None) for n in names) if v), None)
+    k = first(*ROLES["experts_per_token"])
+    experts = first("num_local_experts", "num_experts", "n_routed_experts")
+    if not k or not experts:
+        return 0
+    width = first(*ROLES["expert_intermediate"]) or inter
+    shared = first(*ROLES["shared_intermediate"]) or (first("n_shared_experts") or 0) * width
+    return 4 * (k * width + shared) + 8 * k * config.hidden_size
 
 
 # Per-thread scratch of the kernels one layer runs, which grows with the thread count (a 64-core
