@@ -17,6 +17,7 @@ from ..storage import CorruptionError, StorageError
 from ..storage.packed import pack_name
 from ..storage import commit as C
 from ..storage.layout import key
+from .expert_state import ExpertShards, committed_slot, has_moments
 
 _MANAGED = ("act", "w0", "w1", "master0", "master1", "m0", "m1", "v0", "v1", "grad", "gacc", "packs", "checkpoints")
 
@@ -27,7 +28,10 @@ class DurableState:
                 "shard_elems": self.shard_elems,
                 # only when not fp32: states committed before the option existed still resume
                 **({"optim_states": self.cfg.optim_states} if self.cfg.optim_states != "fp32" else {}),
-                "params": {n: list(i.shape) for n, i in self.infos.items()}}
+                "params": {n: list(i.shape) for n, i in self.infos.items()},
+                # only with stacked experts, cut by expert: states committed before stay dense-cut
+                **({"expert_shards": experts} if (experts := {n: i.experts for n, i in self.infos.items()
+                                                              if i.experts}) else {})}
 
     def _load_or_import(self, source, resume: bool, overwrite: bool) -> dict:
         if self.dist is not None:
@@ -47,6 +51,9 @@ class DurableState:
             m.unlink()
         state = {"format": 1, "fingerprint": self._fingerprint(), "step": 0,
                  "optim": {"slots": {n: 0 for n in self.infos}, "steps": {n: 0 for n in self.infos}}}
+        if self.dist is None and self.cfg.optim.weight_decay == 0:
+            # experts no token reaches keep their state untouched (expert_state.py)
+            state["optim"].update(ExpertShards.initial(self.infos))
         if self.dist is not None:
             state["dist"] = self.dist.describe()
         for name, info in self.infos.items():
@@ -94,13 +101,15 @@ class DurableState:
 
     def _current_keys(self, state: dict | None = None) -> list[str]:
         state = state or self.state
-        slots, steps = state["optim"]["slots"], state["optim"]["steps"]
+        optim = state["optim"]
         keys = []
         for n, info in self.infos.items():
-            s = slots[n]
-            kinds = (["master"] + (["m", "v"] if steps[n] > 0 else [])) if self._owned(n) else []
+            shards = range(len(info.shards))
+            kinds = (["master", "m", "v"] if optim["steps"][n] > 0 else ["master"]) if self._owned(n) else []
             kinds += ["w"] if self._wkind(n) == "w" else []
-            keys += [key(kind, n, k, s) for kind in kinds for k in range(len(info.shards))]
+            # (a fresh expert shard has no moments yet, and its own slot: expert_state.py)
+            keys += [key(kind, n, k, committed_slot(optim, n, k)) for kind in kinds for k in shards
+                     if kind not in ("m", "v") or has_moments(optim, n, k)]
         return keys
 
     def _write_manifest(self, state: dict | None = None) -> None:

@@ -28,7 +28,8 @@ from ..hf.baseline import library_baseline
 from ..hf.names import load_buffers, model_to_checkpoint
 from ..hf.stacked import read_param
 from ..hf.safetensors_io import SafetensorsDir
-from ..hf.structure import discover_blocks, empty_model, module_param_slots, weights_before_layers
+from ..hf.structure import (discover_blocks, empty_model, module_param_slots, stacked_experts,
+                            weights_before_layers)
 from ..plan.budget import chunk_tokens
 from ..plan.settings import Measured, TrainSettings
 from ..storage import HostBufferPool, TensorStore
@@ -48,6 +49,7 @@ from .heap import HeapGuard
 from .next_rows import NextRows
 from .optimizer import AdamWConfig, OptimizerDeps, OutOfCoreAdamW, OutOfCoreOptions, StepResult
 from .tied import TiedHeadGrad
+from .expert_io import ExpertIO
 from .timeline import Timeline
 from .weights import WeightWindow
 
@@ -110,7 +112,11 @@ class Engine(DurableState, Exports, BlockResidency):
         self.shard_elems, self.shard_why = settings.shard_elems.value, settings.shard_elems.why
         self.prefetch, self.prefetch_why = settings.prefetch.value, settings.prefetch.why
         self.io_threads, self.io_threads_why = settings.io_threads.value, settings.io_threads.why
-        self.infos = {n: make_param_info(n, tuple(p.shape), self.shard_elems) for n, p in params.items()}
+        # a stacked experts' parameter is cut on expert boundaries: an expert no token reached
+        # then owns shards of its own, which the optimizer can leave alone (expert_state.py)
+        experts = stacked_experts(model)
+        self.infos = {n: make_param_info(n, tuple(p.shape), self.shard_elems, experts.get(n, 0))
+                      for n, p in params.items()}
         self._install_params(model)
         self.hooks = ParamRefHooks()
         self.next_rows: NextRows | None = None  # the next forward's embedding rows (expect)
@@ -144,10 +150,12 @@ class Engine(DurableState, Exports, BlockResidency):
         weight_dtype = None if self.dtype == torch.float32 else self.dtype
         backward_order = [n for blk in reversed(self.blocks) for n in blk.owns]
         self.acts = ActivationPlanner(self, on_event)
+        self.expert_io = ExpertIO(self.infos)  # the stacked experts' state bytes, expert by expert
         self.hooks.swapper = self.acts.swapper
         self.optimizer = OutOfCoreAdamW(
-            OptimizerDeps(self.store, self.opt_pool, state_cache=self.cache_pool, dist=dist, on_event=on_event,
-                          on_new_weights=self._new_weights),
+            OptimizerDeps(self.expert_io.wrap(self.store), self.opt_pool, state_cache=self.cache_pool, dist=dist,
+                          on_event=on_event,
+                          on_new_weights=self._new_weights, on_unchanged=self._unchanged_weights),
             self.infos, [n for n in backward_order if self._owned(n)], self.names, cfg.optim, self.state["optim"],
             OutOfCoreOptions(weight_dtype, cfg.optim_states, max_pending_grad_bytes=self.split.pending_grads,
                              clip_path=cfg.clip_path))
@@ -158,7 +166,7 @@ class Engine(DurableState, Exports, BlockResidency):
         self.force_commit = False  # the trainer's: the next step commits whatever the interval
         self._durable = True
         self.window = WeightWindow(self.store, self.window_pool, self.infos, self.dtype,
-                                   lambda n, k: key(self._wkind(n), n, k, self.optimizer.weights_slot(n)),
+                                   lambda n, k: key(self._wkind(n), n, k, self.optimizer.weights_slot(n, k)),
                                    stash=self.split.weights_kept > 0)
         self.uploads = Uploads(self.device, self.window) if self.on_gpu else None
         # Deferred commit: the next forward reads (the store orders each read after the write of
@@ -314,6 +322,8 @@ class Engine(DurableState, Exports, BlockResidency):
                 else "clip redo" if self.cfg.optim.max_grad_norm else "finish")
         with self.timeline.span("wait", what):
             self._result = self.optimizer.finish_step()
+        skipped, self.optimizer.skip_log = self.optimizer.skip_log, []
+        self._result.experts = self.expert_io.lap(skipped)
         self.acts.waited(time.perf_counter() - t0)
         if self.dist is not None and self._result.finite:
             with self.timeline.span("wait", "weights from owners"):
@@ -404,6 +414,10 @@ class Engine(DurableState, Exports, BlockResidency):
             self.reducer.grad(name, g)  # summed over the ranks into the owner's optimizer
         else:
             self.optimizer.grad_ready(name, g, held=held)
+
+    def _unchanged_weights(self, name: str, shard: int) -> None:
+        """A fresh expert shard the optimizer left alone: its weights in the window stand."""
+        self.window.unchanged(name, shard)
 
     def _owned(self, name: str) -> bool:
         """Does this process hold the parameter's master weights and moments?"""

@@ -55,7 +55,7 @@ class Exports:
         self.flush()
         info = self.infos[name]
         out = torch.empty(info.numel, dtype=dtype)
-        futs = [self.store.read_into(key(kind, name, k, self.optimizer.slots[name]), out[a:b])
+        futs = [self.store.read_into(key(kind, name, k, self.optimizer.committed_slot(name, k)), out[a:b])
                 for k, (a, b) in enumerate(info.shards)]
         for f in futs:
             f.result()

@@ -90,6 +90,13 @@ class ReadAhead:
         self._done.add(nk)
         return it
 
+    def make_room(self) -> bool:
+        """Drop what was read ahead furthest, for a shard needed now; False: nothing is."""
+        if not self._prepared:
+            return False
+        self._drop(next(reversed(self._prepared)))
+        return True
+
     def close(self) -> None:
         """Give back what was read ahead for parameters that got no gradient (or after a failure)."""
         for nk in list(self._prepared):

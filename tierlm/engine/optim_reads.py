@@ -12,7 +12,7 @@ from .optim_types import ShardItem, StateFormat
 
 
 class ShardReader:
-    """slot_of(name): the slot holding the parameter's newest state; steps: the updates each
+    """slot_of(name, shard): the slot holding the shard's newest state; steps: the updates each
     parameter has had (the optimizer advances them as steps end)."""
 
     def __init__(self, store: TensorStore, pool: HostBufferPool, fmt: StateFormat, cache: StateCache,
@@ -97,11 +97,11 @@ class ShardReader:
     def _read(self, it: ShardItem, mode: str, micro: int, cached: dict | None,
               saved_dtype: torch.dtype | None) -> None:
         n = it.b - it.a
-        slot = self.slot_of(it.name)
+        slot = self.slot_of(it.name, it.shard)
         view = lambda tag: self.fmt.view(it.bufs, tag, n)
         if mode in ("update", "redo", "apply") and not cached:
             it.reads.append(self.store.read_into(key("master", it.name, it.shard, slot), view("master"), True))
-            if self.steps[it.name] > 0:
+            if self.steps[it.name] > 0 and not it.fresh:
                 m, v = ("qm", "qv") if self.fmt.quant else ("m", "v")
                 it.reads.append(self.store.read_into(key("m", it.name, it.shard, slot), view(m), True))
                 it.reads.append(self.store.read_into(key("v", it.name, it.shard, slot), view(v), True))
@@ -111,5 +111,7 @@ class ShardReader:
         if mode in ("redo", "apply"):
             dst = view("g") if saved_dtype == torch.float32 else it.bufs["gl"].view(saved_dtype, (n,))
             it.reads.append(self.store.read_into(key("grad", it.name, it.shard), dst, True))
+        elif micro > 0 and it.acc_zero:  # never written: the earlier micro-batches' sum is zero
+            view("g").zero_()
         elif micro > 0:
             it.reads.append(self.store.read_into(key("gacc", it.name, it.shard), view("g"), True))

@@ -37,6 +37,7 @@ class StepResult:
     redone: bool
     finite: bool
     clip_path: str = "speculate"  # speculate (update beside backward, redo if it clips) | hold (update after the norm)
+    experts: dict | None = None  # stacked experts' state I/O of the step (Engine.finish; expert_io.py)
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class OptimizerDeps:
     dist: object | None = None
     on_event: Callable | None = None
     on_new_weights: Callable | None = None
+    on_unchanged: Callable | None = None  # (name, shard): a fresh expert shard left alone keeps its weights
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,8 @@ class StateFormat:
 class ShardItem:
     """One (parameter, shard) of work, with its buffers once prepared."""
 
-    __slots__ = ("name", "shard", "a", "b", "bufs", "reads", "keep", "cached", "src", "last", "_left", "_lock")
+    __slots__ = ("name", "shard", "a", "b", "bufs", "reads", "keep", "cached", "src", "last", "_left", "_lock",
+                 "fresh", "lazy", "acc_zero")
 
     def __init__(self, name: str, shard: int, a: int, b: int):
         self.name, self.shard, self.a, self.b = name, shard, a, b
@@ -127,6 +130,9 @@ class ShardItem:
         self.reads: list[Future] = []
         self.keep: set[str] = set()  # buffers from the state cache: they stay resident after the step
         self.cached: set[str] = set()  # of those, the ones holding the committed state (a cache hit)
+        self.fresh = False     # a fresh expert shard: its moments are zero, with no file (expert_state.py)
+        self.lazy = False      # ... not prepared until its gradient is known (it may be left alone)
+        self.acc_zero = False  # ... whose accumulated gradient is known zero (not read)
         self._lock = threading.Lock()
 
     def release(self) -> None:

@@ -69,7 +69,7 @@ class ShardUpdate:
         view = lambda tag: self.fmt.view(it.bufs, tag, n)
         master, m, v = view("master"), view("m"), view("v")
         if self.fmt.quant:
-            if step > 0:
+            if step > 0 and not it.fresh:
                 SQ.decode(self.fmt.states, view("qm"), m, signed=True)
                 SQ.decode(self.fmt.states, view("qv"), v, signed=False)
             else:

@@ -34,6 +34,7 @@ from ..storage.layout import ParamInfo, key
 from .cache_policy import StateCache
 from .grad_norm import grad_norm
 from .optim_grads import GradQueue
+from .optim_experts import ExpertsMixin
 from .optim_norms import NormsMixin
 from .optim_readahead import ArrivalOrder, ReadAhead, shards_of, update_sequence
 from .optim_reads import ShardReader
@@ -42,7 +43,7 @@ from .optim_types import (EARLY, AdamWConfig, OptimizerDeps, OptimizerError, Out
 from .optim_update import ShardUpdate, clipped_grad, fp32_grad
 
 
-class OutOfCoreAdamW(NormsMixin):
+class OutOfCoreAdamW(NormsMixin, ExpertsMixin):
     def __init__(self, deps: OptimizerDeps, infos: dict[str, ParamInfo], order: list[str],
                  canonical: list[str], cfg: AdamWConfig, state: dict,
                  opts: OutOfCoreOptions = OutOfCoreOptions()):
@@ -52,6 +53,7 @@ class OutOfCoreAdamW(NormsMixin):
         state: the persisted optimizer state dict ({'slots', 'steps'}) - mutated on commit."""
         self.store, self.infos, self.cfg, self.canonical = deps.store, infos, cfg, canonical
         self.dist, self.on_event, self.on_new_weights = deps.dist, deps.on_event, deps.on_new_weights
+        self.on_unchanged = deps.on_unchanged
         self.state_cache = deps.state_cache
         self.slots: dict[str, int] = state.setdefault("slots", {n: 0 for n in infos})
         self.steps: dict[str, int] = state.setdefault("steps", {n: 0 for n in infos})
@@ -76,6 +78,7 @@ class OutOfCoreAdamW(NormsMixin):
         self._pending_new: set[str] = set()
         self._apply_fut: Future | None = None
         self._slot_lock = threading.Lock()
+        self._init_experts(state, cfg)
         self.reader = ShardReader(deps.store, deps.pool, fmt, self.cache, self.read_slot, self.steps)
         self.update = ShardUpdate(deps.store, cfg, fmt)
         self.queue = GradQueue(opts.max_pending_grad_bytes, deps.on_event)
@@ -121,6 +124,8 @@ class OutOfCoreAdamW(NormsMixin):
             self._sq.clear()
             self._updated.clear()
             self._early_done.clear()
+            self._skip = set()
+            self._zero_acc = set()
         self.queue.open()
         self._run = self._exec.submit(self._consume, micro, n_micro)
 
@@ -159,17 +164,6 @@ class OutOfCoreAdamW(NormsMixin):
         finally:
             self.queue.clear()
 
-    def read_slot(self, name: str) -> int:
-        """The slot holding the parameter's newest state."""
-        with self._slot_lock:
-            return 1 - self.slots[name] if name in self.dirty else self.slots[name]
-
-    def weights_slot(self, name: str) -> int:
-        """The slot holding (or, while a deferred update writes them, promised) its newest weights."""
-        with self._slot_lock:
-            new = name in self.dirty or name in self._pending_new
-            return 1 - self.slots[name] if new else self.slots[name]
-
     def commit(self, durable: bool = True) -> list[Future]:
         """The step's updates become the newest state; durable: the committed one (make_durable).
         Returns the writes in flight that the commit must wait for."""
@@ -178,6 +172,7 @@ class OutOfCoreAdamW(NormsMixin):
                 self.steps[n] += 1
             self.dirty |= self._updated
             self._pending_new = set()
+            self.experts.step_ended(True)
         self._updated.clear()
         self.cache.commit()
         return self.make_durable() if durable else []
@@ -190,12 +185,13 @@ class OutOfCoreAdamW(NormsMixin):
             bufs, n = self.cache.resident[(name, k)], self.infos[name].shards[k][1] - self.infos[name].shards[k][0]
             for tag in self.fmt.state_tags:
                 kind = {"qm": "m", "qv": "v"}.get(tag, tag)
-                futs.append(self.store.write(key(kind, name, k, 1 - self.slots[name]), self.fmt.view(bufs, tag, n)))
+                futs.append(self.store.write(key(kind, name, k, self.write_slot(name, k)), self.fmt.view(bufs, tag, n)))
         self.cache.unwritten.clear()
         with self._slot_lock:
             for n in self.dirty:
                 self.slots[n] = 1 - self.slots[n]
             self.dirty.clear()
+            self.experts.made_durable(self.slots)
         return futs
 
     def mark_updated(self, name: str) -> None:
@@ -209,6 +205,7 @@ class OutOfCoreAdamW(NormsMixin):
         """Forget this step's speculative writes (a non-finite step): the old slot stays current,
         and the cached copies that held this step's values are dropped (the disk has the state)."""
         self._updated.clear()
+        self.experts.step_ended(False)
         self.cache.discard()
 
     def drop_cache(self) -> None:
@@ -269,7 +266,8 @@ class OutOfCoreAdamW(NormsMixin):
             self._pending_new = set(names)
         if self.on_apply_start is not None:
             self.on_apply_start(names)  # before the first offer: the window's entries await them
-        self.store.reserve([key(kind, n, k, 1 - self.slots[n]) for n in names for k in range(len(self.infos[n].shards))])
+        self.store.reserve([key(kind, n, k, self.write_slot(n, k)) for n in names
+                            for k in range(len(self.infos[n].shards)) if (n, k) not in self._skip])
         self._apply_fut = self._exec.submit(self._apply, coef, names)
 
     @property
@@ -294,7 +292,8 @@ class OutOfCoreAdamW(NormsMixin):
         """One pass over the arrivals (the gradients as handed over, or `names` in a redo): mode
         update, accumulate (a micro-batch before the last) or redo (the clip's)."""
         order = names if names is not None else self.arrivals.predicted
-        ahead = ReadAhead([(real, k) for n in order for real, ks in [self._shards_of(n)] for k in ks],
+        ahead = ReadAhead([(real, k) for n in order for real, ks in [self._shards_of(n)] for k in ks
+                           if not self._left_alone(mode, real, k)],
                           self.lookahead, lambda n, k, blocking: self._prepared(n, k, mode, micro, blocking),
                           self.reader.abandon)
         writes: list[Future] = []  # in flight; a failure anywhere waits for all of them
@@ -329,18 +328,29 @@ class OutOfCoreAdamW(NormsMixin):
     def _prepared(self, name: str, k: int, mode: str, micro: int, blocking: bool) -> ShardItem | None:
         a, b = self.infos[name].shards[k]
         it = ShardItem(name, k, a, b)
+        it.fresh = self.experts.is_fresh(name, k)
+        if it.fresh and self.skip_ok and mode in ("update", "accumulate", "hold") \
+                and (micro == 0 or (name, k) in self._zero_acc):
+            it.lazy = True  # nothing read until its gradient shows whether it is left alone
+            return it
         return it if self.reader.prepare(it, mode, micro, blocking) else None
 
     def _update_arrival(self, name: str, mode: str, micro: int, clip, ahead: ReadAhead,
                         writes: list[Future]) -> None:
         """Update (or accumulate) the shards of one arrival; `writes` (in flight) gets theirs."""
         real, ks = self._shards_to_update(name, mode, micro)
+        alone = [k for k in ks if self._left_alone(mode, real, k)]
+        if alone:
+            ks = [k for k in ks if k not in alone]
+            self._pass_over(real, alone, mode)
         if not ks:
             self.queue.done_with(name)
         for i, k in enumerate(ks):
             it = ahead.take((real, k))
             it.src, it.last = name, i == len(ks) - 1
             ahead.fill()  # per shard: a many-shard parameter's next states are read during this update
+            if it.lazy and self._lazy(it, mode, micro, ahead):
+                continue
             for f in it.reads:
                 f.result()
             ws, written = self._process(it, mode, micro, clip)
@@ -384,8 +394,9 @@ class OutOfCoreAdamW(NormsMixin):
             writes, written = self._save_grad(it, mode, micro, g, raw) if mode == "update" else ([], set())
             # between commits a shard the cache keeps is written by the commit, not by the step
             write_state = self.durable or not it.keep
-            ws, wr, w = self.update.apply(it, g, self.steps[it.name], self.lr, 1 - self.slots[it.name],
+            ws, wr, w = self.update.apply(it, g, self.steps[it.name], self.lr, self.write_slot(it.name, it.shard),
                                           write_state)
+            self.experts.updated(it.name, it.shard)
             (self.cache.unwritten.discard if write_state else self.cache.unwritten.add)((it.name, it.shard))
             writes += ws
             written |= wr

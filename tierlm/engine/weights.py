@@ -25,7 +25,7 @@ from ..storage.layout import ParamInfo, nbytes
 
 
 class _Entry:
-    __slots__ = ("buffer", "tensor", "reads", "pins", "tick", "renewed", "fresh", "awaiting")
+    __slots__ = ("buffer", "tensor", "reads", "pins", "tick", "renewed", "fresh", "awaiting", "stale")
 
     def __init__(self, buffer: Buffer, tensor: torch.Tensor, reads: list[Future]):
         self.buffer, self.tensor, self.reads = buffer, tensor, reads
@@ -35,6 +35,8 @@ class _Entry:
         self.renewed: set[int] = set()  # shards holding this step's new values
         # (buffer, tensor) holding the renewed shards where a block held `tensor` at the offer
         self.fresh: tuple[Buffer, torch.Tensor] | None = None
+        # shards holding no values: the stash became the entry before they were offered
+        self.stale: set[int] = set()
 
 
 class WeightWindow:
@@ -263,6 +265,7 @@ class WeightWindow:
                     # the commit (they had taken a whole backward's worth of the window)
                     old, (e.buffer, e.tensor), e.fresh = e.buffer, e.fresh, None
                     old.release()
+                    e.stale = set(range(len(self.infos[n].shards))) - e.renewed
 
     def offer(self, name: str, shard: int, values: torch.Tensor) -> None:
         """The step's new working weights of one shard (called before they are written). Only an
@@ -301,7 +304,35 @@ class WeightWindow:
             a, b = self.infos[name].shards[shard]
             (e.fresh[1] if e.fresh is not None else e.tensor).view(-1)[a:b].copy_(values)
             e.renewed.add(shard)
+            if e.fresh is None:
+                e.stale.discard(shard)
             self.renewed_bytes += values.numel() * values.element_size()
+
+    def unchanged(self, name: str, shard: int) -> None:
+        """The step left one shard's weights as they were (a fresh expert shard: expert_state.py):
+        an entry holding them holds the new ones, as if offered."""
+        if name in self._deferring:
+            if not self._lock.acquire(timeout=0.05):
+                return  # (as an offer: the entry is read back at the update's end)
+            try:
+                e = self._entries.get(name)
+                if e is not None and e.awaiting:
+                    e.awaiting.discard(shard)
+                    if not e.awaiting:
+                        self._renewal.notify_all()
+            finally:
+                self._lock.release()
+            return
+        with self._lock:
+            e = self._entries.get(name)
+            if e is None or (e.pins and not self.stash) or shard in e.stale:
+                return  # (an entry not renewed whole is dropped at the commit, then read again)
+            for f in e.reads:
+                f.result()
+            if e.fresh is not None:  # a stash holds the renewed shards: this one's values too
+                a, b = self.infos[name].shards[shard]
+                e.fresh[1].view(-1)[a:b].copy_(e.tensor.view(-1)[a:b])
+            e.renewed.add(shard)  # (a stash made later copies the renewed shards from the entry)
 
     def invalidate_all(self, keep_renewed: bool = True) -> None:
         """A step committed (keep_renewed) or was dropped: keep the entries whose every shard holds
@@ -311,7 +342,7 @@ class WeightWindow:
                 if e.pins == 0 and not (keep_renewed and len(e.renewed) == len(self.infos[n].shards)):
                     self._drop(n)
                 else:
-                    e.renewed = set()
+                    e.renewed, e.stale = set(), set()
                     # kept for the next forward, which needs them before anything it reads ahead:
                     # as read-ahead entries, prefetch cannot evict them (by the last use in
                     # backward they were the least recently used, and prefetching block i+2

@@ -161,3 +161,28 @@ def module_param_slots(model: nn.Module) -> dict[str, list[tuple[nn.Module, str]
             if p is not None:
                 slots[canon[id(p)]].append((mod, attr))
     return slots
+
+
+def experts_modules(layer: nn.Module) -> list[tuple[str, nn.Module, list[str]]]:
+    """(name, module, its stacked parameters) of each experts module in a decoder layer (or a
+    model): a module transformers' experts implementations dispatch for
+    (`use_experts_implementation`), whose parameters of `num_experts` rows along the first dimension
+    are the experts'."""
+    out = []
+    for name, mod in layer.named_modules():
+        if not (hasattr(mod, "_is_expert_parallel") and isinstance(getattr(mod, "num_experts", None), int)):
+            continue
+        stacked = [a for a, p in mod._parameters.items()
+                   if p is not None and p.dim() >= 2 and p.shape[0] == mod.num_experts]
+        if stacked:
+            out.append((name, mod, stacked))
+    return out
+
+
+def stacked_experts(model: nn.Module) -> dict[str, int]:
+    """canonical parameter name -> its number of experts, for every stacked experts' parameter
+    ([experts, ...]: Mixtral's `mlp.experts.gate_up_proj`, gpt-oss's biases too)."""
+    canon = {id(p): n for n, p in model.named_parameters()}
+    return {canon[id(mod._parameters[a])]: mod.num_experts
+            for _, mod, attrs in experts_modules(model) for a in attrs}
+

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from .. import rss
 from ..bench.cpu_time import CpuClock, describe
+from ..engine.expert_io import describe as describe_experts
 from ..units import count, fmt_bytes
 
 
@@ -77,6 +78,8 @@ class Progress:
                "budget_bytes": self.budget, "ssd_read_bytes": rd, "ssd_write_bytes": wr,
                "ssd_read_gbps": rd / dt / 1e9, "ssd_write_gbps": wr / dt / 1e9, "cpu_s": self.cpu.lap(),
                "time": time.time()}
+        if getattr(res, "experts", None):  # a mixture of experts' state bytes, per expert (engine/expert_io.py)
+            row["experts"] = res.experts
         self.rows.append(row)
         self.metrics.write(json.dumps(row) + "\n")
         self.metrics.flush()
@@ -86,7 +89,8 @@ class Progress:
             f"step {step + 1}/{self.total} loss {loss:.4f} lr {lr:.2e} gnorm {res.grad_norm:.3f}{clip} | "
             f"{dt:.2f} s/step {tokens / dt:,.0f} tok/s | RAM {fmt_bytes(now)} (peak {fmt_bytes(peak)}) "
             f"of {fmt_bytes(self.budget)} | SSD read {rd / dt / 1e9:.2f} GB/s "
-            f"write {wr / dt / 1e9:.2f} GB/s | CPU s {describe(dict(list(row['cpu_s'].items())[:4]))}{skipped}")
+            f"write {wr / dt / 1e9:.2f} GB/s | CPU s {describe(dict(list(row['cpu_s'].items())[:4]))}{skipped}"
+            + (f" | {describe_experts(row['experts'])}" if "experts" in row else ""))
         self.bar.update(1)
 
     def summary(self, final_dir) -> dict:
