@@ -24,25 +24,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..hf.structure import experts_modules
 from ..storage.aligned import aligned_empty, round_up
 from .quant import QLinear, int4_group_for, qproduct
 
 POLICIES = ("lfu", "lru")
-
-
-def experts_modules(layer: nn.Module) -> list[tuple[str, nn.Module, list[str]]]:
-    """(name, module, its stacked parameters) of each experts module in a decoder layer: a module
-    transformers' experts implementations dispatch for (`use_experts_implementation`), whose
-    parameters of `num_experts` rows along the first dimension are the experts'."""
-    out = []
-    for name, mod in layer.named_modules():
-        if not (hasattr(mod, "_is_expert_parallel") and isinstance(getattr(mod, "num_experts", None), int)):
-            continue
-        stacked = [a for a, p in mod._parameters.items()
-                   if p is not None and p.dim() >= 2 and p.shape[0] == mod.num_experts]
-        if stacked:
-            out.append((name, mod, stacked))
-    return out
 
 
 @dataclass
