@@ -134,7 +134,7 @@ def engine_report(eng) -> dict:
 
 
 def measure_tierlm(model: Path, weights: str, cpu_mem: str, nvme: Path, prompt_len: int, tokens: int,
-                   threads: int, reps: int) -> dict:
+                   threads: int, reps: int, rates: dict | None = None) -> dict:
     """tierlm's engine with --cpu-mem: a warm-up request, then `reps` requests of `prompt_len`
     prompt tokens and `tokens` decoded; mean tokens/s (as llama-bench reports) and the engine's report."""
     import statistics
@@ -143,33 +143,64 @@ def measure_tierlm(model: Path, weights: str, cpu_mem: str, nvme: Path, prompt_l
     from tierlm.infer.batcher import Batcher, Request
     from tierlm.infer.engine import InferConfig, InferenceEngine
     from tierlm.infer.sampling import SamplingParams
+    from tierlm.serve.report import experts_line
 
     torch.set_num_threads(threads)
     cfg = InferConfig(cpu_mem=cpu_mem, weights=weights, max_batch=1, max_seq_len=prompt_len + tokens,
                       nvme_dir=str(nvme), step_tokens=max(256, prompt_len), threads=threads)
     eng = InferenceEngine(model, cfg)
+    phases = _count_phases(eng)
     b = Batcher(eng, NullTokenizer(), [])
     b.submit(Request(prompt(8), SamplingParams(max_tokens=2, ignore_eos=True)))
     b.run_until_idle()
-    pre, dec = [], []
+    pre, dec, bound = [], [], []
     for _ in range(reps):
         b.stats.__init__()
+        for v in phases.values():
+            v[:] = [0, 0]
         b.submit(Request(prompt(prompt_len), SamplingParams(max_tokens=tokens, ignore_eos=True)))
         b.run_until_idle()
         s = b.stats
         pre.append(s.tokens["prefill"] / s.s["prefill"])
         dec.append(s.tokens["decode"] / s.s["decode"])
+        if eng.expert_stats() is not None and rates:
+            line, d = experts_line(eng.expert_stats(), s, rates)
+            d["decode_hit_rate"] = phases["decode"][1] / max(phases["decode"][0], 1)
+            bound.append(d)
     out = {"engine": "tierlm", "weights": weights, "cpu_mem": cpu_mem, "threads": threads,
            "prefill_tok_s": statistics.mean(pre), "prefill_tok_s_sd": statistics.pstdev(pre),
            "decode_tok_s": statistics.mean(dec), "decode_tok_s_sd": statistics.pstdev(dec),
            **engine_report(eng)}
+    if bound:  # decode's bytes a token and the RAM+SSD bound, each rep
+        out["decode_bound"] = bound
+        out["decode_hit_rate"] = statistics.mean(d["decode_hit_rate"] for d in bound)
+        out["of_bound"] = statistics.mean(d["of_bound"] for d in bound)
     eng.close()
     return out
 
 
-def _tierlm_cmd(model: Path, fmt: str, a, nvme: Path, reps: int, tokens: int) -> list[str]:
+def _count_phases(eng) -> dict:
+    """[requests, hits] of the expert cache in prefill and decode steps (a step of one token a row
+    is decode), counted around the engine's step."""
+    phases = {"prefill": [0, 0], "decode": [0, 0]}
+    step = eng.step
+
+    def counted(tokens, starts):
+        st = eng.expert_stats()
+        r0, h0 = (st.requests, st.hits) if st else (0, 0)
+        out = step(tokens, starts)
+        if st:
+            v = phases["decode" if all(len(t) == 1 for t in tokens) else "prefill"]
+            v[0] += st.requests - r0
+            v[1] += st.hits - h0
+        return out
+    eng.step = counted
+    return phases
+
+
+def _tierlm_cmd(model: Path, fmt: str, a, nvme: Path, reps: int, tokens: int, rates: dict | None = None) -> list[str]:
     job = {"model": str(model), "weights": fmt, "cpu_mem": a.cpu_mem, "nvme": str(nvme),
-           "prompt_len": a.prompt_len, "tokens": tokens, "threads": a.threads, "reps": reps}
+           "prompt_len": a.prompt_len, "tokens": tokens, "threads": a.threads, "reps": reps, "rates": rates}
     return [sys.executable, str(Path(__file__).resolve()), "--tierlm-job", json.dumps(job)]
 
 
@@ -191,10 +222,14 @@ def tierlm_side(model: Path, fmt: str, a, limit: int, work: Path) -> dict:
         return {"engine": "tierlm", "weights": fmt, "error": f"tierlm cannot run this model yet:\n{tail}"}
     files = [p for d in (model, nvme) for p in d.rglob("*") if p.is_file()]
     ssd = ssd_read_gbps(work / "ssd-probe")
+    # the rates decode's RAM+SSD bound is taken at: memory as decode reads it (the report's roofline),
+    # measured now, outside the limit; the drive as just read
+    from tierlm.bench.rooflines import machine_rates
+    rates = {"mem_gbps": machine_rates(fresh=True)["mem_gbps"], "ssd_gbps": ssd}
     memlimit.evict(*files)
     with memlimit.MemoryLimit(limit) as g:
         t = time.perf_counter()
-        p = g.run(_tierlm_cmd(model, fmt, a, nvme, a.reps, a.tokens), capture_output=True, text=True)
+        p = g.run(_tierlm_cmd(model, fmt, a, nvme, a.reps, a.tokens, rates), capture_output=True, text=True)
         r = _last_json(p.stdout) if p.returncode == 0 else None
         if r is None:
             tail = "\n".join((p.stdout + p.stderr).splitlines()[-15:])
@@ -231,6 +266,9 @@ def _note(r: dict) -> str:
             return "killed at the limit (out of memory)"
         return r["error"].splitlines()[0][:120]
     ec = r.get("expert_cache")
+    if "of_bound" in r:
+        return (f"decode: expert cache hit rate {r['decode_hit_rate']:.1%}, {r['of_bound']:.0%} of its RAM+SSD bound "
+                f"({1e3 * r['decode_bound'][-1]['bound_s']:.0f} ms a token)")
     return f"expert cache hit rate {ec['hit_rate']:.1%}" if ec else ""
 
 
