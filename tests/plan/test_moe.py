@@ -202,3 +202,19 @@ def test_this_machine_follows_the_inference_engines_expert_placement():
     assert e["hit_rate"] == ep.cached_share and e["bound"]["ssd_s"] > 0
     roomy = plan(s, hw, Task(kind="serve", batch=1, seq_len=16, new_tokens=8, cpu_mem=1 << 30)).extra["moe"]
     assert roomy["hit_rate"] == 1.0 and roomy["bound"]["ssd_s"] == 0.0
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
+def test_the_plans_kv_bytes_are_what_the_engines_cache_holds(family):
+    """Latent attention (DeepSeek-V3) caches its compressed KV and its rotary key, one head each, not
+    keys and values of every head: the plan's KV bytes a token equal the inference engine's cache."""
+    from tierlm.infer.kvcache import SlotKVCache
+
+    from ..families import family_config
+
+    cfg = family_config(family)
+    s = shape_of(cfg, family, "config")
+    cache = SlotKVCache(cfg, 1, 7, torch.bfloat16)   # 7 positions + the spare one a slot keeps
+    assert C.kv_bytes_per_token(s) * 8 == cache.nbytes
+    if family == "deepseek_v3":
+        assert s.kv_elems == cfg.kv_lora_rank + cfg.qk_rope_head_dim != 2 * s.kv_dim

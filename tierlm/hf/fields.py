@@ -89,3 +89,18 @@ def shrunk(config, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: 
     if getattr(c, "sliding_window", None):
         c.sliding_window = min(c.sliding_window, 64)
     return c
+
+
+def kv_geometry(config) -> tuple[int, tuple[int, int], tuple[int, int]]:
+    """(layers, (heads, dim) of what a layer caches as keys, the same of its values) of an HF
+    config. Latent attention (DeepSeek-V3) caches its compressed KV (kv_lora_rank wide) as the
+    "keys" and the rotary part of its keys as the "values", each one head, and expands them after
+    reading the cache."""
+    layers = config.num_hidden_layers
+    latent = get(config, "latent_kv")
+    if latent:
+        return layers, (1, latent), (1, get(config, "rope_head_dim"))
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    hd = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return layers, (kv, hd), (kv, hd)

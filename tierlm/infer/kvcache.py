@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..hf.fields import get
+from ..hf.fields import kv_geometry
 from ..storage import BudgetError
 from ..units import fmt_bytes
 
@@ -26,21 +26,6 @@ def cache_kwarg(model) -> str:
     output), `past_key_values` in those before."""
     import inspect
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def kv_geometry(config) -> tuple[int, tuple[int, int], tuple[int, int]]:
-    """(layers, (heads, dim) of what a layer caches as keys, the same of its values) of an HF
-    config. Latent attention (DeepSeek-V3) caches its compressed KV (kv_lora_rank wide) as the
-    "keys" and the rotary part of its keys as the "values", each one head, and expands them after
-    reading the cache."""
-    layers = config.num_hidden_layers
-    latent = get(config, "latent_kv")
-    if latent:
-        return layers, (1, latent), (1, get(config, "rope_head_dim"))
-    heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    hd = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return layers, (kv, hd), (kv, hd)
 
 
 def kv_bytes(config, slots: int, max_len: int, dtype: torch.dtype) -> int:

@@ -254,5 +254,5 @@ def compute_working_bytes(s: ModelShape, tokens: int, elem: int = 2) -> int:
 
 
 def kv_bytes_per_token(s: ModelShape) -> int:
-    """bf16 K and V of every layer."""
-    return 2 * 2 * s.layers * s.kv_dim
+    """bf16 K and V of every layer (latent attention: what it caches instead)."""
+    return 2 * s.layers * s.kv_elems

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers import AutoModelForCausalLM
 
-from ..hf.fields import get, head_dim as head_dim_of
+from ..hf.fields import get, head_dim as head_dim_of, kv_geometry
 from .moe import EXPERT_FIELDS, TOP_K_FIELDS, MoeShape, experts_in_config, experts_per_token, moe_shape
 
 # Shapes of models the planner is asked about that tierlm has no `init` preset for (planning only).
@@ -52,6 +52,7 @@ class ModelShape:
     vocab: int
     gated_mlp: bool          # SwiGLU-style (three matrices) rather than two
     moe: MoeShape | None = None  # a mixture of experts' routed experts (moe.py); None for a dense model
+    kv_width: int | None = None  # elements a layer caches a token (keys and values); None: 2 x kv_dim
 
     @property
     def active_params(self) -> int:
@@ -73,6 +74,12 @@ class ModelShape:
     @property
     def kv_dim(self) -> int:
         return self.kv_heads * self.head_dim
+
+    @property
+    def kv_elems(self) -> int:
+        """Elements of keys and values a layer caches a token (latent attention caches its
+        compressed KV and rotary key instead: hf.fields.kv_geometry)."""
+        return self.kv_width if self.kv_width is not None else 2 * self.kv_dim
 
     @property
     def matmul_params(self) -> int:
@@ -128,7 +135,16 @@ def shape_of(config, model_name: str, source: str) -> ModelShape:
         layer_params=per_layer[0] if moe is None else round(sum(per_layer) / n), layers=n, hidden=hidden,
         intermediate=inter, heads=heads,
         kv_heads=get(config, "kv_heads") or heads, head_dim=head_dim_of(config),
-        vocab=config.vocab_size, gated_mlp=gated, moe=moe)
+        vocab=config.vocab_size, gated_mlp=gated, moe=moe, kv_width=_kv_width(config))
+
+
+def _kv_width(config) -> int | None:
+    """What a layer's KV cache holds a token where it is not 2 x kv heads x head_dim (latent
+    attention), else None."""
+    if not get(config, "latent_kv"):
+        return None
+    _, (kh, kd), (vh, vd) = kv_geometry(config)
+    return kh * kd + vh * vd
 
 
 def _moe(config, model_name: str, per_layer: list[int], outside: int, routed: list[int],
