@@ -69,10 +69,10 @@ def read_param(st, entry: str | Stacked, out: torch.Tensor | None = None) -> tor
     stacked one made from its experts' tensors. Into `out` (cast to its dtype) where given; else in
     the file's dtype."""
     if isinstance(entry, Stacked):
-        if out is None:
-            first = [st.read(names[0]) for names in entry.sources.values()]
-            dt = first[0].dtype
-            shape = entry._convert({p: [t] for p, t in zip(entry.sources, first)}).shape
+        if out is None:  # the slice's shape from the conversion run on meta tensors: nothing read twice
+            info = {p: st.info(names[0]) for p, names in entry.sources.items()}
+            dt = next(iter(info.values()))[0]
+            shape = entry._convert({p: [torch.empty(sh, dtype=d, device="meta")] for p, (d, sh) in info.items()}).shape
             out = torch.empty((entry.experts, *shape[1:]), dtype=dt)
         return entry.read_into(st.read, out)
     if out is None:

@@ -149,16 +149,6 @@ class ExpertSlices:
                                "please report it with the model's config.json)")
         return t
 
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cpu")
-
-    def dim(self) -> int:
-        return len(self.shape)
-
-    def size(self, d: int | None = None):
-        return self.shape if d is None else self.shape[d]
-
 
 @dataclass
 class ExpertStats:
