@@ -1,5 +1,7 @@
 """A mixture of experts' streamed experts: decode reads only the experts the router picks, through an
 expert cache in RAM, and computes what the resident model computes."""
+from concurrent.futures import Future
+
 import pytest
 import torch
 
@@ -90,7 +92,6 @@ class _Store:
         self.reads = []
 
     def read_into(self, key, out, owns_padding=False):
-        from concurrent.futures import Future
         self.reads.append(key)
         out.fill_(float(hash(key) % 97))
         f = Future()
@@ -105,8 +106,8 @@ def test_the_cache_evicts_by_its_policy_and_never_a_pinned_expert(policy):
     c = ExpertCache(store, lambda i, p, e: f"{i}.{p.attr}#e{e}", parts, capacity=3 * 4096, experts=2, policy=policy)
     assert c.slots == 3
     for e in (0, 0, 0, 1):      # expert 0 often, expert 1 once, then 2 most recently
-        c.release(0, list(c.acquire(0, [e])))
-    c.release(0, list(c.acquire(0, [2])))
+        c.release(0, list(c.acquire(0, [e])[0]))
+    c.release(0, list(c.acquire(0, [2])[0]))
     c.acquire(0, [1])            # pinned: in use by this step
     c.acquire(0, [3])            # a miss with every slot taken: the victim is neither pinned nor ...
     evicted = {0, 1, 2} - {e for (_, e) in c.where}
@@ -114,6 +115,55 @@ def test_the_cache_evicts_by_its_policy_and_never_a_pinned_expert(policy):
     assert c.views(c.where[(0, 3)])[0].eq(float(hash("0.w#e3") % 97)).all()
     with pytest.raises(ValueError, match="routes to up to 4"):
         ExpertCache(store, lambda *a: "", parts, capacity=3 * 4096, experts=4)
+
+
+class _SlowStore:
+    """Reads land when the test says so (the order they were asked for is recorded)."""
+
+    def __init__(self):
+        self.asked, self.futs = [], {}
+
+    def read_into(self, key, out, owns_padding=False):
+        self.asked.append(key)
+        self.futs[key] = f = Future()
+        return f
+
+
+def test_misses_are_read_in_the_loops_order_and_waited_for_one_at_a_time():
+    store = _SlowStore()
+    parts = [Part("w", "", torch.float32, (4, 4)), Part("b", "", torch.float32, (4,))]
+    c = ExpertCache(store, lambda i, p, e: f"{i}.{p.attr}#e{e}", parts, capacity=4 * 8192, experts=3)
+    got, pending = c.acquire(0, [0])
+    store.futs["0.w#e0"].set_result(None)
+    store.futs["0.b#e0"].set_result(None)
+    c.land(0, 0, pending[0])
+    c.release(0, list(got))
+    store.asked.clear()
+    got, pending = c.acquire(0, [0, 2, 5])           # 0 is a hit: nothing to wait for
+    assert sorted(got) == [0, 2, 5] and list(pending) == [2, 5]
+    assert store.asked == ["0.w#e2", "0.b#e2", "0.w#e5", "0.b#e5"]   # the order the experts compute in
+    for k in ("0.w#e2", "0.b#e2"):
+        store.futs[k].set_result(None)
+    c.land(0, 2, pending[2])                         # expert 2 computes while 5 is still on the drive
+    assert not store.futs["0.w#e5"].done()
+    store.futs["0.w#e5"].set_exception(OSError("drive gone"))
+    store.futs["0.b#e5"].set_result(None)
+    with pytest.raises(OSError, match="drive gone"):
+        c.land(0, 5, pending[5])
+    assert (0, 5) not in c.where and (0, 5) not in c.pinned   # its slot no longer claims it
+    c.release(0, [0, 2])
+    assert (0, 2) in c.where and not c.pinned and not c.inflight
+
+
+def test_reads_left_in_flight_by_a_failed_step_land_before_their_slots_are_reused():
+    store = _SlowStore()
+    parts = [Part("w", "", torch.float32, (4, 4))]
+    c = ExpertCache(store, lambda i, p, e: f"{i}.{p.attr}#e{e}", parts, capacity=2 * 4096, experts=2)
+    c.acquire(0, [0, 1])                             # the step raised before waiting for either
+    store.futs["0.w#e0"].set_result(None)
+    store.futs["0.w#e1"].set_exception(OSError("bad sector"))
+    c.release(0, [0, 1])                             # settles both: 1's slot is given back
+    assert (0, 0) in c.where and (0, 1) not in c.where and not c.inflight and len(c.free) == 1
 
 
 def test_a_budget_without_room_for_one_layers_experts_is_refused_with_the_fix():

@@ -6,11 +6,13 @@ experts module (Mixtral's `mlp.experts`), whose forward takes the hidden states 
 chosen experts. Of a streamed layer only what every token needs (attention, norms, router, shared
 experts) streams with the layer; each stacked parameter is stored one expert at a time, and the
 module's forward sees an `ExpertSlices` in its place: indexed by an expert, it gives that expert's
-slice from the cache. A hook before the module's forward reads the step's missing experts (all of
-them at once, in parallel) into cache slots; a hook after it unpins them. The module runs an
-experts implementation that indexes only the experts it routed to, one at a time
-(`expert_rows.py`), so a batch reads each routed expert once per step whatever the number of its
-tokens.
+slice from the cache. A hook before the module's forward starts reading the step's missing experts
+(all of them at once, in parallel) into cache slots; a hook after it unpins them. The module runs
+an experts implementation that indexes only the experts it routed to, one at a time in ascending
+order (`expert_rows.py`), so a batch reads each routed expert once per step whatever the number of
+its tokens. Misses are issued in that order and each is waited for only when the loop reaches it:
+the experts already in RAM, and the misses that have landed, compute while the later reads are on
+the drive (the order of the sums, hence the bits, is the loop's either way).
 
 Which experts stay is the cache policy's choice (`least recently used` or `least frequently used`,
 counts halved every `decay` requests so that the counts follow a drifting routing); it changes what
@@ -140,6 +142,7 @@ class ExpertSlices:
     def __init__(self, name: str, shape: tuple, dtype: torch.dtype):
         self.name, self.shape, self.dtype = name, torch.Size(shape), dtype
         self.now: dict[int, torch.Tensor] = {}
+        self.landing = None  # e -> None: waits until expert e's reads of this step have landed
 
     def __getitem__(self, idx) -> torch.Tensor:
         e = int(idx)
@@ -147,6 +150,8 @@ class ExpertSlices:
         if t is None:
             raise RuntimeError(f"{self.name}: expert {e} was used but not routed to this step (a tierlm bug: "
                                "please report it with the model's config.json)")
+        if self.landing is not None:
+            self.landing(e)
         return t
 
 
@@ -189,6 +194,7 @@ class ExpertCache:
         self.free = list(range(self.slots - 1, -1, -1))
         self.where: dict[tuple[int, int], int] = {}      # (layer, expert) -> slot
         self.pinned: set[tuple[int, int]] = set()
+        self.inflight: dict[tuple[int, int], list] = {}  # (layer, expert) -> its reads not yet waited for
         self.policy, self.decay = policy, decay
         self.count: dict[tuple[int, int], float] = {}    # lfu: requests (halved every `decay`)
         self.last: dict[tuple[int, int], int] = {}       # lru: the request clock at its last use
@@ -215,9 +221,12 @@ class ExpertCache:
         if self.policy == "lfu" and self.clock % self.decay == 0:
             self.count = {key: c / 2 for key, c in self.count.items()}
 
-    def acquire(self, layer: int, experts: list[int]) -> dict[int, list[torch.Tensor]]:
-        """Each expert's tensors (in `parts` order), read where missing; pinned until `release`."""
-        got, futs = {}, []
+    def acquire(self, layer: int, experts: list[int]) -> tuple[dict, dict]:
+        """Each expert's tensors (in `parts` order), pinned until `release`, and the reads still
+        in flight of those that were missing (expert -> futures; `land` waits for them). The misses'
+        reads are issued in `experts` order, the order they will be needed in."""
+        self._settle()
+        got, pending = {}, {}
         st = self.stats
         lay = st.per_layer.setdefault(layer, [0, 0])
         for e in experts:
@@ -234,24 +243,43 @@ class ExpertCache:
                 slot = self.free.pop() if self.free else self.where.pop(self._victim())
                 self.where[k] = slot
                 st.miss_bytes += self.slot_bytes
-                for p, t in zip(self.parts, self.views(slot)):
-                    futs.append(self.store.read_into(self.key_of(layer, p, e), t, owns_padding=True))
+                pending[e] = [self.store.read_into(self.key_of(layer, p, e), t, owns_padding=True)
+                              for p, t in zip(self.parts, self.views(slot))]
+                self.inflight[k] = pending[e]
             self.pinned.add(k)
             got[e] = self.views(slot)
+        return got, pending
+
+    def land(self, layer: int, e: int, futs: list) -> None:
+        """Wait for expert e's reads; a failed read leaves no slot that claims to hold it."""
         t0 = time.perf_counter()
         try:
             for f in futs:
                 f.result()
         except BaseException:
-            for e in experts:  # a failed read leaves no slot that claims to hold an expert
-                if (layer, e) in self.where and futs:
-                    self.free.append(self.where.pop((layer, e)))
-                self.pinned.discard((layer, e))
+            self._forget((layer, e))
             raise
-        st.stall_s += time.perf_counter() - t0
-        return got
+        finally:
+            self.inflight.pop((layer, e), None)
+            self.stats.stall_s += time.perf_counter() - t0
+
+    def _forget(self, k: tuple[int, int]) -> None:
+        if k in self.where:
+            self.free.append(self.where.pop(k))
+        self.pinned.discard(k)
+
+    def _settle(self) -> None:
+        """Reads a step left in flight (its forward raised before reaching them) land before any
+        slot is reused; a failed one gives its slot back."""
+        for k, futs in list(self.inflight.items()):
+            for f in futs:
+                if f.exception() is not None:
+                    self._forget(k)
+                    break
+            self.inflight.pop(k, None)
 
     def release(self, layer: int, experts: list[int]) -> None:
+        self._settle()
         for e in experts:
             self.pinned.discard((layer, e))
 
@@ -293,17 +321,27 @@ class StreamedExperts:
 
         def before(m, args, kwargs):
             idx = _routed(args, kwargs, m.num_experts)
-            used = [e for e in torch.unique(idx).tolist() if 0 <= e < m.num_experts]
-            got = self.cache.acquire(layer, used)
+            used = [e for e in torch.unique(idx).tolist() if 0 <= e < m.num_experts]  # the loop's order
+            got, pending = self.cache.acquire(layer, used)
+
+            def landing(e: int) -> None:
+                futs = pending.pop(e, None)
+                if futs:
+                    self.cache.land(layer, e, futs)
+
             for a, sl in slices.items():
                 sl.now = {e: made(a, views) for e, views in got.items()}
-            state["used"] = used
+                sl.landing = landing
+            state["used"], state["landing"] = used, landing
             self.cache.stats.tokens += int(idx.shape[0]) if idx.dim() > 1 else 1
 
         def after(m, args, kwargs, out):
+            used, landing = state.pop("used", []), state.pop("landing", None)
+            for e in used:  # an implementation that skipped a routed expert: its read still lands first
+                landing(e)
             for sl in slices.values():
-                sl.now = {}
-            self.cache.release(layer, state.pop("used", []))
+                sl.now, sl.landing = {}, None
+            self.cache.release(layer, used)
 
         self.handles.append(mod.register_forward_pre_hook(before, with_kwargs=True))
         self.handles.append(mod.register_forward_hook(after, with_kwargs=True))
