@@ -156,3 +156,17 @@ def test_profile_that_never_agrees_takes_the_median():
     assert final
     assert sum(p.fwd_s + p.bwd_s for p in prof) == pytest.approx(12.0)
     assert not P.settle(_prof(2.0, 4.0, 8.0), max_steps=6)[1]
+
+
+def test_a_gpu_runs_swap_pool_comes_before_the_state_cache_only_where_it_may_swap():
+    # With a GPU, kept activations live in GPU memory; host RAM holds the swapped ones (the pinned
+    # pool), taken from the state cache as a CPU run's activations come before it.
+    from tierlm.engine.budget_plan import _swap_room
+    from tierlm.plan.budget import Split
+    s = Split(10 * MB, 0, 2 * MB, 1 * MB, 1 * MB, 0, 1 * MB, state_cache=5 * MB)
+    for pol in ("auto", "swap-host", "keep,swap,recompute"):
+        got = _swap_room(s, 3 * MB, pol)
+        assert (got.activations, got.state_cache) == (3 * MB, 2 * MB), pol
+    assert _swap_room(s, 30 * MB, "auto").state_cache == 0
+    for pol in ("keep", "recompute", "keep,recompute"):
+        assert _swap_room(s, 3 * MB, pol) == s

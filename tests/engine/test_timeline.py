@@ -97,3 +97,22 @@ def test_the_recorded_step_is_timed_like_its_neighbours_and_its_picture_says_so(
     assert f"({s[1]:.2f} s)" in line
     busy = dict(p.rsplit(" ", 1) for p in line.split("busy: ")[1].split(";")[0].split(", "))
     assert busy == {k: fmt_share(v) for k, v in tl.lane_shares().items()}  # the PNG's lane labels
+
+
+def test_a_gpus_host_link_gets_its_lanes_only_where_copies_landed(tmp_path):
+    """The swap copies of a GPU run ("d2h" out in forward, "h2d" back in backward) are lanes of their
+    own, in the Chrome trace, the shares and the picture; a CPU run's lanes are unchanged."""
+    from tierlm.engine.timeline import LANES
+    cpu = _timeline([("compute", "fwd", 0.0, 1.0)])
+    assert cpu.lanes() == LANES and "d2h" not in cpu.lane_shares()
+    tl = _timeline([("compute", "fwd layers.0", 0.0, 2.0), ("d2h", "b0/0", 0.5, 1.0), ("d2h", "b0/1", 0.8, 1.5),
+                    ("compute", "bwd layers.0", 2.0, 4.0), ("h2d", "b0/0", 2.0, 2.5)])
+    tl.stop(end=4.0)
+    assert tl.lanes() == LANES + ("d2h", "h2d")
+    assert tl.lanes_busy_s()["d2h"] == 1.0 and tl.lanes_busy_s()["h2d"] == 0.5
+    back = Timeline.from_chrome(tl.save_chrome(tmp_path / "t.json"))
+    assert back.lanes() == tl.lanes() and back.lane_shares() == pytest.approx(tl.lane_shares())
+    names = [e["args"]["name"] for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"] if e["ph"] == "M"]
+    assert names[-2:] == ["d2h", "h2d"]
+    png = back.save_png(tmp_path / "t.png", "a GPU step")
+    assert png.stat().st_size > 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 import time
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from ..units import fmt_bytes
 from ..plan import activations as P
 from ..plan import budget as B
 from .activations import ActivationSwapper
+from .link_probe import measure_link
 
 def _say(msg: str) -> None:
     print(f"tierlm: {msg}", file=sys.stderr, flush=True)
@@ -43,11 +45,15 @@ class ActivationPlanner:
         self.allowance = engine.act_allowance
         self.host_allowance = engine.split.activations  # the swap pool is host RAM either way
         self.on_gpu = engine.on_gpu
-        self.pool = HostBufferPool(0, name="activation swap buffers")
+        # pinned with a GPU: the swap copies cross its host link at the pinned rate the planner prices
+        self.pool = HostBufferPool(0, pin=self.on_gpu, name="activation swap buffers")
         lane = {"ssd_read": "act_read", "ssd_write": "act_write"}
         self.store = TensorStore(engine.root / "act", self.pool, io_threads=2, direct_io=cfg.direct_io,
                                  on_event=lambda ln, *a: on_event(lane.get(ln, ln), *a))
-        self.swapper = ActivationSwapper(self.pool, self.store, on_event)
+        # a GPU's copy out of its memory is the device-to-host lane of the timeline
+        copy_lane = "d2h" if self.on_gpu else "act_copy"
+        self.swapper = ActivationSwapper(self.pool, self.store,
+                                         lambda ln, *a: on_event(copy_lane if ln == "act_copy" else ln, *a))
         self.plan: P.Plan | None = None
         self.plan_step = 0
         self.rates: P.Rates | None = None
@@ -75,13 +81,21 @@ class ActivationPlanner:
         measurement (run now, once: the first step that plans), else printed defaults."""
         m = self.eng.settings.measured
         if m.activation_rates is not None:
-            return m.activation_rates
+            return self._with_link(m.activation_rates)
         if m.probe is not None:
-            return m.probe()
-        rates = P.default_rates("nothing measured them")
+            return self._with_link(m.probe())
+        rates = self._with_link(P.default_rates("nothing measured them"))
         _say(f"activation planner: planning with default rates ({P.describe(rates)}); "
              f"`tierlm bench io --nvme DIR` measures them")
         return rates
+
+    def _with_link(self, rates: P.Rates) -> P.Rates:
+        """With a GPU: the rates and its host link, measured now with pinned copies of one layer's
+        activation size (at most 64 MiB: past that the rate no longer grows)."""
+        if not self.on_gpu or (rates.d2h and rates.h2d):
+            return rates
+        d2h, h2d = measure_link(self.eng.device, min(max(self.est, 1 << 20), 64 << 20))
+        return replace(rates, d2h=d2h, h2d=h2d)
 
     def _swap_pool(self) -> int:
         """Staging for one layer's storages in flight plus one layer read ahead."""
@@ -90,11 +104,9 @@ class ActivationPlanner:
     def _auto_pool(self) -> int:
         """The pool the planner may reserve from the allowance; 0 (no swapping) when it cannot
         hold one layer: storages that do not fit are written straight from their tensors, which
-        then outlive the layer beyond the budget. With a GPU the planner keeps or recomputes (it
-        does not price the GPU -> host link yet): 0."""
-        if self.on_gpu:
-            return 0
-        pool = min(self._swap_pool(), self.allowance)
+        then outlive the layer beyond the budget. With a GPU the pool is host RAM, beside the GPU
+        memory that kept activations hold."""
+        pool = min(self._swap_pool(), self.host_allowance if self.on_gpu else self.allowance)
         return pool if pool >= self.est else 0
 
     def layer_flops(self) -> float:
@@ -113,7 +125,8 @@ class ActivationPlanner:
         rate = 0.5e12  # replaced by the measured profile after the first step
         layers = [P.LayerProfile(b.index, flops / rate, 2 * flops / rate, self.est) for b in self.layers]
         rates = P.Rates(*P.DEFAULT_RATES, "an estimate until the first step is profiled")
-        pool = self._auto_pool()
+        # with a GPU, the first step keeps or recomputes: its host link is measured after it
+        pool = 0 if self.on_gpu else self._auto_pool()
         plan = P.choose(layers, self.allowance, pool, rates, P.Base(), can_swap=pool > 0)
         plan.reason = "from estimates: " + plan.reason
         return plan
@@ -169,7 +182,8 @@ class ActivationPlanner:
             # The plan's bytes were measured (or estimated); the allowance is a promise: a layer
             # that would overrun it swaps (or recomputes) instead.
             size = self.cur[blk.index]["act"] or max((p.act_bytes for p in self.profile), default=self.est)
-            if self.kept + size > self.allowance - self.pool.capacity:
+            # the pool is host RAM with a GPU, the same memory as kept activations without one
+            if self.kept + size > self.allowance - (0 if self.on_gpu else self.pool.capacity):
                 pol = "swap" if self.pool.capacity > 0 else "recompute"
             else:
                 self.kept += size
@@ -244,7 +258,10 @@ class ActivationPlanner:
                 self.measure_s += time.perf_counter() - t
             if self.auto:
                 pool = self._auto_pool()
-                plan = P.choose(layers, self.allowance, pool, self.rates, base, can_swap=pool > 0)
+                if self.on_gpu:
+                    plan = P.choose_gpu(layers, self.allowance, self.host_allowance, pool, self.rates, base)
+                else:
+                    plan = P.choose(layers, self.allowance, pool, self.rates, base, can_swap=pool > 0)
                 self._apply(plan)
             else:
                 used = {b.index: self.cur[b.index].get("pol") for b in self.layers}

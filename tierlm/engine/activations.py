@@ -204,7 +204,13 @@ class ActivationSwapper:
             raise RuntimeError(f"activation {s.key} was needed again after its block's backward")
         if h.device.type != "cpu":
             if s.dev is None:
+                t2 = time.perf_counter()
                 s.dev = buf.tensor[:s.nbytes].to(h.device)
+                t3 = time.perf_counter()
+                # a copy over the host link, not the layer's backward: the planner prices it apart
+                self._spent[s.block] += t3 - t2
+                if self.on_event:
+                    self.on_event("h2d", s.key, t2, t3, s.nbytes)
             base = s.dev.view(h.dtype)
         else:
             base = buf.tensor[:s.nbytes].view(h.dtype)  # an aligned buffer starts inside its storage

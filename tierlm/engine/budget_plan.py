@@ -3,6 +3,8 @@ optimizer's shard buffers, a tied head's held gradient, and the activations and 
 micro-batch (the arithmetic is `budget.plan_split` / `plan_gpu`). `eng` is the Engine."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ..storage import BudgetError
@@ -74,9 +76,10 @@ def plan_budget(eng, baseline: int) -> tuple[B.Split, int]:
     def split(tokens: int, budget: int | None = None) -> B.Split:
         budget = eng.cfg.cpu_mem if budget is None else budget
         if eng.on_gpu:  # activations, layer inputs, logits and the held gradient are on the GPU
-            return B.plan_split(budget, baseline, B.Needs(win, max_g, item, 0, 0, n_layers, 0, 0,
-                                                          state_total=state_total, weights_total=weights_total),
-                                reserve=B.GPU_HOST_RESERVE)
+            out = B.plan_split(budget, baseline, B.Needs(win, max_g, item, 0, 0, n_layers, 0, 0,
+                                                         state_total=state_total, weights_total=weights_total),
+                               reserve=B.GPU_HOST_RESERVE)
+            return _swap_room(out, n_layers * sizes(tokens)[0], eng.cfg.activations)
         act, inp, logits = sizes(tokens)
         # the kernels' per-thread scratch: as many copies as this machine runs threads
         reserve = B.TRAINING_RESERVE + B.kernel_scratch_bytes(eng.config, max(tokens // bsz, 1), eng.dtype)
@@ -99,6 +102,17 @@ def plan_budget(eng, baseline: int) -> tuple[B.Split, int]:
     check_kept(eng, n_layers, sizes(eng.cfg.tokens_per_micro_batch)[0], allowance,
                lambda budget: split(eng.cfg.tokens_per_micro_batch, budget).activations)
     return out, allowance
+
+
+def _swap_room(out: B.Split, every_layer: int, activations: str) -> B.Split:
+    """With a GPU, the activations' share of host RAM is the pinned pool that swapped layers go to
+    (kept ones stay in GPU memory). A run that may swap (auto, or a swap policy named) gets room for
+    every layer's activations before the optimizer state cache, as a CPU run's activations come
+    before it; keep and recompute runs leave the cache as it was."""
+    if not any(p in ("auto", "swap", "swap-host") for p in activations.split(",")):
+        return out
+    take = min(out.state_cache, every_layer)
+    return replace(out, activations=out.activations + take, state_cache=out.state_cache - take)
 
 
 def _longest_that_fits(fits, tokens: int, bsz: int) -> str:

@@ -1,4 +1,5 @@
-"""When each resource was busy: compute per layer, the optimizer, SSD reads and writes.
+"""When each resource was busy: compute per layer, the optimizer, SSD reads and writes, and with a
+GPU its host link: device-to-host ("d2h") and host-to-device ("h2d") copies.
 
 Recording is off until `start()`; events are appended from any thread (a list append is atomic
 under the GIL). `save_chrome` writes a Chrome trace (open it in Perfetto or chrome://tracing), and
@@ -19,8 +20,12 @@ from pathlib import Path
 
 # Lanes in the order they are drawn.
 LANES = ("compute", "wait", "optimizer", "ssd_read", "ssd_write", "act_copy", "act_write", "act_read")
+# A GPU's host link, drawn (and shared out in the log line) only where a step recorded copies on it:
+# a CPU-only run's picture and log line keep the lanes above.
+LINK_LANES = ("d2h", "h2d")
 COLORS = {"compute": "#4878d0", "wait": "#d65f5f", "optimizer": "#6acc64", "ssd_read": "#ee854a",
-          "ssd_write": "#956cb4", "act_copy": "#8c613c", "act_write": "#dc7ec0", "act_read": "#797979"}
+          "ssd_write": "#956cb4", "act_copy": "#8c613c", "act_write": "#dc7ec0", "act_read": "#797979",
+          "d2h": "#d5bb67", "h2d": "#82c6e2"}
 
 
 def fmt_share(x: float) -> str:
@@ -72,6 +77,11 @@ class Timeline:
         finally:
             self.event(lane, name, t0, time.perf_counter())
 
+    def lanes(self) -> tuple[str, ...]:
+        """The lanes drawn: LANES, and the host link's where any event landed on them."""
+        used = {e[0] for e in self.events}
+        return LANES + tuple(lane for lane in LINK_LANES if lane in used)
+
     def stall_s(self) -> float:
         return sum(t1 - t0 for lane, _, t0, t1, _, _ in self.events if lane == "wait")
 
@@ -85,7 +95,7 @@ class Timeline:
         return spans
 
     def lanes_busy_s(self) -> dict[str, float]:
-        return {lane: sum(t1 - t0 for t0, t1 in self.lane_spans(lane)) for lane in LANES}
+        return {lane: sum(t1 - t0 for t0, t1 in self.lane_spans(lane)) for lane in self.lanes()}
 
     def lane_shares(self) -> dict[str, float]:
         """Each lane's busy time as a share of the window (span_s)."""
@@ -94,9 +104,10 @@ class Timeline:
 
     def save_chrome(self, path) -> Path:
         path = Path(path)
-        tids = {lane: i for i, lane in enumerate(LANES)}
+        lanes = self.lanes()
+        tids = {lane: i for i, lane in enumerate(lanes)}
         ev = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": tids[lane], "args": {"name": lane}}
-              for lane in LANES]
+              for lane in lanes]
         for lane, name, t0, t1, nbytes, thread in self.events:
             ev.append({"name": name, "cat": lane, "ph": "X", "pid": 0, "tid": tids[lane],
                        "ts": (t0 - self.origin) * 1e6, "dur": max(t1 - t0, 1e-7) * 1e6,
@@ -137,11 +148,12 @@ class Timeline:
         fig, ax = plt.subplots(figsize=(14, 3.6))
         shares = self.lane_shares()
         span = self.span_s()
-        for i, lane in enumerate(LANES):
+        lanes = self.lanes()
+        for i, lane in enumerate(lanes):
             bars = [(t0 - self.origin, t1 - t0) for t0, t1 in self.lane_spans(lane)]
-            ax.broken_barh(bars, (len(LANES) - 1 - i - 0.4, 0.8), facecolors=COLORS[lane])
-        ax.set_yticks(range(len(LANES)))
-        ax.set_yticklabels([f"{lane} ({fmt_share(shares[lane])})" if span else lane for lane in reversed(LANES)])
+            ax.broken_barh(bars, (len(lanes) - 1 - i - 0.4, 0.8), facecolors=COLORS[lane])
+        ax.set_yticks(range(len(lanes)))
+        ax.set_yticklabels([f"{lane} ({fmt_share(shares[lane])})" if span else lane for lane in reversed(lanes)])
         ax.set_xlabel("seconds")
         ax.set_xlim(0, span or 1)
         ax.set_title(title or "one step: busy time per resource")

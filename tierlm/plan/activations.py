@@ -13,6 +13,15 @@ Choice: keep the layers whose recompute time per byte is highest while the allow
 (the value of keeping is the time it saves per byte it holds); then, of the rest, switch layers from
 recompute to swap, most recompute time per swapped byte first, while the predicted step time falls.
 Both variants (a swap pool reserved, or none) are evaluated and the faster is taken.
+
+With a GPU computing (`choose_gpu`), kept activations hold GPU memory (the allowance under
+--gpu-mem), and a swapped layer's saved tensors cross the GPU's host link: device -> pinned host in
+its forward, host -> device before its backward (`Rates.d2h`, `Rates.h2d`, measured where the engine
+profiles). swap-host holds them in the pinned host pool until backward; swap goes on from that pool
+to NVMe (GPU -> CPU -> SSD, the SSD write and read overlapped with compute as above). The engine
+makes both copies on the compute thread, so they add to compute time as the CPU's staging copies
+do. Every policy gives the same bits (the copies are exact, a recompute runs the same kernels on the
+same inputs), so a choice made from measured rates changes the run's speed, never its numbers.
 """
 from __future__ import annotations
 
@@ -33,6 +42,8 @@ class Rates:
     ssd_write: float
     host_copy: float    # bytes/s of a staging copy (memory bandwidth / 2)
     source: str = ""
+    d2h: float = 0.0    # bytes/s of a GPU's pinned device -> host copy; 0 where no GPU computes
+    h2d: float = 0.0    # bytes/s of its pinned host -> device copy
 
 
 # What the planner assumes of the drive and memory where nothing measured them (the probe was
@@ -46,7 +57,14 @@ def default_rates(why: str) -> Rates:
 
 
 def describe(r: Rates) -> str:
-    return f"drive read {r.ssd_read / 1e9:.1f} GB/s, write {r.ssd_write / 1e9:.1f} GB/s, memory {r.host_copy / 1e9:.0f} GB/s"
+    link = f", GPU link {r.d2h / 1e9:.1f} GB/s to host, {r.h2d / 1e9:.1f} GB/s to device" if _on_gpu(r) else ""
+    return (f"drive read {r.ssd_read / 1e9:.1f} GB/s, write {r.ssd_write / 1e9:.1f} GB/s, "
+            f"memory {r.host_copy / 1e9:.0f} GB/s{link}")
+
+
+def _on_gpu(r: Rates) -> bool:
+    """A GPU computes: the swap copies cross its host link (both directions measured)."""
+    return r.d2h > 0 and r.h2d > 0
 
 
 @dataclass
@@ -77,18 +95,21 @@ def predict(layers: list[LayerProfile], pol: dict[int, str], rates: Rates, base:
     rec = sum(p.fwd_s for p in layers if pol[p.index] == "recompute")
     swap = sum(p.act_bytes for p in layers if pol[p.index] == "swap")
     host = sum(p.act_bytes for p in layers if pol[p.index] == "swap-host")
-    copy = (swap + host) / rates.host_copy if rates.host_copy else 0.0
+    if _on_gpu(rates):  # out to host in forward, back to the device in backward
+        copy, copy_b = (swap + host) / rates.d2h, (swap + host) / rates.h2d
+    else:
+        copy = copy_b = (swap + host) / rates.host_copy if rates.host_copy else 0.0
     ssd_f = base.read_fwd / rates.ssd_read + (base.write_fwd + swap) / rates.ssd_write
     ssd_b = (base.read_bwd + swap) / rates.ssd_read + base.write_bwd / rates.ssd_write
     fwd = max(cf + copy, ssd_f)
-    bwd = max(cb + rec + copy, ssd_b)
+    bwd = max(cb + rec + copy_b, ssd_b)
     return {"step_s": fwd + bwd + base.fixed_s, "forward_s": fwd, "backward_s": bwd,
-            "compute_fwd_s": cf, "compute_bwd_s": cb, "recompute_s": rec, "copy_s": copy,
+            "compute_fwd_s": cf, "compute_bwd_s": cb, "recompute_s": rec, "copy_s": copy, "copy_bwd_s": copy_b,
             "ssd_fwd_s": ssd_f, "ssd_bwd_s": ssd_b, "fixed_s": base.fixed_s,
             "swap_bytes": swap, "host_bytes": host,
             "kept_bytes": sum(p.act_bytes for p in layers if pol[p.index] == "keep"),
             "bound_fwd": "compute" if cf + copy >= ssd_f else "ssd",
-            "bound_bwd": "compute" if cb + rec + copy >= ssd_b else "ssd"}
+            "bound_bwd": "compute" if cb + rec + copy_b >= ssd_b else "ssd"}
 
 
 def _keep_greedy(layers, room: int) -> dict[int, str]:
@@ -121,11 +142,47 @@ def choose(layers: list[LayerProfile], allowance: int, pool: int, rates: Rates, 
     pred, pol, pl = min(scored, key=lambda x: x[0]["step_s"])
     if not any(v in ("swap", "swap-host") for v in pol.values()):
         pl = 0
-    counts = {k: sum(v == k for v in pol.values()) for k in ("keep", "swap", "recompute")}
-    reason = (f"keep {counts['keep']}, swap {counts['swap']}, recompute {counts['recompute']} of {len(layers)} "
-              f"layers: predicted {pred['step_s']:.2f} s/step (forward {pred['bound_fwd']}-bound, "
-              f"backward {pred['bound_bwd']}-bound)")
-    return Plan(pol, pred, allowance, pl, reason)
+    return Plan(pol, pred, allowance, pl, _reason(pol, pred))
+
+
+def _reason(pol: dict[int, str], pred: dict) -> str:
+    counts = {k: sum(v == k for v in pol.values()) for k in ("keep", "swap-host", "swap", "recompute")}
+    host = f", swap-host {counts['swap-host']}" if counts["swap-host"] else ""
+    return (f"keep {counts['keep']}{host}, swap {counts['swap']}, recompute {counts['recompute']} of {len(pol)} "
+            f"layers: predicted {pred['step_s']:.2f} s/step (forward {pred['bound_fwd']}-bound, "
+            f"backward {pred['bound_bwd']}-bound)")
+
+
+def choose_gpu(layers: list[LayerProfile], allowance: int, host_room: int, pool: int, rates: Rates,
+               base: Base) -> Plan:
+    """A GPU computes. allowance: GPU memory for kept activations (under --gpu-mem); host_room: host
+    RAM for the pinned pool, which holds every swap-host layer's activations until its backward and,
+    when NVMe swapping is used, `pool` bytes of staging on the way to the drive.
+
+    Keep what GPU memory holds, most recompute time per byte first (the copies cost the same per
+    byte for every layer, so this is also the order of time saved per byte held); then each other
+    layer, in the same order, swaps to host while the pool has room, or through it to NVMe, where
+    that predicts a step no slower than recomputing it. Without and with the NVMe staging reserved;
+    the fastest of these and of keep/recompute alone is taken (ties: the earlier, fewer moves)."""
+    keep = _keep_greedy(layers, allowance)
+    options = [(keep, 0)]
+    for staging in [0] + ([pool] if 0 < pool <= host_room else []):
+        pol, room = dict(keep), host_room - staging
+        best = predict(layers, pol, rates, base)["step_s"]
+        for p in sorted((p for p in layers if keep[p.index] == "recompute"), key=lambda p: -p.fwd_s / max(p.act_bytes, 1)):
+            tries = (["swap-host"] if p.act_bytes <= room else []) + (["swap"] if staging else [])
+            scored = [(predict(layers, {**pol, p.index: how}, rates, base)["step_s"], how) for how in tries]
+            if not scored:
+                continue
+            t, how = min(scored, key=lambda x: x[0])  # a tie: swap-host (no SSD traffic)
+            if t <= best:
+                pol, best = {**pol, p.index: how}, t
+                room -= p.act_bytes if how == "swap-host" else 0
+        host = sum(p.act_bytes for p in layers if pol[p.index] == "swap-host")
+        options.append((pol, host + (staging if "swap" in pol.values() else 0)))
+    scored = [(predict(layers, pol, rates, base), pol, pl) for pol, pl in options]
+    pred, pol, pl = min(scored, key=lambda x: x[0]["step_s"])
+    return Plan(pol, pred, allowance, pl, _reason(pol, pred))
 
 
 def fixed_policy(layers: list[LayerProfile], policy: str, rates: Rates, base: Base) -> Plan:
