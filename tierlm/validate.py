@@ -126,6 +126,7 @@ FINETUNE: dict[str, Num | Size] = {
     "max_bad_steps": POSITIVE_INT,
     "nproc": POSITIVE_INT,
     "dist_timeout": Num(gt=0),
+    "grad_bucket": MEM,
 }
 
 # generate's, chat's and serve's options: their configs' RANGES (tierlm/serve/options.py)

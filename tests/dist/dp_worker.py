@@ -1,4 +1,6 @@
-"""Run by torchrun in tests/dist: N engine steps on each rank's slice of the global batches."""
+"""Run by torchrun in tests/dist: N engine steps on each rank's slice of the global batches.
+Optional last arguments: the device (cpu, cuda) and the gradient bucket bytes (buckets.py; on the CPU
+set on the rank by hand, as from_env keeps the CPU path per parameter)."""
 import json
 import sys
 from pathlib import Path
@@ -14,14 +16,16 @@ LR = 1e-3  # the update of a fine-tune; at 1e-2 one step moves the tiny model's 
            # their size and Adam amplifies the last-bit gradient differences into 2e-6
 
 
-def main(model_dir, out, steps, accum, bsz, seq, clip, precision):
-    dist = from_env(60)
+def main(model_dir, out, steps, accum, bsz, seq, clip, precision, device="cpu", bucket=None):
+    dist = from_env(60, device, bucket)
+    if bucket is not None and dist.device.type == "cpu":
+        dist.bucket_bytes = bucket
     from tests.dist.test_data_parallel import NAN_STEP, global_batches
     data = global_batches(steps * accum, bsz, seq)
     cfg = EngineConfig(nvme_dir=str(Path(out) / "nvme" / f"rank{dist.rank}"), cpu_mem="1GiB",
                        precision=precision, grad_accum=accum,
                        optim=AdamWConfig(lr=LR, weight_decay=0.1, max_grad_norm=clip),
-                       tokens_per_micro_batch=bsz * seq)
+                       tokens_per_micro_batch=bsz * seq, device=str(dist.device))
     eng = Engine.from_pretrained(model_dir, cfg, dist=dist)
     results, losses = [], []
     for s in range(steps):
@@ -46,5 +50,6 @@ def main(model_dir, out, steps, accum, bsz, seq, clip, precision):
 
 if __name__ == "__main__":
     a = sys.argv[1:]
-    main(a[0], a[1], int(a[2]), int(a[3]), int(a[4]), int(a[5]), float(a[6]) if a[6] != "none" else None, a[7])
+    main(a[0], a[1], int(a[2]), int(a[3]), int(a[4]), int(a[5]), float(a[6]) if a[6] != "none" else None, a[7],
+         *a[8:9], *(int(b) for b in a[9:10]))
     print(json.dumps({"ok": True}))

@@ -5,7 +5,8 @@ changes the activation policy); collectives must be issued in one order everywhe
 gradient waits in `ready` until every parameter before it in the fixed backward order has been
 issued, then goes out as an async `reduce` (sum) to its owner. A thread waits for the reductions in
 that order and hands the owner's summed gradient to its optimizer, which is already updating the
-layers before it: communication overlaps the rest of backward and the optimizer.
+layers before it: communication overlaps the rest of backward and the optimizer. This is the CPU
+path (gloo, host tensors); on GPUs the same contract runs in buckets over NCCL (buckets.py).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ class GradReducer:
     def __init__(self, dist, order: list[str], optimizer, max_inflight_bytes: int):
         self.dist, self.order, self.opt = dist, order, optimizer
         self.max_inflight = max(max_inflight_bytes, 1)
+        self.on_device = False  # takes the gradients in host memory (buckets.py: where autograd made them)
         self._ready: dict[str, torch.Tensor] = {}
         self._cursor = 0
         self._q: queue.Queue = queue.Queue()
@@ -65,28 +67,37 @@ class GradReducer:
                 continue
             self._cursor += 1
             size = g.numel() * 4
-            with self._cv:  # bound the gradient bytes in flight, as the optimizer bounds its own
-                while self._inflight > 0 and self._inflight + size > self.max_inflight and self._error is None:
-                    self._cv.wait(0.5)
-                if self._error is not None:
-                    raise self._error
-                self._inflight += size
+            self._reserve(size)
             owner = self.dist.owners[name]
             work = td.reduce(g, dst=owner, op=td.ReduceOp.SUM, async_op=True) if self.dist.world > 1 else None
-            self._q.put((name, g, work, owner == self.dist.rank, size))
+            self._q.put(((name, g), work, owner == self.dist.rank, size))
+
+    def _reserve(self, size: int) -> None:
+        """Bound the gradient bytes in flight, as the optimizer bounds its own."""
+        with self._cv:
+            while self._inflight > 0 and self._inflight + size > self.max_inflight and self._error is None:
+                self._cv.wait(0.5)
+            if self._error is not None:
+                raise self._error
+            self._inflight += size
+
+    def _complete(self, payload, work, mine: bool) -> None:
+        """On the delivery thread: wait for the reduction; the owner's optimizer takes the sum."""
+        if work is not None:
+            work.wait()
+        if mine:
+            name, g = payload
+            self.opt.grad_ready(name, g)
 
     def _deliver(self) -> None:
         while True:
             item = self._q.get()
             if item is None:
                 return
-            name, g, work, mine, size = item
+            payload, work, mine, size = item
             try:
                 if self._error is None:
-                    if work is not None:
-                        work.wait()
-                    if mine:
-                        self.opt.grad_ready(name, g)
+                    self._complete(payload, work, mine)
             except BaseException as e:  # noqa: BLE001  (surfaced by flush on the compute thread)
                 self._error = e
             finally:

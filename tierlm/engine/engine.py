@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from .. import rss
-from ..dist.grads import GradReducer, share_weights
+from ..dist.buckets import make_reducer
+from ..dist.grads import share_weights
 from ..dist.state import attach
 from ..hf.baseline import library_baseline
 from ..hf.names import load_buffers, model_to_checkpoint
@@ -73,8 +74,9 @@ class Engine(DurableState, Exports, BlockResidency):
         self.dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
         self.device = torch.device(cfg.device)
         self.on_gpu = self.device.type == "cuda"
-        if self.on_gpu and dist is not None:
-            raise ValueError("data parallelism (--nproc, torchrun) computes on the CPU for now: pass --device cpu")
+        if dist is not None and dist.device != self.device:
+            raise ValueError(f"this rank's gradients are reduced on {dist.device} and its layers compute on "
+                             f"{self.device}: make the rank with tierlm.dist.from_env(timeout, device)")
         self.training = True
         self.model = model
         self._take_model(model, settings or train_settings(cfg, model, resume))
@@ -160,7 +162,8 @@ class Engine(DurableState, Exports, BlockResidency):
             OutOfCoreOptions(weight_dtype, cfg.optim_states, max_pending_grad_bytes=self.split.pending_grads,
                              clip_path=cfg.clip_path))
         if dist is not None:
-            self.reducer = GradReducer(dist, backward_order, self.optimizer, self.split.pending_grads)
+            self.reducer = make_reducer(dist, backward_order, self.optimizer, self.split.pending_grads,
+                                        {n: i.shape for n, i in self.infos.items()})
         self.commits = CommitSchedule(cfg.commit_every, self.settings.measured, dist is not None)
         self.optimizer.every_step = self.commits.every_step
         self.force_commit = False  # the trainer's: the next step commits whatever the interval
@@ -405,7 +408,8 @@ class Engine(DurableState, Exports, BlockResidency):
         if self.tied_grad is not None:
             held = name == self.tied_grad.name and self.tied_grad.head_grad is not None
             g = self.tied_grad.add_to(name, g)  # where the gradient is: on a GPU, one copy crosses
-        self._hand_over(name, to_host(g), held)
+        # a rank on a GPU reduces it there (buckets.py): only the owner's sum comes to the host
+        self._hand_over(name, g if self.dist is not None and self.reducer.on_device else to_host(g), held)
 
     def _hand_over(self, name: str, g: torch.Tensor, held: bool = False) -> None:
         """held: `g` takes the memory of the tied head's gradient, which the budget held through

@@ -35,7 +35,7 @@ from ..plan.budget import moment_bytes_per_param
 from ..precision import resolve
 from ..storage import BudgetError
 from ..storage.commit import list_manifests, read_manifest
-from ..units import count
+from ..units import count, parse_bytes
 from .data import Batches, load_dataset
 from .options import FinetuneConfig
 from .progress import Progress
@@ -119,7 +119,9 @@ def finetune(cfg: FinetuneConfig | None = None, **options) -> dict:
     out = Path(cfg.output)
     created = created_by_us(out, cfg.nvme)  # what a refusal removes again, before mkdir makes it exist
     out.mkdir(parents=True, exist_ok=True)
-    dist = from_env(cfg.dist_timeout)
+    dist = from_env(cfg.dist_timeout, cfg.device, parse_bytes(cfg.grad_bucket, "--grad-bucket"))
+    if dist is not None:
+        cfg.device = str(dist.device)  # on CUDA each rank computes on a GPU of its own, cuda:LOCAL_RANK
     if dist is not None:
         # Ranks started by torchrun directly measured on their own: they must have chosen alike.
         dist.same_on_all(int(cfg.precision == "bf16"), "--precision (pass it explicitly)")

@@ -13,11 +13,13 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..config import to_dict
+from ..dist.group import check_gpus
 
 
 def launch(cfg) -> int:
     if cfg.nproc < 1:
         raise ValueError(f"--nproc must be at least 1, got {cfg.nproc}")
+    check_gpus(cfg.device, cfg.nproc)  # a GPU for each rank, before torchrun starts any
     from .rundir import created_by_us, undo_refused
     out = Path(cfg.output)
     created = created_by_us(out, cfg.nvme)

@@ -77,6 +77,9 @@ class FinetuneConfig:
                                "(--batch-size is the global batch, split across them)")
     dist_timeout: float = option(300.0, help="seconds a rank waits for the others before the job fails "
                                  "(a dead or stuck rank)")
+    grad_bucket: str = option("25MiB", help="data parallelism on GPUs: fp32 gradient bytes per NCCL reduce, "
+                              "each sent as backward fills it (the CPU path reduces each parameter alone)",
+                              metavar="SIZE")
 
     # every numeric option's allowed range (tierlm/validate.py), checked when the config is built
     RANGES = FINETUNE
