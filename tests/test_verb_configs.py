@@ -25,8 +25,8 @@ def _cfg(argv):
 def test_the_defaults_are_the_flags_defaults():
     assert to_dict(_cfg(["plan", "gpt2"])) == {
         "model": "gpt2", "task": "finetune", "hardware": "this", "batch": 1, "seq_len": 1024, "tokens": 256,
-        "weights": "bf16", "activations": "auto", "precision": "auto", "cpu_mem": None, "state_cache": True,
-        "clip": "on", "compare": None, "chart": None, "json": None, "catalog": None, "nvme": None}
+        "weights": "bf16", "activations": "auto", "precision": "auto", "cpu_mem": None, "gpu_mem": None,
+        "state_cache": True, "clip": "on", "compare": None, "chart": None, "json": None, "catalog": None, "nvme": None}
     assert to_dict(_cfg(["bench", "io"])) == {
         "what": "io", "model": None, "data": None, "cpu_mem": "4GiB", "steps": 5, "work": "runs/bench-train",
         "finetune_args": "", "inmemory": "auto", "peers": "auto", "nvme": ".", "size": "2GiB"}
@@ -126,7 +126,7 @@ def test_every_number_has_a_range(cls, ranges):
     hints = typing.get_type_hints(cls)
     numeric = {f.name for f in dataclasses.fields(cls)
                if {int, float} & {hints[f.name], *typing.get_args(hints[f.name])}}
-    sizes = {f.name for f in dataclasses.fields(cls) if f.name in ("cpu_mem", "size")}
+    sizes = {f.name for f in dataclasses.fields(cls) if f.name in ("cpu_mem", "gpu_mem", "size")}
     assert numeric | sizes == set(ranges) and cls.RANGES is ranges
 
 

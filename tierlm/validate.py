@@ -155,5 +155,6 @@ SERVE: dict[str, Num | Size] = _ENGINE | {"max_batch": POSITIVE_INT, "port": int
 INIT: dict[str, Num | Size] = {name: POSITIVE_INT for name in (
     "layers", "hidden", "heads", "kv_heads", "intermediate", "vocab", "max_positions")} | {"seed": SEED}
 DEMO: dict[str, Num | Size] = {"cpu_mem": MEM, "steps": POSITIVE_INT}
-PLAN: dict[str, Num | Size] = {"batch": POSITIVE_INT, "seq_len": POSITIVE_INT, "tokens": POSITIVE_INT, "cpu_mem": MEM}
+PLAN: dict[str, Num | Size] = {"batch": POSITIVE_INT, "seq_len": POSITIVE_INT, "tokens": POSITIVE_INT, "cpu_mem": MEM,
+                               "gpu_mem": MEM}
 BENCH: dict[str, Num | Size] = {"steps": POSITIVE_INT, "size": MEM, "cpu_mem": MEM}

@@ -257,7 +257,8 @@ def task_of(cfg: PlanConfig) -> Task:
     return Task(kind=cfg.task, batch=cfg.batch, seq_len=cfg.seq_len, new_tokens=cfg.tokens,
                 activations=cfg.activations, state_cache=cfg.state_cache,
                 cpu_mem=parse_bytes(cfg.cpu_mem, "--cpu-mem") if cfg.cpu_mem else None, precision=cfg.precision,
-                clip=cfg.clip, weights=cfg.weights)
+                clip=cfg.clip, weights=cfg.weights,
+                gpu_mem=parse_bytes(cfg.gpu_mem, "--gpu-mem") if cfg.gpu_mem else None)
 
 
 def run_plan(cfg: PlanConfig) -> list[Plan]:

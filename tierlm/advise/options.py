@@ -32,6 +32,8 @@ class PlanConfig:
                                  "and pick")
     cpu_mem: str | None = option(None, metavar="SIZE",
                                  help="RAM the run may use (default: the machine's less a reserve)")
+    gpu_mem: str | None = option(None, metavar="SIZE",
+                                 help="serve: GPU memory the run may use (default: the card's)")
     state_cache: bool = option(True, help="keep optimizer state in RAM where it has room; --no-state-cache "
                                           "streams all of it through the SSD (today's engine)")
     clip: str = option("on", choices=("on", "off", "redo"),

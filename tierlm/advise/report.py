@@ -5,6 +5,7 @@ import json
 import math
 from pathlib import Path
 
+from ..plan import gpu_serve
 from ..plan.planner import Plan
 from ..units import fmt_bytes
 
@@ -73,6 +74,8 @@ def text(p: Plan) -> str:
         e = p.extra
         lines.append(f"  predicted: decode {e['decode_tokens_per_s']:,.1f} tokens/s, time to first token "
                      f"{_t(e['ttft_s'])}, {p.tokens_per_s:,.1f} generated tokens/s over whole requests")
+        if e.get("gpu_decode"):
+            lines += gpu_serve.describe(e["gpu_decode"])
     c = p.cost
     lines.append(f"  cost: hardware {_usd(c['hardware_usd'])}, {_usd(c['usd_per_hour'])} per hour, "
                  f"{_usd(c['usd_per_million_tokens'])} per million {'trained' if t['kind'] == 'finetune' else 'generated'} tokens"

@@ -68,6 +68,10 @@ class Drive:
 
 _PCIE3, _PCIE4, _PCIE5 = 15.75, 31.5, 63.0  # x16 per direction, GB/s: PCI-SIG base specifications 3.0/4.0/5.0
 
+# The GPUs' memory bandwidth (mem_gbps) and host link (link_gbps) are published datasheet values,
+# not measured: what a card reaches is a fraction of them (cost.Efficiency; benchmarks/plan_vs_gpu.py
+# measures both on the machine at hand beside these). Dense tensor-core rates are the datasheets'
+# "with sparsity" figures halved where only those are printed.
 GPUS = {g.name: g for g in [
     GPU("v100-32g", 32 * GiB, 0.0, 125.0, 900.0, _PCIE3, 10_000, 300,
         "NVIDIA Tesla V100 datasheet (SXM2 32GB: 125 TFLOPS fp16 tensor, 900 GB/s HBM2); no bf16 support"),
@@ -79,6 +83,15 @@ GPUS = {g.name: g for g in [
         "NVIDIA A800 Tensor Core GPU product brief (SXM4 80GB: A100 compute and memory, NVLink 400 GB/s)"),
     GPU("h100-80g", 80 * GiB, 989.0, 989.0, 3350.0, _PCIE5, 30_000, 700,
         "NVIDIA H100 Tensor Core GPU datasheet (SXM5: 989 TFLOPS bf16 dense, 3.35 TB/s HBM3)"),
+    GPU("h100-pcie", 80 * GiB, 756.0, 756.0, 2000.0, _PCIE5, 25_000, 350,
+        "NVIDIA H100 Tensor Core GPU datasheet (PCIe 80GB: 1,513 TFLOPS bf16 with sparsity, 756 dense; "
+        "2 TB/s HBM2e; PCIe Gen5 128 GB/s); price a reference street price (assumption)"),
+    GPU("h200", 141 * GiB, 989.0, 989.0, 4800.0, _PCIE5, 35_000, 700,
+        "NVIDIA H200 Tensor Core GPU datasheet (SXM 141GB: 1,979 TFLOPS bf16 with sparsity, 989 dense; "
+        "4.8 TB/s HBM3e; PCIe Gen5 128 GB/s); price a reference street price (assumption)"),
+    GPU("l4", 24 * GiB, 121.0, 121.0, 300.0, _PCIE4, 2_500, 72,
+        "NVIDIA L4 Tensor Core GPU datasheet (24GB GDDR6: 242 TFLOPS bf16 with sparsity, 121 dense; "
+        "300 GB/s; PCIe Gen4 x16 64 GB/s; 72 W); price a reference street price (assumption)"),
     GPU("h800-80g", 80 * GiB, 989.0, 989.0, 3350.0, _PCIE5, 30_000, 700,
         "NVIDIA H800 product brief (SXM5: H100 compute and memory, NVLink 400 GB/s)"),
     GPU("rtx4090", 24 * GiB, 165.2, 165.2, 1008.0, _PCIE4, 1_599, 450,

@@ -22,6 +22,7 @@ class Task:
     precision: str = "auto"          # auto: what `tierlm finetune` would pick on the hardware (its ISA flags)
     clip: str = "on"                 # on: gradients saved for an exact clip redo; off; redo: every step clips
     weights: str = "bf16"            # serve: the decoder layers' weight format (bf16 | int8 | int4)
+    gpu_mem: int | None = None       # serve: GPU memory the run may use (default: the card's)
 
     def validate(self) -> "Task":
         if self.kind not in ("finetune", "serve"):

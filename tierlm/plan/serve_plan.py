@@ -2,12 +2,14 @@
 RAM over PCIe, RAM by the CPU, NVMe), each site costed, the fastest that fits chosen."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import NamedTuple
 
 from ..storage import BudgetError
 from ..units import fmt_bytes
 from . import cost as C
 from .catalog import Hardware
+from .gpu_serve import DecodeBytes, does_not_fit, gpu_decode
 from .inference import InferConfig, plan_placement, scratch_bytes
 from .moe import MoeBytes, TierReads, moe_bytes, moe_decode_bound, tier_reads
 from .pipeline import combine, unhidden
@@ -37,6 +39,8 @@ class _Sizes(NamedTuple):
 def serve(p: Plan, s: ModelShape, hw: Hardware, task: Task, r: C.Rates) -> None:
     """Fill `p` for serving: the fastest site for the weights that fits, its decode step and
     prefill, or the problem where none fits."""
+    if hw.gpu is not None and task.gpu_mem:
+        r = replace(r, gpu_bytes=min(r.gpu_bytes, task.gpu_mem))  # the GPU memory the run may use
     _decode_assumptions(p, hw, r, task)
     sizes = _sizes(s, hw, task, r)
     engine_resident = None
@@ -57,6 +61,18 @@ def serve(p: Plan, s: ModelShape, hw: Hardware, task: Task, r: C.Rates) -> None:
         p.fits = False
         return
     _record(p, s, r, task, sizes, best)
+    if hw.gpu is not None:
+        p.extra["gpu_decode"] = _gpu_decode(s, r, task, sizes)
+
+
+def _gpu_decode(s: ModelShape, r: C.Rates, task: Task, sizes: _Sizes) -> dict:
+    """Decoding on the GPU as its engine places whole layers under --gpu-mem, with the resident
+    (device memory) and streamed (host link, NVMe) bounds (gpu_serve), whichever site was chosen."""
+    b = DecodeBytes(sizes.W - s.layers * sizes.layer_w, s.vocab * s.hidden * C.W_BYTES, int(sizes.layer_w),
+                    sizes.layers_read / s.layers, s.layers, sizes.kv, sizes.scratch)
+    rates = {"hbm": r.gpu_mem, "link": r.link, "ssd": r.ssd_read, "compute": r.compute_flops}
+    g = gpu_decode(b, r.gpu_bytes, sizes.ram, _step_flops(s, task), rates, task.batch)
+    return g.to_json() if g is not None else does_not_fit(b, r.gpu_bytes)
 
 
 def _decode_assumptions(p: Plan, hw: Hardware, r: C.Rates, task: Task) -> None:
