@@ -20,10 +20,8 @@ def measure_link(device: torch.device, nbytes: int) -> tuple[float, float]:
     the link's rate, which a copy disturbed by other traffic only hides."""
     host = aligned_empty(nbytes, pin=True)[:nbytes]
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    try:
-        return _best(lambda: host.copy_(dev), device, nbytes), _best(lambda: dev.copy_(host), device, nbytes)
-    finally:
-        del dev, host
+    # both buffers are freed on return (the device's back to the caching allocator)
+    return _best(lambda: host.copy_(dev), device, nbytes), _best(lambda: dev.copy_(host), device, nbytes)
 
 
 def _best(copy, device: torch.device, nbytes: int) -> float:
