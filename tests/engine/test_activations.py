@@ -170,3 +170,32 @@ def test_a_gpu_runs_swap_pool_comes_before_the_state_cache_only_where_it_may_swa
     assert _swap_room(s, 30 * MB, "auto").state_cache == 0
     for pol in ("keep", "recompute", "keep,recompute"):
         assert _swap_room(s, 3 * MB, pol) == s
+
+
+def test_the_gpu_planning_path_run_on_the_cpu_swaps_to_host_and_keeps_the_bits(make_model_dir, tmp_path, monkeypatch):
+    """The planner's GPU branch end to end, on the CPU: the engine taken for a GPU one once built (no
+    GPU memory for kept activations, a 25 GB/s host link "measured"), auto re-plans with choose_gpu
+    from the profiled step, swaps every layer to host (two copies of a few KiB against a forward),
+    records the link in plan.json, and the weights stay torch's bit for bit."""
+    from tierlm.engine import act_engine as AE
+    monkeypatch.setattr(P, "SETTLE_TOLERANCE", float("inf"))
+    init = AE.ActivationPlanner.__init__
+
+    def as_gpu(self, engine, on_event):
+        init(self, engine, on_event)
+        self.on_gpu, self.allowance = True, 0
+    monkeypatch.setattr(AE.ActivationPlanner, "__init__", as_gpu)
+    monkeypatch.setattr(AE, "measure_link", lambda device, nbytes: (25e9, 24e9))
+    chose, real = [], P.choose_gpu
+    monkeypatch.setattr(P, "choose_gpu", lambda *a, **k: chose.append(a) or real(*a, **k))
+    model_dir, model = make_model_dir("llama")
+    data = batches(8, seq=16)
+    _, ref_masters, ref_losses, _ = run_reference(model, data, **HP)
+    masters, _, losses, _ = run_engine(model_dir, tmp_path, data, activations="auto", **HP)
+    assert losses == ref_losses
+    for n, m in ref_masters.items():
+        assert torch.equal(masters[n], m), n
+    doc = _plan(tmp_path, "auto")
+    assert chose and doc["rates"]["d2h"] == 25e9 and doc["rates"]["h2d"] == 24e9
+    assert set(doc["plan"]["layers"].values()) == {"swap-host"}
+    assert doc["steps"][-1]["swapped_bytes"]["host"] > 0
