@@ -199,3 +199,19 @@ def test_the_gpu_planning_path_run_on_the_cpu_swaps_to_host_and_keeps_the_bits(m
     assert chose and doc["rates"]["d2h"] == 25e9 and doc["rates"]["h2d"] == 24e9
     assert set(doc["plan"]["layers"].values()) == {"swap-host"}
     assert doc["steps"][-1]["swapped_bytes"]["host"] > 0
+
+
+def test_a_gpu_plan_gives_the_swap_room_it_leaves_unused_back_to_the_state_cache():
+    from types import SimpleNamespace
+
+    from tierlm.engine.act_engine import ActivationPlanner
+    from tierlm.storage import HostBufferPool
+    cache = HostBufferPool(100 * MB, name="cache")
+    acts = SimpleNamespace(eng=SimpleNamespace(cache_pool=cache), host_allowance=40 * MB)
+    ActivationPlanner._give_back(acts, 15 * MB)   # the plan swaps 15 MB to host
+    assert (cache.capacity, acts.host_allowance) == (125 * MB, 15 * MB)
+    ActivationPlanner._give_back(acts, 15 * MB)   # a later plan: nothing more to give
+    assert (cache.capacity, acts.host_allowance) == (125 * MB, 15 * MB)
+    acts.eng.cache_pool = None                    # no state cache: the room stays
+    ActivationPlanner._give_back(acts, 0)
+    assert acts.host_allowance == 15 * MB

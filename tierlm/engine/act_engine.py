@@ -97,6 +97,17 @@ class ActivationPlanner:
         d2h, h2d = measure_link(self.eng.device, min(max(self.est, 1 << 20), 64 << 20))
         return replace(rates, d2h=d2h, h2d=h2d)
 
+    def _give_back(self, used: int) -> None:
+        """With a GPU, the host room for swapping (budget_plan._swap_room, taken from the optimizer
+        state cache) that the plan leaves unused goes back to the cache: a run that keeps and
+        recomputes only lends it for the steps before its plan."""
+        cache = self.eng.cache_pool
+        spare = self.host_allowance - used
+        if cache is None or spare <= 0:
+            return
+        cache.capacity += spare
+        self.host_allowance = used
+
     def _swap_pool(self) -> int:
         """Staging for one layer's storages in flight plus one layer read ahead."""
         return 2 * self.est
@@ -260,6 +271,7 @@ class ActivationPlanner:
                 pool = self._auto_pool()
                 if self.on_gpu:
                     plan = P.choose_gpu(layers, self.allowance, self.host_allowance, pool, self.rates, base)
+                    self._give_back(plan.pool)
                 else:
                     plan = P.choose(layers, self.allowance, pool, self.rates, base, can_swap=pool > 0)
                 self._apply(plan)
