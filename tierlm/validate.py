@@ -132,6 +132,7 @@ FINETUNE: dict[str, Num | Size] = {
 # generate's, chat's and serve's options: their configs' RANGES (tierlm/serve/options.py)
 _ENGINE = {
     "cpu_mem": MEM,
+    "gpu_mem": MEM,
     "max_seq_len": POSITIVE_INT,
     "step_tokens": POSITIVE_INT,
     "prefetch": COUNT,

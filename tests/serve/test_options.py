@@ -13,7 +13,7 @@ from tierlm.validate import CHAT, GENERATE, SERVE
 
 ENGINE_DEFAULTS = {"cpu_mem": "4GiB", "weights": "bf16", "dtype": None, "nvme": None, "max_seq_len": None,
                    "step_tokens": 256, "prefetch": 2, "expert_cache": "lfu", "resident_layers": None, "tp": 1,
-                   "threads": None}
+                   "threads": None, "device": "auto", "gpu_mem": None}
 SAMPLING_DEFAULTS = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0, "stop": []}
 
 
@@ -70,7 +70,7 @@ def test_a_missing_prompt_or_a_bad_file_value_is_refused_with_exit_2(tmp_path, c
 def test_every_number_has_a_range(cls, ranges):
     hints = typing.get_type_hints(cls)
     numeric = {f.name for f in dataclasses.fields(cls) if {int, float} & {hints[f.name], *typing.get_args(hints[f.name])}}
-    assert numeric | {"cpu_mem"} == set(ranges) and cls.RANGES is ranges
+    assert numeric | {"cpu_mem", "gpu_mem"} == set(ranges) and cls.RANGES is ranges
 
 
 def test_help_names_each_default_once():

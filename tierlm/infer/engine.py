@@ -25,6 +25,7 @@ from .. import rss
 from ..dist.tp import TensorParallel, init
 from ..hf import checks  # called through the module: tests replace its checks
 from ..hf.baseline import library_baseline
+from ..hf.device import move_buffers, resolve_device
 from ..hf.names import load_buffers, model_to_checkpoint
 from ..hf.stacked import read_param
 from ..hf.safetensors_io import SafetensorsDir
@@ -36,6 +37,7 @@ from ..storage.aligned import round_up
 from . import packed as packed_attention
 from .gemv import use_gemv
 from .generic import GenericStep, check as generic_check
+from .device_run import DeviceRun, refusal as device_refusal
 from .kvcache import SlotKVCache, kv_bytes
 from .lean import LeanDecoder
 from .quant import int4_layout
@@ -69,7 +71,13 @@ class InferenceEngine:
         checks.check_model_dir(model_dir)
         self.model_dir, self.cfg = Path(model_dir), cfg
         self.dtype = DTYPES[cfg.dtype]
+        self.device = resolve_device(cfg.device)
         config = self._build_model(model_dir)
+        # layers on a GPU (or the CPU through the same schedule): tierlm.infer.device_run
+        self.dev = DeviceRun(self.device, cfg) if self.device.type != "cpu" or cfg.device_schedule else None
+        why = device_refusal(self.device, self) if self.dev else None
+        if why:
+            raise ValueError(why)
         cache_config = self.tp.local_config(config) if self.tp else config
         # weights a token multiplies (2 FLOPs each): everything but the embedding lookup, plus the head
         total = sum(p.numel() for p in self.model.parameters())
@@ -78,15 +86,16 @@ class InferenceEngine:
         self.pieces = plan_pieces(self.model, self.blocks, self.dtype, cfg.quant)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        if self.dtype == torch.bfloat16:
+        if self.dtype == torch.bfloat16 and self.device.type == "cpu":
             use_gemv(self.model)  # after plan_pieces: the quantised linears are QLinear already
         resident, streamed = self._place(cache_config, library_rss)
         self._load_weights(model_dir, resident, streamed)
-        self.cache = SlotKVCache(cache_config, cfg.max_batch, self.max_len, self.dtype)
+        self.cache = SlotKVCache(cache_config, cfg.max_batch, self.max_len, self.dtype, device=self.device)
         self.generic = GenericStep(self.model, config, self.cache, packed=cfg.packed)
         self.base, self.head = self.generic.base, self.generic.head
         self._window, self._sliding = self.generic.window, self.generic.sliding
-        self.lean = LeanDecoder.build(self) if cfg.lean else None
+        # tierlm's native kernels are CPU code; the device schedule runs transformers' modules
+        self.lean = LeanDecoder.build(self) if cfg.lean and not self.dev else None
         rss.trim()
 
     def _build_model(self, model_dir):
@@ -146,6 +155,9 @@ class InferenceEngine:
                                 eager=not getattr(self.model, "_supports_sdpa", True),
                                 packs=packed_attention.packs(self.model))
         self.experts = self.expert_placement = None
+        if self.dev:  # the device under --gpu-mem, then the host under --cpu-mem
+            self.placement, resident, streamed = self.dev.place(baseline, fixed, lbytes, layer_idx, kv, scratch)
+            return resident, streamed
         try:
             self.placement = plan_placement(cfg, baseline, fixed, lbytes, len(layer_idx), kv, scratch)
         except BudgetError:
@@ -184,6 +196,7 @@ class InferenceEngine:
         in_file = model_to_checkpoint(self.model, st.names(), {n for b in self.blocks for n in b.uses},
                                       where=str(model_dir))
         load_buffers(self.model, st, str(model_dir))
+        move_buffers(self.model, self.device)
 
         def src(name: str) -> torch.Tensor:
             if name not in in_file:
@@ -196,7 +209,10 @@ class InferenceEngine:
         self.resident_bytes = 0
         for b in self.blocks:
             if b.kind != "layer" or b.index in resident:
-                install_resident(self.pieces[b.index], src)
+                keep = self.dev is not None and b.kind == "layer" and b.index in self.dev.in_ram
+                buf = install_resident(self.pieces[b.index], src, pin=keep and self.dev.pin)
+                if self.dev:
+                    self.dev.placed(b.index, self.pieces[b.index], b.kind == "layer", buf)
                 self.resident_bytes += sum(p.nbytes for p in self.pieces[b.index])
         self.store = self.stream = self.streamed_experts = None
         self.store_written = 0
@@ -211,6 +227,8 @@ class InferenceEngine:
         names = {n for m in self.moe.values() for n in m.names()} if self.routed_count else set()
         self.resident_expert_bytes = sum(p.nbytes for i in self.moe for p in self.pieces[i] if p.key in names)
         st.close()
+        if self.dev:
+            self.dev.attach({b.index: b.module for b in self.blocks}, self.pieces, self.stream)
         self.load_s = time.perf_counter() - t0
         self.streamed_bytes = sum(self.stream.layer_bytes.values()) if self.stream else 0
 
@@ -232,7 +250,8 @@ class InferenceEngine:
         root = Path(cfg.nvme_dir or Path("runs") / "infer-store" / f"{self.model_dir.name}-{cfg.weights}-{cfg.dtype}")
         if self.tp:  # each shard streams its own slices
             root = root / tp_tag[1:]
-        self.pool = HostBufferPool(self.placement.window, name="layer stream window")
+        pin = bool(self.dev and self.dev.pin)  # pinned where a GPU copies from it
+        self.pool = HostBufferPool(self.placement.window, pin=pin, name="layer stream window")
         layout = f"-{int4_layout()}" if cfg.quant == "int4" else ""
         self.store = PieceStore(root, self.pool, fingerprint(self.model_dir, self.dtype, f"{cfg.quant}{layout}{tp_tag}"),
                                 cfg.io_threads, cfg.direct_io)
@@ -244,7 +263,10 @@ class InferenceEngine:
             for p in self.pieces[i]:
                 p.install(None)
             self.store_written += self.store.ensure(self.pieces[i], src)
-        self.stream = LayerStream(self.store.store, self.pool, {i: self.pieces[i] for i in streamed}, self.cfg.prefetch)
+        prefetch = self.dev.host_config().prefetch if self.dev else self.cfg.prefetch
+        self.stream = LayerStream(self.store.store, self.pool, {i: self.pieces[i] for i in streamed}, prefetch)
+        if self.dev:  # the device schedule takes the layers from the window (DeviceRun.attach)
+            return
         by_index = {b.index: b for b in self.blocks}
         for i in streamed:
             mod = by_index[i].module
@@ -263,12 +285,18 @@ class InferenceEngine:
             self.stream.prefetch_after(None)
         if ids.shape[1] == 1 and self.lean is not None:
             return self.lean.logits(ids, pos, mask, self.cache)
-        return self.generic.logits(ids, pos, mask, packed, [len(t) for t in tokens])
+        if self.dev:
+            self.dev.start_step()
+            ids, pos, mask = _to(ids, self.device), _to(pos, self.device), _to(mask, self.device)
+        # the logits to the host for the sampler (on the CPU: the same tensor)
+        return self.generic.logits(ids, pos, mask, packed, [len(t) for t in tokens]).cpu()
 
     @torch.no_grad()
     def logits_all(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits at every position of [B, T] ids without the cache (perplexity)."""
-        return self.generic.logits_all(input_ids)
+        if self.dev:
+            self.dev.start_step()
+        return self.generic.logits_all(input_ids.to(self.device)).cpu()
 
     def move_slot(self, src: int, dst: int, length: int) -> None:
         if self.tp:
@@ -319,6 +347,8 @@ class InferenceEngine:
 
     def decode_path(self) -> str:
         """Which code runs a decode step, and why not tierlm's own where it does not."""
+        if self.dev:
+            return f"decode: generic (transformers' modules on {self.device}: tierlm's native kernels are CPU code)"
         if self.lean is not None:
             if self.lean.fused is not None:
                 return "decode: native (tierlm's fused kernels)"
@@ -336,6 +366,8 @@ class InferenceEngine:
         tp = f"tensor-parallel rank {self.tp.rank} of {self.tp.world} (1/{self.tp.world} of each layer); " \
             if self.tp else ""
         where = self.expert_placement.describe() if self.expert_placement else self.placement.describe()
+        if self.dev:
+            where = f"{self.dev.describe()}" + (f"; host: {where}" if self.placement.layers else "")
         return f"{self.config.model_type}, weights {w}: {tp}{where}; {self.decode_path()}"
 
     def close(self) -> None:
@@ -343,7 +375,16 @@ class InferenceEngine:
             self.tp.lead_stop()
             self.tp.shutdown()
             self.tp = None
+        if self.dev:
+            self.dev.close()
         if self.stream:
             self.stream.close()
         if self.store:
             self.store.close()
+
+
+def _to(x, device: torch.device):
+    """A step's tensor (or dict of masks) on the compute device."""
+    if isinstance(x, dict):
+        return {k: v.to(device) for k, v in x.items()}
+    return x.to(device)

@@ -34,12 +34,12 @@ def kv_bytes(config, slots: int, max_len: int, dtype: torch.dtype) -> int:
 
 
 class SlotKVCache:
-    def __init__(self, config, slots: int, max_len: int, dtype: torch.dtype):
+    def __init__(self, config, slots: int, max_len: int, dtype: torch.dtype, device=None):
         layers, (kh, kd), (vh, vd) = kv_geometry(config)
         self.slots, self.max_len, self.dtype = slots, max_len, dtype
         # One spare position per slot: queries that only pad a row write there, never over real keys.
-        self.k = [torch.zeros((slots, kh, max_len + 1, kd), dtype=dtype) for _ in range(layers)]
-        self.v = [torch.zeros((slots, vh, max_len + 1, vd), dtype=dtype) for _ in range(layers)]
+        self.k = [torch.zeros((slots, kh, max_len + 1, kd), dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [torch.zeros((slots, vh, max_len + 1, vd), dtype=dtype, device=device) for _ in range(layers)]
         self.nbytes = kv_bytes(config, slots, max_len, dtype)
         self._rows = 0
         self._write_pos: torch.Tensor | None = None
@@ -83,6 +83,10 @@ class SlotKVCache:
             self._write_pos = torch.where(real, start + j, torch.full_like(j, self.max_len))
             # one row has no padding: its keys go to a contiguous range, a slice copy, not index_put
             self._single = starts[0] if rows == 1 else None
+        dev = self.k[0].device
+        if dev.type != "cpu":  # a GPU's cache: the step's write indices copied there once, not once a layer
+            self._write_pos = self._write_pos.to(dev)
+            self._write_slot = None if self._write_slot is None else self._write_slot.to(dev)
         k = torch.arange(self._kv_len)[None, None, :]
         full = k <= pos[:, :, None]
         masks = full
@@ -110,8 +114,8 @@ class SlotKVCache:
             kc[0, :, s:s + q].copy_(key[0])
             vc[0, :, s:s + q].copy_(value[0])
         else:
-            slot = torch.arange(b)[:, None, None]
-            head = torch.arange(h)[None, :, None]
+            slot = torch.arange(b, device=kc.device)[:, None, None]
+            head = torch.arange(h, device=kc.device)[None, :, None]
             pos = self._write_pos[:, None, :]
             kc[slot, head, pos] = key.to(kc.dtype)
             vc[slot, head, pos] = value.to(vc.dtype)
@@ -131,8 +135,9 @@ class SlotKVCache:
                                f"report it with the model's config.json)")
         vc = self.v[layer_idx]
         old = (kc.numel() + vc.numel()) * kc.element_size()
-        self.k[layer_idx] = torch.zeros((kc.shape[0], heads) + tuple(kc.shape[2:]), dtype=kc.dtype)
-        self.v[layer_idx] = torch.zeros((vc.shape[0], heads) + tuple(vc.shape[2:]), dtype=vc.dtype)
+        kw = dict(dtype=kc.dtype, device=kc.device)
+        self.k[layer_idx] = torch.zeros((kc.shape[0], heads) + tuple(kc.shape[2:]), **kw)
+        self.v[layer_idx] = torch.zeros((vc.shape[0], heads) + tuple(vc.shape[2:]), **kw)
         self.nbytes -= old - (self.k[layer_idx].numel() + self.v[layer_idx].numel()) * kc.element_size()
         return self.k[layer_idx], self.v[layer_idx]
 

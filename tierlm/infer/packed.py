@@ -61,12 +61,14 @@ def _additive(mask: torch.Tensor | None, query: torch.Tensor, keys: int) -> torc
         q = query.shape[2]
         if q == 1:
             return None
-        mask = torch.arange(keys)[None, :] <= torch.arange(keys - q, keys)[:, None]
+        dev = query.device
+        mask = torch.arange(keys, device=dev)[None, :] <= torch.arange(keys - q, keys, device=dev)[:, None]
     if mask.dtype != torch.bool:
         return mask.to(query.dtype)
     if _memo[0] is mask and _memo[1] == query.dtype:
         return _memo[2]
-    add = torch.zeros(mask.shape, dtype=query.dtype).masked_fill_(~mask, torch.finfo(query.dtype).min)
+    add = torch.zeros(mask.shape, dtype=query.dtype, device=mask.device)
+    add.masked_fill_(~mask, torch.finfo(query.dtype).min)
     _memo[:] = [mask, query.dtype, add]
     return add
 

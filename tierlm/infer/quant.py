@@ -156,6 +156,8 @@ class QLinear(nn.Module):
 def qproduct(q, x2: torch.Tensor) -> torch.Tensor:
     """x2 [rows, in] times the quantised W^T of `q` (a QLinear, or anything with its mode, layout,
     group, in/out features, qweight and scales), in x2's dtype, without the bias."""
+    if x2.device.type != "cpu":
+        return F.linear(x2, device_weight(q, x2.dtype))
     few = x2.shape[0] <= NATIVE_MAX_ROWS and x2.device.type == "cpu" and native.available()
     if not few and QLinear.integer_rows(q, x2):
         return qgemm.product(x2, q.qweight, q.scales, q.group).to(x2.dtype)
@@ -172,6 +174,19 @@ def qproduct(q, x2: torch.Tensor) -> torch.Tensor:
     if q.mode == "int8":
         return torch.ops.aten._weight_int8pack_mm(x2, q.qweight, q.scales)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, q.qweight, q.group, q.scales)
+
+
+def device_weight(q, dtype: torch.dtype) -> torch.Tensor:
+    """W [out, in] in `dtype`, dequantised where the weights are (a GPU: our kernels are CPU code).
+    One matrix at a time in torch's own ops, then torch's product: the bus and the device memory
+    carry the quantised bytes, the product reads the dequantised copy. int8: q * its row's scale;
+    int4 in our layout: q * scale + lo a group (PyTorch's CPU int4 layout has no GPU kernel)."""
+    if q.mode == "int8":
+        return q.qweight.to(dtype) * q.scales.to(dtype)[:, None]
+    if q.layout != "tierlm":
+        raise ValueError("--weights int4 on a GPU needs tierlm's int4 layout, made where its kernels build "
+                         "(a C compiler, `cc`); use --weights int8 or bf16")
+    return dequant_int4(q.qweight, q.scales, q.group).to(dtype)
 
 
 def quantizable(layer: nn.Module, mode: str) -> dict[str, tuple[nn.Module, bool]]:

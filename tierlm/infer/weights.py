@@ -135,7 +135,7 @@ def _reader(name: str, dtype: torch.dtype):
     return make
 
 
-def install_resident(pieces: list[Piece], src) -> torch.Tensor:
+def install_resident(pieces: list[Piece], src, pin: bool = False) -> torch.Tensor:
     """Make a block's pieces and install them as views of one buffer, back to back in the order
     the block's forward reads them (each 4 KiB-aligned, so the bytes equal the placement's sum of
     round_up(nbytes)). Returns the buffer.
@@ -147,9 +147,11 @@ def install_resident(pieces: list[Piece], src) -> torch.Tensor:
     layer's products read one run of memory. TinyLlama-1.1B bf16 on a 2-vCPU Zen 4 VM, decode alternated on
     one engine against each tensor in an allocation of its own (benchmarks/infer_bench.py --layout,
     3 runs of 6 rounds): faster in 17 of 18 rounds at 1 thread (median +10%), 15 of 18 at 2 threads
-    (+3%; docs/inference.md at a2b1c1e)."""
+    (+3%; docs/inference.md at a2b1c1e).
+
+    pin: registered with CUDA (a layer a GPU copies from its host memory every step)."""
     sizes = [round_up(p.nbytes) for p in pieces]
-    buf = aligned_empty(sum(sizes))
+    buf = aligned_empty(sum(sizes), pin=pin)
     off = 0
     for p, n in zip(pieces, sizes):
         slot = buf[off: off + p.nbytes]
@@ -278,6 +280,13 @@ class LayerStream:
                 return
 
     def acquire(self, i: int) -> None:
+        views = self.take(i)
+        for p in self.layers[i]:
+            p.install(views[p.key])
+
+    def take(self, i: int) -> dict[str, torch.Tensor]:
+        """Layer i's tensors in its window buffer once read (piece key -> view), not installed: a
+        device copies them (tierlm.infer.device_layers); `release(i)` gives the buffer back."""
         import time
         if i not in self._live:
             self._start(i, blocking=True)
@@ -287,8 +296,7 @@ class LayerStream:
         for f in futs:
             f.result()  # raises CorruptionError naming the file
         self.stall_s += time.perf_counter() - t0
-        for p in self.layers[i]:
-            p.install(views[p.key])
+        return views
 
     def release(self, i: int) -> None:
         for p in self.layers[i]:

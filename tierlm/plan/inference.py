@@ -33,6 +33,12 @@ class InferConfig:
     fused: bool = True               # ... each layer of them in one C call (tierlm.infer.fused)
     packed: bool = True              # rows of different lengths in one step run unpadded (infer.packed)
     expert_policy: str = "lfu"       # which streamed experts the expert cache keeps: lfu | lru
+    device: str = "cpu"              # where layers compute: cpu, cuda[:N] or auto (the recipe's default)
+    gpu_mem: int | str | None = None  # device memory the run may use; None: 90% of what is free at start
+    # the device's layer schedule (plan.device_placement, infer.device_layers) on the CPU too, with
+    # synchronous copies: the tests run its ordering where there is no GPU
+    device_schedule: bool = False
+    host_resident_layers: int | None = None  # with a device: host layers kept in RAM (None: as fit)
 
     def __post_init__(self):
         self.cpu_mem = parse_bytes(self.cpu_mem, "--cpu-mem")
@@ -49,6 +55,10 @@ class InferConfig:
             raise ValueError("--prefetch must be >= 0")
         if self.tp < 1:
             raise ValueError(f"--tp must be >= 1 (processes sharing each layer), got {self.tp}")
+        if self.gpu_mem is not None:
+            self.gpu_mem = parse_bytes(self.gpu_mem, "--gpu-mem")
+            if self.gpu_mem <= 0:
+                raise ValueError(f"--gpu-mem must be a size above 0, got {self.gpu_mem}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"--threads must be >= 1 (compute threads), got {self.threads}")
 

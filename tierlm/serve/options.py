@@ -25,6 +25,11 @@ class EngineOptions:
     weights: str = option("bf16", choices=WEIGHTS, help="weight format, chosen at load time")
     dtype: str | None = option(None, choices=DTYPES, help="compute and KV-cache dtype "
                                                           "(default: fp32 for --weights fp32, else bf16)")
+    device: str = option("auto", help="where layers compute: cpu, cuda (cuda:N), or auto: the GPU where PyTorch "
+                                      "sees one (layers that do not fit --gpu-mem are copied from host memory "
+                                      "each step)")
+    gpu_mem: str | None = option(None, metavar="SIZE", help="GPU memory the run may use (default: 90%% of what "
+                                                            "is free at start; ignored on the CPU)")
     nvme: str | None = option(None, help="directory of the streamed layers' store (written once; "
                                          "default: runs/infer-store/<model>-<weights>)")
     max_seq_len: int | None = option(None, help="positions per KV-cache slot")

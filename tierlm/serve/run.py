@@ -28,7 +28,7 @@ def infer_config(args: EngineOptions, max_batch: int, max_seq_len: int | None) -
                        max_batch=max_batch, max_seq_len=args.max_seq_len or max_seq_len,
                        step_tokens=args.step_tokens, prefetch=args.prefetch,
                        resident_layers=args.resident_layers, threads=args.threads, tp=args.tp,
-                       expert_policy=args.expert_cache)
+                       expert_policy=args.expert_cache, device=args.device, gpu_mem=args.gpu_mem)
 
 
 def sampling(args) -> SamplingParams:
