@@ -7,14 +7,28 @@ import sys
 PEAK = "int([l for l in open('/proc/self/status') if l.startswith('VmHWM:')][0].split()[1]) * 1024"
 
 
-def library_peak() -> int:
-    """Peak RSS of a fresh process with torch, transformers and the llama code, after one tiny
-    bf16 forward and backward: the libraries' own footprint, which `--cpu-mem` does not count."""
-    code = ("import torch, transformers\n"
-            "from transformers import LlamaConfig, AutoModelForCausalLM\n"
-            "m = AutoModelForCausalLM.from_config(LlamaConfig(hidden_size=64, intermediate_size=128, "
-            "num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)).bfloat16()\n"
-            "ids = torch.randint(0, 512, (1, 8)); m(input_ids=ids, labels=ids).loss.backward()\n"
+def library_peak(family: str | None = None, tokenizer=None) -> int:
+    """Peak RSS of a fresh process with torch, transformers and the model family's code (llama, or
+    `family` of tests/families.py: a mixture of experts loads more of transformers), after one tiny
+    bf16 forward and backward: the libraries' own footprint, which `--cpu-mem` does not count.
+    tokenizer: a model directory whose tokenizer the CLI loads (tokenizers and the chat template's
+    jinja2 add ~5 MiB of their own)."""
+    import json
+
+    if family is None:
+        build = ("from transformers import LlamaConfig\n"
+                 "cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, "
+                 "num_key_value_heads=2, vocab_size=512)\n")
+    else:
+        from .families import FAMILIES
+        build = ("import json\nfrom transformers import AutoConfig\n"
+                 f"cfg = AutoConfig.for_model({family!r}, **json.loads({json.dumps(FAMILIES[family])!r}))\n")
+    if tokenizer is not None:
+        build += f"transformers.AutoTokenizer.from_pretrained({str(tokenizer)!r})\n"
+    code = ("import torch, transformers\n" + build +
+            "from transformers import AutoModelForCausalLM\n"
+            "m = AutoModelForCausalLM.from_config(cfg).bfloat16()\n"
+            "ids = torch.randint(0, min(cfg.vocab_size, 512), (1, 8)); m(input_ids=ids, labels=ids).loss.backward()\n"
             f"print({PEAK})")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     return int(out.stdout.split()[-1])

@@ -48,3 +48,32 @@ def test_model_3x_budget_streams_under_budget_with_resident_tokens(tmp_path):
     resident, _ = _generate(model, tmp_path / "r.json", "1GiB")
     assert resident["placement"]["resident"] == resident["placement"]["layers"]
     assert streamed["token_ids"] == resident["token_ids"] and len(set(resident["token_ids"])) > 1
+
+
+@pytest.mark.slow
+def test_a_mixture_of_experts_4x_budget_streams_its_experts_under_budget(tmp_path):
+    """The dense parts stay resident and the experts stream through an expert cache of what the
+    budget leaves: the promise holds, and the tokens are the resident model's."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(
+        "qwen3_moe", hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=32,
+        num_experts_per_tok=2, moe_intermediate_size=256, intermediate_size=704, vocab_size=4096,
+        num_hidden_layers=16, max_position_embeddings=1024, tie_word_embeddings=False, decoder_sparse_step=1,
+        mlp_only_layers=[], initializer_range=0.2)
+    budget = parse_bytes("48MiB")
+    assert 2 * param_count(config) >= 4 * budget
+    model = init_model(tmp_path / "model", config, dtype="bfloat16")
+    libraries = library_peak("qwen3_moe", tokenizer=model)
+    streamed, log = _generate(model, tmp_path / "s.json", "48MiB", "--nvme", str(tmp_path / "nvme"))
+    assert "experts of 16 layers streamed through an expert cache" in log
+    ex = streamed["experts"]
+    assert ex["miss_bytes"] > 0 and ex["hits"] < ex["requests"]   # read from the store as routed
+    peak = streamed["peak_rss_bytes"]
+    print(f"weights {2 * param_count(config) / 2**20:.0f} MiB, budget {budget / 2**20:.0f} MiB, libraries "
+          f"{libraries / 2**20:.0f} MiB, peak {peak / 2**20:.0f} MiB = libraries + {(peak - libraries) / 2**20:.0f} MiB")
+    assert peak <= libraries + budget, (
+        f"peak RSS {peak / 2**20:.0f} MiB > libraries {libraries / 2**20:.0f} MiB + budget {budget / 2**20:.0f} MiB")
+    resident, _ = _generate(model, tmp_path / "r.json", "1GiB")
+    assert "experts" not in resident
+    assert streamed["token_ids"] == resident["token_ids"] and len(set(resident["token_ids"])) > 1
