@@ -254,7 +254,8 @@ BF16_LOGIT_TOL = 0.03    # ... and every step's logits within 3% of the largest,
 
 
 def _gpu_engine(d, tmp_path, place, **kw):
-    cfg = InferConfig(cpu_mem="2GiB", nvme_dir=str(tmp_path / f"nvme-{place}"), max_batch=1, max_seq_len=48,
+    # library_rss=0: the process's whole RSS (CUDA's libraries and context included) is its baseline
+    cfg = InferConfig(cpu_mem="16GiB", nvme_dir=str(tmp_path / f"nvme-{place}"), max_batch=1, max_seq_len=48,
                       device="cuda", **PLACES[place], **kw)
     return InferenceEngine(d, cfg, library_rss=0)
 
@@ -344,3 +345,24 @@ def test_gpu_streamed_layers_are_copied_once_a_step(make_model_dir, tmp_path):
         assert eng.stream.pool.pin
     finally:
         eng.close()
+
+
+@cuda
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+def test_gpu_continuous_batch_equals_transformers(make_model_dir, tmp_path, packed):
+    """Sequences joining and leaving the batch, prompts prefilled in chunks, a layer streamed: each
+    sequence's tokens are transformers' alone (fp32). Runs the KV cache's GPU write indices."""
+    d, model = make_model_dir("llama", initializer_range=0.3)
+    prompts = GPU_PROMPTS + [[3] * 9, [60, 61, 62]]
+    lens = [10, 4, 10, 7, 10]
+    refs = _reference(model.cuda().eval(), prompts, 10)
+    cfg = InferConfig(cpu_mem="16GiB", dtype="fp32", nvme_dir=str(tmp_path / "nvme"), max_batch=3, max_seq_len=40,
+                      step_tokens=4, resident_layers=1, packed=packed, device="cuda")
+    eng = InferenceEngine(d, cfg, library_rss=0)
+    try:
+        b = Batcher(eng, _Tok(), [])
+        reqs = [b.submit(Request(list(p), SamplingParams(max_tokens=n))) for p, n in zip(prompts, lens)]
+        b.run_until_idle()
+    finally:
+        eng.close()
+    assert [r.out_ids for r in reqs] == [ref[:n] for ref, n in zip(refs, lens)]
