@@ -14,6 +14,10 @@ import resource as _resource
 # huge pages 6.8, and the step 52.0 -> 46.1-46.5 s at the same peak RSS (docs/benchmarks.md at a2b1c1e, H).
 _os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
+# oneDNN's kernel caches bounded (read when the first product is built): a mixture of experts
+# builds new products every step, and kept, they grew past --cpu-mem (kernel_cache.py)
+from . import kernel_cache as _kernel_cache  # noqa: E402,F401
+
 # torch is not imported here: `tierlm --help` and the argument errors of every verb answer without
 # it (its import takes seconds). The verbs and the API import it when they run, after the settings
 # above and below are in place. Budgets start from budget.library_baseline, measured by the run.
