@@ -50,6 +50,42 @@ def test_training_state_4x_budget_stays_under_budget(tmp_path):
         f"peak RSS {peak / 2**20:.0f} MiB > libraries {libraries / 2**20:.0f} MiB + budget {budget / 2**20:.0f} MiB")
 
 
+# A mixture of experts' grouped product runs one product per expert, sized by the tokens routed to
+# it: new shapes every step, whose kernels oneDNN kept (kernel_cache.py). Unbounded, this run grew by
+# 3-9 MiB in every layer's forward and backward and peaked 212 MiB beyond the libraries of its 80.
+MOE_BUDGET = "80MiB"
+MOE_CONFIG = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=16,
+                  num_experts_per_tok=2, moe_intermediate_size=256, intermediate_size=704, vocab_size=4096,
+                  num_hidden_layers=6, max_position_embeddings=1024, tie_word_embeddings=False,
+                  decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=True)
+
+
+@pytest.mark.slow
+def test_mixture_of_experts_state_4x_budget_stays_under_budget(tmp_path):
+    from transformers import AutoConfig
+
+    from tierlm.hf.init import init_model
+
+    config = AutoConfig.for_model("qwen3_moe", **MOE_CONFIG)
+    state = 16 * param_count(config)
+    budget = parse_bytes(MOE_BUDGET)
+    assert state >= 4 * budget
+    model = init_model(tmp_path / "model", config, seed=0, dtype="bfloat16")
+    data = tmp_path / "data.txt"
+    data.write_text("\n".join(f"line {i}: the quick brown fox jumps over the lazy dog." for i in range(400)))
+    libraries = library_peak("qwen3_moe")
+    run = subprocess.run([sys.executable, "-m", "tierlm", "finetune", str(model), "--data", str(data),
+                          "--output", str(tmp_path / "run"), "--cpu-mem", MOE_BUDGET, "--seq-len", "64",
+                          "--steps", "3", "--lr", "1e-3", "--precision", "bf16"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 3
+    peak = summary["peak_rss_bytes"]
+    print(f"state {state / 2**20:.0f} MiB, budget {budget / 2**20:.0f} MiB, libraries {libraries / 2**20:.0f} MiB, "
+          f"peak {peak / 2**20:.0f} MiB = libraries + {(peak - libraries) / 2**20:.0f} MiB")
+    assert peak <= libraries + budget, (
+        f"peak RSS {peak / 2**20:.0f} MiB > libraries {libraries / 2**20:.0f} MiB + budget {budget / 2**20:.0f} MiB")
+
 ACT_SHAPE = {"layers": 20, "hidden": 128, "heads": 4, "kv_heads": 2, "intermediate": 352, "vocab": 512,
              "max_positions": 4096}
 ACT_BUDGET = "256MiB"
