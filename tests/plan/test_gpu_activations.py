@@ -1,7 +1,8 @@
 """The activation planner with a GPU computing: kept activations hold GPU memory (--gpu-mem), a
-swapped layer's cross the host link out in forward and back in backward, and swap-host / swap is
-chosen where it beats recomputing, keep where GPU memory has room, recompute where the link is
-slower than the layer's forward."""
+swapped layer's cross the host link out in forward and back in backward on a side stream, beside
+the compute (a phase takes the longer of the two), and swap-host / swap is chosen where it beats
+recomputing, keep where GPU memory has room, recompute where the copies would outlast the compute
+they hide behind."""
 import pytest
 
 from tierlm.plan import activations as P
@@ -29,8 +30,21 @@ def test_the_link_prices_each_direction_in_its_phase():
     pred = P.predict(layers, {1: "swap-host", 2: "keep"}, P.Rates(1e9, 1e9, 1e12, d2h=10 * GB, h2d=20 * GB), P.Base())
     assert pred["copy_s"] == pytest.approx(100 * MB / (10 * GB))        # out, in forward
     assert pred["copy_bwd_s"] == pytest.approx(100 * MB / (20 * GB))    # back, in backward
-    assert pred["forward_s"] == pytest.approx(0.020 + 0.010)
-    assert pred["backward_s"] == pytest.approx(0.040 + 0.005)
+    # overlapped with the layers' compute: each phase takes the longer of its compute and its copies
+    assert pred["forward_s"] == pytest.approx(0.020)
+    assert pred["backward_s"] == pytest.approx(0.040)
+    assert pred["bound_fwd"] == pred["bound_bwd"] == "compute"
+    # copies longer than the compute they overlap bind the phase: the link
+    slow = P.predict(layers, {1: "swap-host", 2: "swap-host"}, P.Rates(1e9, 1e9, 1e12, d2h=5 * GB, h2d=20 * GB), P.Base())
+    assert slow["forward_s"] == pytest.approx(2 * 100 * MB / (5 * GB)) and slow["bound_fwd"] == "link"
+    assert slow["backward_s"] == pytest.approx(0.040) and slow["bound_bwd"] == "compute"
+
+
+def test_the_cpu_prices_its_staging_copies_as_added_compute():
+    layers = _layers(2)
+    pred = P.predict(layers, {1: "swap", 2: "keep"}, P.Rates(100 * GB, 100 * GB, 10 * GB), P.Base())
+    assert pred["forward_s"] == pytest.approx(0.020 + 0.010)  # two layers' compute + the copy
+    assert pred["bound_fwd"] == "compute"
 
 
 def test_swaps_to_host_where_the_link_beats_recompute_and_keeps_what_gpu_memory_holds():
@@ -42,9 +56,20 @@ def test_swaps_to_host_where_the_link_beats_recompute_and_keeps_what_gpu_memory_
     assert "swap-host 5" in plan.reason
 
 
-def test_recomputes_where_the_link_is_slower_than_the_forward():
-    # 100 MB over 5 GB/s: 20 ms each way against a 10 ms recompute
+def test_swaps_to_host_where_copies_slower_than_recompute_hide_behind_compute():
+    # 100 MB over 5 GB/s: 20 ms each way, slower than the layer's 10 ms recompute, but on the side
+    # stream: the forward's 80 ms of compute hides 4 layers' copies out (the backward's 160 ms,
+    # their copies back); a 5th would make the forward 100 ms where recomputing it costs 10 ms
     plan = P.choose_gpu(_layers(), 300 * MB, 10 * GB, 200 * MB, _gpu(link=5 * GB), P.Base())
+    assert (_count(plan, "keep"), _count(plan, "swap-host"), _count(plan, "recompute")) == (3, 4, 1)
+    assert plan.pool == 4 * 100 * MB
+    assert plan.predicted["forward_s"] == pytest.approx(0.080)
+    assert plan.predicted["backward_s"] == pytest.approx(0.160 + 0.010)
+
+
+def test_recomputes_where_the_link_is_slower_than_the_compute_it_overlaps():
+    # 100 MB over 1 GB/s: 100 ms each way, more than the whole forward's compute
+    plan = P.choose_gpu(_layers(), 300 * MB, 10 * GB, 200 * MB, _gpu(link=1 * GB), P.Base())
     assert (_count(plan, "keep"), _count(plan, "recompute")) == (3, 5)
     assert plan.pool == 0
 

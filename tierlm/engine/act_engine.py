@@ -21,6 +21,7 @@ from ..units import fmt_bytes
 from ..plan import activations as P
 from ..plan import budget as B
 from .activations import ActivationSwapper
+from .copy_stream import make_copy_stream
 from .link_probe import measure_link
 
 def _say(msg: str) -> None:
@@ -52,8 +53,10 @@ class ActivationPlanner:
                                  on_event=lambda ln, *a: on_event(lane.get(ln, ln), *a))
         # a GPU's copy out of its memory is the device-to-host lane of the timeline
         copy_lane = "d2h" if self.on_gpu else "act_copy"
+        # with a GPU the swap copies run on a side stream, overlapped with the layers' compute
         self.swapper = ActivationSwapper(self.pool, self.store,
-                                         lambda ln, *a: on_event(copy_lane if ln == "act_copy" else ln, *a))
+                                         lambda ln, *a: on_event(copy_lane if ln == "act_copy" else ln, *a),
+                                         stream=make_copy_stream(engine.device))
         self.plan: P.Plan | None = None
         self.plan_step = 0
         self.rates: P.Rates | None = None
@@ -225,6 +228,10 @@ class ActivationPlanner:
         for j in range(blk.index - 1, blk.index - 1 - self.eng.prefetch, -1):
             if j in self.cur:
                 self.swapper.prefetch(j)
+        # back to the GPU on the side stream: this layer's (if not already) and, one layer ahead,
+        # the next one's, which then crosses the link while this one computes
+        self.swapper.upload(blk.index)
+        self.swapper.upload(blk.index - 1)
 
     def backward_end(self, blk, dt: float, saved: int) -> None:
         rec = self.cur[blk.index]

@@ -11,6 +11,10 @@ A tensor is swapped by its storage: autograd often saves several views of one te
 input is saved by q, k and v), so each storage is copied once and every view is rebuilt from it.
 Tensors smaller than `min_bytes` stay where they are (a few KiB of norm statistics are not worth
 an I/O). The values come back bit for bit, so gradients do not depend on the policy.
+
+With a GPU the copies run on a side stream (engine/copy_stream.py) and overlap compute: out to the
+pinned pool as each tensor is saved, the buffer filled (and written on to NVMe) only after the
+copy's event; back to the GPU one layer ahead of its backward, which waits on that copy's event.
 """
 from __future__ import annotations
 
@@ -23,17 +27,23 @@ import torch
 
 from ..storage import HostBufferPool, TensorStore
 from ..storage.aligned import aligned_empty
+from .copy_stream import DONE, CopyStream
 
 
 class _Stored:
     """One swapped storage: its bytes in a host buffer, on the NVMe store, or both."""
 
-    __slots__ = ("key", "nbytes", "buf", "write", "read", "tier", "block", "hold", "dev")
+    __slots__ = ("key", "nbytes", "buf", "write", "read", "tier", "block", "hold", "dev", "copied", "up",
+                 "waited", "device")
 
     def __init__(self, key: str, nbytes: int, tier: str, block: int):
         self.key, self.nbytes, self.tier, self.block = key, nbytes, tier, block
         self.buf = None
         self.dev = None  # the copy back on the GPU, shared by every view unpacked from it
+        self.copied = DONE  # the event of the copy into `buf` (it is filled once that is done)
+        self.up = None  # the event of the copy back to `dev`
+        self.waited = False  # the compute stream waits on `up` (once for every view)
+        self.device = None  # where the storage was computed, and goes back to
         self.hold = False  # backward wants it before its write landed: keep the buffer
         self.write: Future | None = None
         self.read: Future | None = None
@@ -65,8 +75,10 @@ class Handle:
 class ActivationSwapper:
     min_bytes = 256 << 10
 
-    def __init__(self, pool: HostBufferPool, store: TensorStore | None, on_event=None):
+    def __init__(self, pool: HostBufferPool, store: TensorStore | None, on_event=None,
+                 stream: CopyStream | None = None):
         self.pool, self.store, self.on_event = pool, store, on_event
+        self.stream = stream or CopyStream()
         self._blocks: dict[int, list[_Stored]] = defaultdict(list)
         self._by_storage: dict[tuple, _Stored] = {}
         self._block = None
@@ -85,6 +97,7 @@ class ActivationSwapper:
         self._by_storage = {}
         for s in self._blocks.pop(block, []):  # left from a forward without backward
             self._drop(s)
+        self.stream.report(self.on_event)
 
     def end_forward(self) -> None:
         self._block = self._tier = None
@@ -116,6 +129,7 @@ class ActivationSwapper:
         blk = self._block
         s = _Stored(f"b{blk}/{len(self._blocks[blk])}", nbytes, self._tier, blk)
         self._blocks[blk].append(s)
+        s.device = storage.device
         t0 = time.perf_counter()
         src = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
         s.buf = self._staging(nbytes, s.tier)
@@ -123,10 +137,10 @@ class ActivationSwapper:
             s.tier = "nvme"  # the host pool is full: this one goes down a tier
             s.buf = self._staging(nbytes, s.tier)
         if s.buf is not None:
-            s.buf.tensor[:nbytes].copy_(src)  # non_blocking from a GPU with a pinned pool
+            s.copied = self.stream.d2h(src, s.buf.tensor[:nbytes], s.key)
         t1 = time.perf_counter()
         self._spent[blk] += t1 - t0
-        if self.on_event:
+        if self.on_event and self.stream.synchronous:  # a side stream's copies are timed on it
             self.on_event("act_copy", s.key, t0, t1, nbytes)
         self.bytes_out[s.tier] += nbytes
         if s.tier == "nvme":
@@ -136,7 +150,9 @@ class ActivationSwapper:
                 s.write = self.store.write(s.key, src if src.device.type == "cpu" else src.cpu())
                 self._inflight.append(s.write)
                 return s
-            s.write = self.store.write(s.key, s.buf.tensor[:nbytes])
+            # written once the copy has filled the buffer (at once without a GPU)
+            filled = s.buf.tensor[:nbytes]
+            s.write = self.stream.then(s.copied, s.key, lambda: self.store.write(s.key, filled))
             self._inflight.append(s.write)
             buf = s.buf
             s.write.add_done_callback(lambda f, s=s, buf=buf: self._written(s, buf))
@@ -161,6 +177,7 @@ class ActivationSwapper:
             if s.hold or s.buf is not buf:
                 return
             s.buf = None
+        self.stream.note("release", s.key)
         buf.release()
 
     # ---- backward ----------------------------------------------------------------------
@@ -168,6 +185,24 @@ class ActivationSwapper:
         """Start reading `block`'s swapped storages back (called a block or two ahead)."""
         for s in self._blocks.get(block, []):
             self._start_read(s, blocking=False)
+
+    def upload(self, block: int) -> None:
+        """Start copying `block`'s storages back to the GPU on the side stream (called when the
+        backward of the layer above starts, one layer ahead), those whose bytes are in RAM."""
+        if not self.stream.to_device:
+            return
+        for s in self._blocks.get(block, []):
+            if s.dev is None and self._in_ram(s):
+                self._copy_up(s)
+
+    def _in_ram(self, s: _Stored) -> bool:
+        if s.tier != "nvme" or s.hold:
+            return s.buf is not None  # the copy out is ahead of this one on the same stream
+        return s.read is not None and s.read.done() and s.read.exception() is None
+
+    def _copy_up(self, s: _Stored) -> None:
+        s.dev, s.up = self.stream.h2d(s.buf.tensor[:s.nbytes], s.device, s.key)
+        s.waited = False
 
     def _start_read(self, s: _Stored, blocking: bool) -> bool:
         if s.tier != "nvme" or s.read is not None:
@@ -202,15 +237,16 @@ class ActivationSwapper:
         buf = s.buf
         if buf is None:
             raise RuntimeError(f"activation {s.key} was needed again after its block's backward")
-        if h.device.type != "cpu":
+        if self.stream.to_device:
+            t2 = time.perf_counter()
             if s.dev is None:
-                t2 = time.perf_counter()
-                s.dev = buf.tensor[:s.nbytes].to(h.device)
-                t3 = time.perf_counter()
-                # a copy over the host link, not the layer's backward: the planner prices it apart
-                self._spent[s.block] += t3 - t2
-                if self.on_event:
-                    self.on_event("h2d", s.key, t2, t3, s.nbytes)
+                self._copy_up(s)  # not prefetched: its read landed late
+            if not s.waited:
+                self.stream.wait(s.up, s.dev, s.key)  # the compute stream waits, not the host
+                s.waited = True
+            t3 = time.perf_counter()
+            # issuing the copy and the wait, not the layer's backward: the planner prices the copy apart
+            self._spent[s.block] += t3 - t2
             base = s.dev.view(h.dtype)
         else:
             base = buf.tensor[:s.nbytes].view(h.dtype)  # an aligned buffer starts inside its storage
@@ -220,17 +256,24 @@ class ActivationSwapper:
         """The block's graph is consumed: its storages' buffers go back to the pool."""
         for s in self._blocks.pop(block, []):
             self._drop(s)
+        self.stream.report(self.on_event)
 
     def _drop(self, s: _Stored) -> None:
         if s.read is not None:
             s.read.exception()
         if s.write is not None:
             s.write.exception()
-        s.dev = None
+        # the host buffer goes back only once the copies that write or read it are done
+        if s.buf is not None:
+            self.stream.filled(s.copied, s.key)
+            if s.up is not None:
+                s.up.synchronize()
+        s.dev = s.up = None
         with self._lock:
             buf, s.buf = s.buf, None
             s.hold = False
         if buf is not None:
+            self.stream.note("release", s.key)
             buf.release()
 
     def take_spent(self, block: int) -> float:
@@ -250,3 +293,4 @@ class ActivationSwapper:
     def close(self) -> None:
         for blk in list(self._blocks):
             self.end_backward(blk)
+        self.stream.close()

@@ -19,8 +19,11 @@ With a GPU computing (`choose_gpu`), kept activations hold GPU memory (the allow
 its forward, host -> device before its backward (`Rates.d2h`, `Rates.h2d`, measured where the engine
 profiles). swap-host holds them in the pinned host pool until backward; swap goes on from that pool
 to NVMe (GPU -> CPU -> SSD, the SSD write and read overlapped with compute as above). The engine
-makes both copies on the compute thread, so they add to compute time as the CPU's staging copies
-do. Every policy gives the same bits (the copies are exact, a recompute runs the same kernels on the
+makes both copies on a side CUDA stream, overlapped with the layers that compute meanwhile, so on a
+GPU a phase takes the longer of its compute and its copies, not their sum:
+    forward  = max(compute_fwd, d2h copies,              SSD_fwd)
+    backward = max(compute_bwd + recompute, h2d copies,  SSD_bwd)
+(a CPU's staging copies run on the compute thread and still add to it). Every policy gives the same bits (the copies are exact, a recompute runs the same kernels on the
 same inputs), so a choice made from measured rates changes the run's speed, never its numbers.
 """
 from __future__ import annotations
@@ -101,15 +104,27 @@ def predict(layers: list[LayerProfile], pol: dict[int, str], rates: Rates, base:
         copy = copy_b = (swap + host) / rates.host_copy if rates.host_copy else 0.0
     ssd_f = base.read_fwd / rates.ssd_read + (base.write_fwd + swap) / rates.ssd_write
     ssd_b = (base.read_bwd + swap) / rates.ssd_read + base.write_bwd / rates.ssd_write
-    fwd = max(cf + copy, ssd_f)
-    bwd = max(cb + rec + copy_b, ssd_b)
+    if _on_gpu(rates):  # the copies run on a side stream, beside the layers' compute
+        busy_f, busy_b = max(cf, copy), max(cb + rec, copy_b)
+    else:
+        busy_f, busy_b = cf + copy, cb + rec + copy_b
+    fwd = max(busy_f, ssd_f)
+    bwd = max(busy_b, ssd_b)
     return {"step_s": fwd + bwd + base.fixed_s, "forward_s": fwd, "backward_s": bwd,
             "compute_fwd_s": cf, "compute_bwd_s": cb, "recompute_s": rec, "copy_s": copy, "copy_bwd_s": copy_b,
             "ssd_fwd_s": ssd_f, "ssd_bwd_s": ssd_b, "fixed_s": base.fixed_s,
             "swap_bytes": swap, "host_bytes": host,
             "kept_bytes": sum(p.act_bytes for p in layers if pol[p.index] == "keep"),
-            "bound_fwd": "compute" if cf + copy >= ssd_f else "ssd",
-            "bound_bwd": "compute" if cb + rec + copy_b >= ssd_b else "ssd"}
+            "bound_fwd": _bound(busy_f, ssd_f, cf, copy, _on_gpu(rates)),
+            "bound_bwd": _bound(busy_b, ssd_b, cb + rec, copy_b, _on_gpu(rates))}
+
+
+def _bound(busy: float, ssd: float, compute: float, copy: float, gpu: bool) -> str:
+    """What a phase waits on: the drive, the layers' compute, or (copies overlapped on a GPU) the
+    host link."""
+    if ssd > busy:
+        return "ssd"
+    return "link" if gpu and copy > compute else "compute"
 
 
 def _keep_greedy(layers, room: int) -> dict[int, str]:
