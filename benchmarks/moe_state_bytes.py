@@ -28,24 +28,31 @@ from tierlm.units import fmt_bytes  # noqa: E402
 
 COMMON = dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
               vocab_size=512, max_position_embeddings=1024, tie_word_embeddings=False)
-MODELS = {
-    "qwen3_moe": dict(COMMON, num_experts=32, num_experts_per_tok=2, moe_intermediate_size=256,
-                      intermediate_size=256, decoder_sparse_step=1, mlp_only_layers=[]),
-    "llama": dict(COMMON, intermediate_size=8192),
+MEDIUM = dict(hidden_size=1024, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+              vocab_size=32000, max_position_embeddings=4096, tie_word_embeddings=False)
+SHAPES = {  # --shape: (the mixture, the dense model of the same total parameters)
+    "small": {"qwen3_moe": dict(COMMON, num_experts=32, num_experts_per_tok=2, moe_intermediate_size=256,
+                                intermediate_size=256, decoder_sparse_step=1, mlp_only_layers=[]),
+              "llama": dict(COMMON, intermediate_size=8192)},
+    # Qwen3-MoE's routing (64 experts, 8 a token, width 512) at hidden 1024: 479M parameters
+    "medium": {"qwen3_moe": dict(MEDIUM, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=512,
+                                 intermediate_size=2816, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
+               "llama": dict(MEDIUM, intermediate_size=32790)},
 }
+MODELS = SHAPES["small"]
 
 
-def make_models(root: Path) -> dict[str, tuple[Path, int]]:
+def make_models(root: Path, shape: str = "small") -> dict[str, tuple[Path, int]]:
     from transformers import AutoConfig
     from tierlm.hf.init import init_model
     from tierlm.hf.structure import empty_model
 
     out = {}
-    for arch, kw in MODELS.items():
+    for arch, kw in SHAPES[shape].items():
         cfg = AutoConfig.for_model(arch, **kw)
         d = root / arch
         if not (d / "config.json").exists():
-            init_model(d, cfg, seed=0)
+            init_model(d, cfg, seed=0, dtype="bfloat16" if shape != "small" else None)
         out[arch] = (d, sum(p.numel() for p in empty_model(cfg).parameters()))
     return out
 
@@ -83,11 +90,14 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--json", default=None)
     ap.add_argument("--nvme", default=None, help="where the runs keep their state (default: in each run's directory)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="small",
+                    help="small: 54M parameters; medium: 479M (hidden 1024, 64 experts, 8 a token)")
     a = ap.parse_args()
-    root = Path(a.dir)
+    root = Path(a.dir) / a.shape
     root.mkdir(parents=True, exist_ok=True)
-    models, data = make_models(root), text_file(root)
-    result = {"machine": machine_line(), "cpu_mem": a.cpu_mem, "seq_len": a.seq_len, "steps": a.steps, "runs": {}}
+    models, data = make_models(root, a.shape), text_file(root)
+    result = {"machine": machine_line(), "shape": a.shape, "cpu_mem": a.cpu_mem, "seq_len": a.seq_len, "steps": a.steps,
+              "runs": {}}
     for arch, (d, params) in models.items():
         rows = run(d, data, root / f"run-{arch}", a)
         result["runs"][arch] = {
