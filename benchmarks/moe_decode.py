@@ -80,7 +80,7 @@ def store_read_gbps(store: Path, nbytes: int = 512 << 20, inflight: int = 4, see
     """The drive's read rate for the expert store's own files: whole files in a random order, direct
     I/O, `inflight` at once, as decode's misses read them. On a virtual disk a file written
     minutes ago can read at twice the rate of older data (the host still holds it), so a probe
-    that writes its own file measures another rate than the store's; the bound takes this one."""
+    that writes its own file measures another rate than the store's cold files; both are shown."""
     import mmap
     import random
     from concurrent.futures import ThreadPoolExecutor
@@ -261,11 +261,14 @@ def tierlm_side(model: Path, fmt: str, a, limit: int, work: Path) -> dict:
         return {"engine": "tierlm", "weights": fmt, "error": f"tierlm cannot run this model yet:\n{tail}"}
     files = [p for d in (model, nvme) for p in d.rglob("*") if p.is_file()]
     ssd = ssd_read_gbps(work / "ssd-probe")
-    store_ssd = max(store_read_gbps(nvme, seed=k) for k in range(3))  # the bound takes the drive at its best
+    store_ssd = max(store_read_gbps(nvme, seed=k) for k in range(3))
     # the rates decode's RAM+SSD bound is taken at: memory as decode reads it (the report's roofline),
-    # measured now, outside the limit; the drive as it reads the store's files, just now
+    # measured now, outside the limit; the drive at the fastest either probe saw. On a virtual disk
+    # whose host caches what was written or read lately, decode's repeated misses read faster than
+    # the store's cold files (1.0 GB/s against 1.6 achieved) and near a fresh file's rate: a bound
+    # taken at the slower rate would be exceeded.
     from tierlm.bench.rooflines import machine_rates
-    rates = {"mem_gbps": machine_rates(fresh=True)["mem_gbps"], "ssd_gbps": store_ssd}
+    rates = {"mem_gbps": machine_rates(fresh=True)["mem_gbps"], "ssd_gbps": max(ssd, store_ssd)}
     memlimit.evict(*files)
     with memlimit.MemoryLimit(limit) as g:
         t = time.perf_counter()
@@ -276,7 +279,8 @@ def tierlm_side(model: Path, fmt: str, a, limit: int, work: Path) -> dict:
             r = {"engine": "tierlm", "weights": fmt, "error": f"exit {p.returncode}:\n{tail}"}
         r["wall_s"] = time.perf_counter() - t
         r["cgroup"] = g.stats()
-    r["ssd_read_gbps"], r["store_read_gbps"], r["mem_gbps"] = ssd, store_ssd, rates["mem_gbps"]
+    r["ssd_read_gbps"], r["store_read_gbps"] = ssd, store_ssd
+    r["mem_gbps"], r["bound_ssd_gbps"] = rates["mem_gbps"], rates["ssd_gbps"]
     return r
 
 
@@ -312,7 +316,7 @@ def _note(r: dict) -> str:
     if "of_bound" in r:
         return (f"decode: expert cache hit rate {r['decode_hit_rate']:.1%}, {r['of_bound']:.0%} of its RAM+SSD bound "
                 f"({1e3 * r['decode_bound'][-1]['bound_s']:.0f} ms a token at {r.get('mem_gbps', 0):.1f} GB/s from RAM "
-                f"and {r.get('store_read_gbps', 0):.2f} GB/s from the store's files)")
+                f"and {r.get('bound_ssd_gbps', 0):.2f} GB/s from the drive)")
     return f"expert cache hit rate {ec['hit_rate']:.1%}" if ec else ""
 
 
