@@ -20,6 +20,7 @@ is read, never what is computed: the bits are the same under any policy and any 
 """
 from __future__ import annotations
 
+import heapq
 import time
 from dataclasses import dataclass, field
 
@@ -200,19 +201,28 @@ class ExpertCache:
         self.last: dict[tuple[int, int], int] = {}       # lru: the request clock at its last use
         self.clock = 0
         self.stats = ExpertStats()
+        # each slot's tensors, made once (a decode token asks for ~70 of them)
+        self._views = [self._make_views(s) for s in range(self.slots)]
 
-    def views(self, slot: int) -> list[torch.Tensor]:
+    def _make_views(self, slot: int) -> list[torch.Tensor]:
         out, off = [], slot * self.slot_bytes
         for p, size in zip(self.parts, self.sizes):
             out.append(self.buf[off: off + p.nbytes].view(p.dtype).view(p.shape))
             off += size
         return out
 
-    def _victim(self) -> tuple[int, int]:
+    def views(self, slot: int) -> list[torch.Tensor]:
+        return self._views[slot]
+
+    def _victims(self, n: int) -> list[tuple[int, int]]:
+        """The n entries to evict, in order (what n successive picks of the least used would give:
+        nsmallest is sorted()[:n], ties in the cache's order)."""
+        if n <= 0:
+            return []
         cands = [k for k in self.where if k not in self.pinned]
         if self.policy == "lru":
-            return min(cands, key=lambda k: self.last[k])
-        return min(cands, key=lambda k: (self.count.get(k, 0.0), self.last[k]))
+            return heapq.nsmallest(n, cands, key=lambda k: self.last[k])
+        return heapq.nsmallest(n, cands, key=lambda k: (self.count.get(k, 0.0), self.last[k]))
 
     def _note(self, k: tuple[int, int]) -> None:
         self.clock += 1
@@ -229,18 +239,25 @@ class ExpertCache:
         got, pending = {}, {}
         st = self.stats
         lay = st.per_layer.setdefault(layer, [0, 0])
-        for e in experts:
+        held = set()
+        for e in experts:  # what the cache holds is pinned before any miss picks a victim
             k = (layer, e)
             self._note(k)
             st.requests += 1
             lay[0] += 1
-            slot = self.where.get(k)
-            if slot is not None:
+            if k in self.where:
+                held.add(e)
+                self.pinned.add(k)
+        victims = self._victims(len(experts) - len(held) - len(self.free))[::-1]
+        for e in experts:
+            k = (layer, e)
+            if e in held:
+                slot = self.where[k]
                 st.hits += 1
                 lay[1] += 1
                 st.hit_bytes += self.slot_bytes
             else:
-                slot = self.free.pop() if self.free else self.where.pop(self._victim())
+                slot = self.free.pop() if self.free else self.where.pop(victims.pop())
                 self.where[k] = slot
                 st.miss_bytes += self.slot_bytes
                 pending[e] = [self.store.read_into(self.key_of(layer, p, e), t, owns_padding=True)
