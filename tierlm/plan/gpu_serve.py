@@ -1,6 +1,6 @@
 """Decode on a GPU under --gpu-mem, as the GPU inference engine places it, and the bounds it meets.
 
-Placement (the rule of the engine's device placement): the device holds the embeddings and the
+Placement (plan_device_placement, the GPU inference engine's own rule): the device holds the embeddings and the
 head, the KV cache and the compute scratch first, then as many whole decoder layers as fit; the
 rest are copied from pinned host memory every step, the next one while the current one computes,
 so the device keeps room for two streamed layers. Streamed layers live in RAM while it has room,
@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from ..storage import BudgetError
 from ..units import fmt_bytes
-
-DEVICE_WINDOW_LAYERS = 2  # the streamed layer computing and the next one being copied
+from .device_placement import DEVICE_WINDOW_LAYERS, plan_device_placement
 
 
 @dataclass
@@ -68,15 +68,13 @@ class DecodeBytes:
 
 
 def place(b: DecodeBytes, gpu_mem: int) -> int | None:
-    """Decoder layers resident in device memory under `gpu_mem`; None where not even the copy
-    window fits beside the embeddings, the head, the KV cache and the scratch."""
-    avail = gpu_mem - b.fixed - b.kv - b.scratch
-    if b.layers * b.layer <= avail:
-        return b.layers
-    window = DEVICE_WINDOW_LAYERS * b.layer
-    if avail < window:
+    """Decoder layers resident in device memory under `gpu_mem`, by the GPU inference engine's own
+    rule (device_placement.py); None where not even the copy window fits beside the embeddings, the
+    head, the KV cache and the scratch."""
+    try:
+        return plan_device_placement(gpu_mem, b.fixed, b.layer, b.layers, b.kv, b.scratch).resident
+    except BudgetError:
         return None
-    return int(min(b.layers, (avail - window) // max(b.layer, 1)))
 
 
 def gpu_decode(b: DecodeBytes, gpu_mem: int, ram: int, flops: float, rates: dict, batch: int) -> GpuDecode | None:
