@@ -1,10 +1,10 @@
 """Decode on a GPU under --gpu-mem, as the GPU inference engine places it, and the bounds it meets.
 
-Placement (plan_device_placement, the GPU inference engine's own rule): the device holds the embeddings and the
-head, the KV cache and the compute scratch first, then as many whole decoder layers as fit; the
-rest are copied from pinned host memory every step, the next one while the current one computes,
-so the device keeps room for two streamed layers. Streamed layers live in RAM while it has room,
-the rest are read from NVMe on their way.
+Placement (plan_device_placement, the GPU inference engine's own rule): the device holds the
+embeddings and the head, the KV cache and the compute scratch first, then as many whole decoder
+layers as fit; the rest are copied from pinned host memory every step, the next one while the
+current one computes, so the device keeps room for two streamed layers. Streamed layers live in
+RAM while it has room, the rest are read from NVMe on their way.
 
 The bounds, each resource alone (the copies overlap the compute, so the step is the busiest):
 - device memory: the bytes a step reads there (every layer's weights, resident or just copied,
