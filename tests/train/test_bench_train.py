@@ -14,7 +14,8 @@ def _fake_finetune(cmd, check=False, env=None, **kw):
     run = Path(cmd[cmd.index("--output") + 1])
     run.mkdir(parents=True)
     rows = [{"s_per_step": s, "loss": 1.0, "ssd_read_bytes": 6 * GB, "ssd_write_bytes": 4 * GB,
-             "ssd_read_gbps": 6 / s, "ssd_write_gbps": 4 / s} for s in (9.0, 5.0, 5.0)]
+             "ssd_read_gbps": 6 / s, "ssd_write_gbps": 4 / s,
+             "cpu_s": {"main": s, "torch_threads": 4.0, "checksums": c}} for s, c in ((9.0, 3.0), (5.0, 0.5), (5.0, 1.5))]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (run / "summary.json").write_text(json.dumps({"peak_rss_bytes": 1 << 30, "library_rss_bytes": 1 << 28}))
     (run / "timeline.json").write_text(json.dumps({"traceEvents": [{"cat": "wait", "dur": 1e6}]}))
@@ -54,6 +55,17 @@ def test_bound_uses_the_drive_measured_before_and_after_the_run(monkeypatch, tmp
     assert o["io_bound_by_probe_s"] == [8.0, 4.0]
     assert "by the probe before / after alone: 8.00 / 4.00 s, 0.62 / 1.25x" in text
     assert "the drive's rate moved during the run (the bounds by each probe differ by 100%)" in text
+
+
+def test_cpu_seconds_of_the_steady_steps_by_thread(monkeypatch, tmp_path):
+    monkeypatch.setattr(bt, "_probe_io", lambda d: {"read_gbps": 2.0, "write_gbps": 2.0, "dir": "d"})
+    monkeypatch.setattr(bt, "_inmemory_fits", lambda model: (False, 1 << 40))
+    monkeypatch.setattr(bt.subprocess, "run", _fake_finetune)
+    r = bt.bench_train("model", "data.txt", "1GiB", 3, str(tmp_path), ["--precision", "fp32", "--device", "cpu"])
+    # the steady step (the third: the first two create the state files) alone, largest first
+    assert r["outofcore"]["cpu_s"] == {"main": 5.0, "torch_threads": 4.0, "checksums": 1.5}
+    assert "out-of-core: 10.50 CPU s a step (2.10 cores busy): main 5.00, torch_threads 4.00, checksums 1.50" \
+        in bt.report(r)
 
 
 def test_probes_that_agree_raise_no_warning(monkeypatch, tmp_path):

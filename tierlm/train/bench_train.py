@@ -68,6 +68,22 @@ def _steady(rows: list[dict], key: str) -> float:
     return sum(xs) / len(xs)
 
 
+def _steady_cpu(rows: list[dict]) -> dict[str, float]:
+    """Mean CPU seconds a steady step by component (bench.cpu_time's names), largest first."""
+    steady = rows[WARMUP_STEPS:] or rows[-1:]
+    comps = {k for r in steady for k in r.get("cpu_s", {})}
+    mean = {k: sum(r.get("cpu_s", {}).get(k, 0.0) for r in steady) / len(steady) for k in comps}
+    return dict(sorted(mean.items(), key=lambda kv: -kv[1]))
+
+
+def _cpu_line(name: str, cpu: dict[str, float], s_per_step: float) -> str:
+    """One run's CPU seconds a step, the cores they fill, and by component: on few cores the
+    engine's own work takes the cores the layers compute on."""
+    total = sum(cpu.values())
+    parts = ", ".join(f"{k} {v:.2f}" for k, v in cpu.items() if v >= 0.005)
+    return f"    {name}: {total:.2f} CPU s a step ({total / s_per_step:.2f} cores busy): {parts}"
+
+
 def _inmemory_fits(model_dir: str) -> tuple[bool, int]:
     from transformers import AutoConfig
 
@@ -114,7 +130,8 @@ def _inmemory_run(model: str, common: list[str], work_dir: Path, inmemory: str) 
     mem = json.loads(out.read_text())
     return {"s_per_step": _steady(mem["rows"], "s_per_step"),
             "steps_s": [r["s_per_step"] for r in mem["rows"]], "peak_rss_bytes": mem["peak_rss_bytes"],
-            "peak_gpu_bytes": mem.get("peak_gpu_bytes"), "losses": [r["loss"] for r in mem["rows"]]}, None
+            "peak_gpu_bytes": mem.get("peak_gpu_bytes"), "losses": [r["loss"] for r in mem["rows"]],
+            "cpu_s": _steady_cpu(mem["rows"])}, None
 
 
 def _outofcore_run(common: list[str], work_dir: Path, nvme: str | None, cpu_mem: str, steps: int) -> tuple[dict, dict]:
@@ -143,7 +160,7 @@ def _outofcore_run(common: list[str], work_dir: Path, nvme: str | None, cpu_mem:
            "read_gbps": _steady(rows, "ssd_read_gbps"), "write_gbps": _steady(rows, "ssd_write_gbps"),
            "stall_pct": 100 * wait / last["s_per_step"], "io_bound_s": bound,
            "io_bound_by_probe_s": [rd / (p["read_gbps"] * 1e9) + wr / (p["write_gbps"] * 1e9) for p in io["probes"]],
-           "losses": [r["loss"] for r in rows], "timeline": str(run / "timeline.png")}
+           "losses": [r["loss"] for r in rows], "timeline": str(run / "timeline.png"), "cpu_s": _steady_cpu(rows)}
     ooc["ssd_read_share"], ooc["ssd_write_share"] = t_rd / ooc["s_per_step"], t_wr / ooc["s_per_step"]  # sum: bound / step
     return ooc, io
 
@@ -273,6 +290,11 @@ def report(r: dict) -> str:
         lines.append(f"  in memory: not run ({r['inmemory_skipped']})")
         lines.append(f"  out-of-core:  {o['s_per_step']:.2f} s/step, peak RSS {fmt_bytes(o['peak_rss_bytes'])} "
                      f"(steps {each(o)})")
+    cpu = [(n, x) for n, x in (("in memory", r["inmemory"]), ("out-of-core", o)) if x and x.get("cpu_s")]
+    if cpu:
+        lines.append("  CPU seconds a steady step, by thread (torch_threads: torch's compute pool; main: the layers' "
+                     "Python and its share of their products):")
+        lines += [_cpu_line(n, x["cpu_s"], x["s_per_step"]) for n, x in cpu]
     lines += peer_lines(r)
     io = r["measured_io"]
     probes = "; ".join(f"{p['read_gbps']:.2f} / {p['write_gbps']:.2f}" for p in io.get("probes", []))

@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from ..bench.cpu_time import CpuClock
 from ..config import add_arguments, from_args
 from ..hf import checks  # called through the module: tests replace its checks
 from ..hf.structure import causal_lm
@@ -62,7 +63,9 @@ def run(cfg) -> dict:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(cfg.schedule, cfg.warmup_steps, total))
     params = list(model.parameters())
     rows = []
+    clock = CpuClock()  # the same per-thread counters as the out-of-core run's cpu_s
     for step in range(total):
+        clock.lap()
         t0 = time.perf_counter()
         losses = []
         for _ in range(cfg.grad_accum):
@@ -83,7 +86,7 @@ def run(cfg) -> dict:
             for p, m in zip(params, masters):
                 p.copy_(m)
         rows.append({"step": step + 1, "loss": sum(losses) / len(losses), "s_per_step": time.perf_counter() - t0,
-                     "grad_norm": float(norm) if norm is not None else None})
+                     "grad_norm": float(norm) if norm is not None else None, "cpu_s": clock.lap()})
     return {"rows": rows, "peak_rss_bytes": peak_rss(),
             "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
 
