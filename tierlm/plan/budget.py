@@ -204,13 +204,14 @@ def head_loss_bytes(config, tokens: int, dtype: torch.dtype, chunkable: bool = T
 
 # Memory the process needs beyond what the split names: the compute kernels' caches and scratch
 # for the model's real shapes (oneDNN primitives, ~15 MiB measured on a 512-wide llama's forward
-# and backward), and the allocator's slack. Forward-only work (inference) needs the smaller one.
-# Training's holds oneDNN's kernel caches at their bound (KERNEL_CACHE_BYTES, 18 MiB: a mixture of
-# experts builds new products every step and fills them, kernel_cache.py) and 4 MiB for the spread
-# of the process's own peak and of the libraries' baseline from run to run (each moved by ~2 MiB
-# between identical runs of a 96 MiB budget test on a busy 2-core machine, enough to cross the
-# budget by 1 MiB with 24 MiB).
-RUNTIME_RESERVE = 16 << 20
+# and backward), and the allocator's slack. Both hold oneDNN's kernel caches at their bound
+# (KERNEL_CACHE_BYTES, 18 MiB): a mixture of experts builds new products every step (each expert's
+# row count changes), and so does a server's prefill for every new prompt length (kernel_cache.py).
+# Training's adds 4 MiB for the spread of the process's own peak and of the libraries' baseline
+# from run to run (each moved by ~2 MiB between identical runs of a 96 MiB budget test on a busy
+# 2-core machine, enough to cross the budget by 1 MiB with 24 MiB); forward-only work (inference)
+# has less scratch.
+RUNTIME_RESERVE = KERNEL_CACHE_BYTES + (4 << 20)
 TRAINING_RESERVE = KERNEL_CACHE_BYTES + (10 << 20)
 # With a GPU computing, CUDA loads each kernel's module into host memory on its first use: the
 # baseline's tiny model touches few of the kernels a real batch selects (Qwen2.5-0.5B at 8x1024
