@@ -114,45 +114,72 @@ import sys, torch
 from tierlm.infer import native, qgemm
 from tierlm.infer.quant import _int4, _int8
 g = torch.Generator().manual_seed(5)
-out = {}
-for rows, k, n in ((1, 256, 40), (37, 192, 72), (64, 96, 33), (9, 1024, 65)):
+cases = {}
+for rows, k, n in ((1, 256, 40), (37, 192, 72), (64, 96, 33), (9, 1024, 65), (3, 160, 7), (6, 2048, 16)):
     x = torch.randn(rows, k, generator=g) * 2
     w = torch.randn(n, k, generator=g)
     t = _int8(w, torch.float32)
-    out[f"int8 {rows} {k}"] = qgemm.product(x, t["qweight"], t["scales"])
+    cases[f"int8 {rows} {k} {n}"] = (x, t["qweight"], t["scales"], 0)
     for group in (32, 64, 128):
         if k % group == 0:
             t = _int4(w, torch.float32, group, "tierlm")
-            out[f"int4 {rows} {k} {group}"] = qgemm.product(x, t["qweight"], t["scales"], group)
-torch.save({"isa": native.isa(), "fast": qgemm.fast(), "out": out}, sys.argv[1])
+            cases[f"int4 {rows} {k} {n} {group}"] = (x, t["qweight"], t["scales"], group)
+# the extremes: x at its groups' maximum (+-127 after rounding) against weights of -128, -127 and 127
+# (int8) and 15 (int4), 4096 inputs, so that every pair of products and every group's sum is at its largest
+k = 4096
+x = torch.ones(7, k)
+x[1] = -1
+x[2, ::2] = -1
+x[3, 1::2] = -1
+x[4:] = torch.randn(3, k, generator=g)
+q = torch.full((35, k), -128, dtype=torch.int8)
+q[1] = 127
+q[2, 1::2] = 127
+q[3] = -127
+q[4, ::2] = -127
+q[5:] = torch.randint(-128, 128, (30, k), generator=g, dtype=torch.int8)
+cases["int8 extremes"] = (x, q, torch.rand(35, generator=g) + 0.5, 0)
+sl = torch.stack([torch.rand(35, k // 128, generator=g) + 0.5, torch.randn(35, k // 128, generator=g)], -1)
+cases["int4 extremes"] = (x, torch.full((35, k // 2), 255, dtype=torch.uint8), sl, 128)
+out = {}
+for threads in (1, 2):
+    torch.set_num_threads(threads)
+    for key, (x, q, s, group) in cases.items():
+        out[f"{key}, {threads} threads"] = qgemm.product(x, q, s, group)
+torch.save({"isa": native.isa(), "fast": qgemm.fast(), "out": out, "cases": cases}, sys.argv[1])
 """
 
 
 @needs_kernels
 def test_every_path_gives_the_same_bits(tmp_path):
-    """The portable loop and the AVX512-VNNI one compute the same integer sums and the same fp32
-    steps in the same order: their products are equal, bit for bit, on every path this CPU has."""
+    """The portable loop, the AVX2 one and the AVX512-VNNI one compute the same integer sums and the
+    same fp32 steps in the same order: their products are equal, bit for bit, on every path this
+    CPU has and on 1 and 2 threads, the extremes of x and the weights included (where the AVX2
+    path's 16-bit pair sums would saturate if its operands were not |w| and x with w's sign)."""
     if os.environ.get("TIERLM_NATIVE_ISA"):
         pytest.skip(f"this run is already forced to {os.environ['TIERLM_NATIVE_ISA']}")
     got = {}
     for path in native.supported_isas():
         f = tmp_path / f"{path}.pt"
         r = subprocess.run([sys.executable, "-c", _PATHS_CODE, str(f)], capture_output=True, text=True,
-                           timeout=120, env={**os.environ, "TIERLM_NATIVE_ISA": path})
+                           timeout=300, env={**os.environ, "TIERLM_NATIVE_ISA": path})
         assert r.returncode == 0, r.stderr[-2000:]
         got[path] = torch.load(f)
         assert got[path]["isa"] == path
-    assert got["portable"]["fast"] is False
+        assert got[path]["fast"] is (path != "portable")  # the integer units from AVX2 up
     base = got["portable"]["out"]
+    x, q, s, _ = got["portable"]["cases"]["int8 extremes"]
+    exact = (x.double() @ q.double().T).float() * s  # integer sums below 2^24: exact in fp32
+    assert torch.equal(base["int8 extremes, 1 threads"][:4], exact[:4])
     for path, res in got.items():
         assert res["out"].keys() == base.keys()
         for key, y in res["out"].items():
-            assert torch.equal(y, base[key]), f"{path} differs from portable on {key}"
+            assert torch.equal(y, base[key.replace("2 threads", "1 threads")]), f"{path} differs from portable on {key}"
 
 
 @needs_kernels
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_qlinear_takes_many_rows_in_integers_where_the_cpu_has_vnni(mode):
+def test_qlinear_takes_many_rows_in_integers_from_avx2_up(mode):
     lin = QLinear(256, 40, mode, group=64 if mode == "int4" else 0, has_bias=True)
     for name, t in lin.quantize(torch.randn(40, 256), torch.randn(40), torch.float32).items():
         setattr(lin, name, t)

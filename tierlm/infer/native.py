@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 KERNELS = Path(__file__).with_name("kernels")
-SRC = [KERNELS / "gemv.c", KERNELS / "layer.c", KERNELS / "qgemm.c"]  # compiled together; gemv.h is what they share
-HEADERS = [KERNELS / "gemv.h"]
+SRC = [KERNELS / "gemv.c", KERNELS / "layer.c", KERNELS / "qgemm.c", KERNELS / "qgemm_avx2.c"]  # compiled together
+HEADERS = [KERNELS / "gemv.h", KERNELS / "qgemm.h"]  # what they share
 FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-fopenmp"]
 LIBS = ["-lm"]
 _lock = threading.Lock()

@@ -1,6 +1,6 @@
 """Many-row int8/int4 products in 8-bit integers (kernels/qgemm.c, built and loaded by
 `tierlm.infer.native`): what a prefill's quantised linear layers run on where the CPU has
-AVX512-VNNI (quant.QLinear.integer_rows)."""
+AVX2 or AVX512-VNNI (quant.QLinear.integer_rows)."""
 from __future__ import annotations
 
 import torch
@@ -17,9 +17,9 @@ def x_group(k: int) -> int | None:
 
 
 def fast() -> bool:
-    """Whether many-row quantised products run on the integer units here (kernels/qgemm.c's
-    AVX512-VNNI path); elsewhere its portable loop is the reference the fast path is tested against,
-    slower than a dequantised fp32 product."""
+    """Whether many-row quantised products run on the integer units here (kernels/qgemm.c's AVX2
+    or AVX512-VNNI path: the active `native.isa()` is avx2 or higher); elsewhere its portable loop
+    is the reference the fast paths are tested against, slower than a dequantised fp32 product."""
     lib = native.library()
     return lib is not None and bool(lib.tierlm_qgemm_fast())
 

@@ -5,14 +5,14 @@ int8: symmetric, one scale per output channel, `aten._weight_int8pack_mm`; up to
 few rows on AVX2 CPUs (benchmarks/infer_gemv.py on a 2-vCPU EPYC, 2 threads: one row 15.3 GB/s of
 int8 against 9.4, 32 rows 1.15 against 1.13).
 
-More rows (a prefill) of either format, where our kernels run on AVX512-VNNI: x is rounded to 8 bits
+More rows (a prefill) of either format, where our kernels run on AVX2 or higher: x is rounded to 8 bits
 a group (int8: 128, 64 or 32 inputs, the first that divides K; int4: the weights' group) and the
 product is integer sums per group on the CPU's int8 dot products (kernels/qgemm.c), as llama.cpp's
 Q8_0/Q4_0 products are; elsewhere the products below (x as it is, fp32 or bf16 sums).
 int4: asymmetric, one scale and offset per group of `group` input elements (w = q * scale + lo,
 q in 0..15). Where our kernels build, in their own layout (`int4_layout()` "tierlm": nibbles in
 kernels/gemv.c's order, fp32 (scale, lo) pairs [N, K/group, 2]): up to NATIVE_MAX_ROWS rows on
-our kernel, more rows in integers as above or, without VNNI, dequantised to fp32 a matrix at a
+our kernel, more rows in integers as above or, without AVX2, dequantised to fp32 a matrix at a
 time and multiplied by `F.linear`.
 PyTorch's `aten._weight_int4pack_mm_for_cpu` reads int4 at ~5 GB/s at one row here, a quarter of
 our int8 kernel, so int4 was the slowest format to decode. Without a compiler, PyTorch's layout
@@ -140,7 +140,7 @@ class QLinear(nn.Module):
     def integer_rows(self, x2: torch.Tensor) -> bool:
         """Whether x2's rows (more than NATIVE_MAX_ROWS) multiply in 8-bit integers on our
         many-row kernel (`qgemm.product`): where it runs on the CPU's integer dot products (the
-        active path is avx512vnni or higher), for int8 weights whose width a group of x divides and
+        active path is avx2 or higher), for int8 weights whose width a group of x divides and
         our int4 layout. The fallback, where it does not, is the dequantised product below."""
         if not _integer_rows or x2.device.type != "cpu" or not native.available() or not qgemm.fast():
             return False

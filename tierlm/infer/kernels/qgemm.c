@@ -13,6 +13,8 @@
 
    Every path computes these same operations in this order, so they give the same bits, on any
    thread count (an output is one thread's, start to end). The portable path multiplies row by row;
+   the AVX2 path (qgemm_avx2.c) packs panels of 16 weight rows, 8 to a 32-byte vector, and sums
+   with vpmaddubsw and vpmaddwd (exactly: see there, x not shifted);
    the AVX512-VNNI path packs a panel of 32 weight rows so that one 64-byte vector holds 4
    consecutive inputs of 16 rows, and `vpdpbusd` (u8 x s8, 4 products a lane) against 4 inputs of
    one row of x broadcast gives 16 outputs' sums at once: no horizontal sums, and the group's fp32
@@ -23,21 +25,11 @@
    Weights stay in the row-major layout the one-row kernels read; a thread packs a panel (32 rows x
    K, 64 KiB at K = 2048) into its own buffer and multiplies every row of x by it, so the packing
    is amortised over the rows. */
-#include "gemv.h"
+#include "qgemm.h"
 
 #include <omp.h>
 
 #define QG_NP 32 /* weight rows of a panel: two vectors of 16 lanes */
-#ifndef QG_MR
-#define QG_MR 4  /* rows of x per micro-kernel */
-#endif
-
-/* The sum of 16 lane sums, halves first (as the AVX-512 path adds its vector's halves). */
-static inline float sum16(float *t) {
-    for (int w = 8; w >= 1; w /= 2)
-        for (int i = 0; i < w; i++) t[i] = t[i] + t[i + w];
-    return t[0];
-}
 
 /* One group of x (n inputs, a multiple of 16) rounded to 8 bits: q = round(x * 127 / max|x|), halves
    away from zero, xor `flip` (0x80: the VNNI path's xq + 128); returns the scale max|x| / 127 and,
@@ -96,7 +88,7 @@ static void quantize_x(const float *x, int64_t M, int64_t Mp, int64_t K, int64_t
                        float *xs, float *xsum, int threads) {
     int64_t G = K / xg;
 #if HAVE_X86
-    int vec = tl_use_vnni();
+    int vec = tl_use_vnni() ? 2 : tl_use_avx2();  /* flip is 0 on the AVX2 path */
 #endif
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t m = 0; m < Mp; m++)
@@ -111,7 +103,9 @@ static void quantize_x(const float *x, int64_t M, int64_t Mp, int64_t K, int64_t
             }
 #if HAVE_X86
             if (vec) {
-                xs[m * G + g] = quantize_group_avx512(x + m * K + g * xg, xg, q, flip, sum);
+                const float *v = x + m * K + g * xg;
+                xs[m * G + g] = vec == 2 ? quantize_group_avx512(v, xg, q, flip, sum)
+                                         : tl_quantize_group_avx2(v, xg, q, sum);
                 continue;
             }
 #endif
@@ -360,6 +354,12 @@ int tierlm_qgemm(const float *x, int64_t M, int64_t K, const void *w, const floa
         free(xs);
         return rc;
     }
+    if (tl_use_avx2()) {
+        rc = tl_qgemm_avx2(int4, xq, xs, xsum, M, Mp, K, xg, w, s, y, ldy, N, threads);
+        free(xq);
+        free(xs);
+        return rc;
+    }
 #endif
 #pragma omp parallel num_threads(threads)
     {
@@ -378,4 +378,4 @@ int tierlm_qgemm(const float *x, int64_t M, int64_t K, const void *w, const floa
 }
 
 /* Whether this path multiplies many rows in integers faster than a dequantised fp32 product. */
-int tierlm_qgemm_fast(void) { return tl_use_vnni(); }
+int tierlm_qgemm_fast(void) { return tl_use_avx2(); }
