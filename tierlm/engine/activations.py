@@ -100,6 +100,12 @@ class ActivationSwapper:
         self.stream.report(self.on_event)
 
     def end_forward(self) -> None:
+        # A copy out holds the device storage it reads until its event is seen done (copy_stream's
+        # _CudaEvent); a host-tier copy's was otherwise first looked at in its layer's backward, so
+        # every swap-host layer's activations stayed in GPU memory through the forward. The engine
+        # synchronises the device as a layer's forward ends: here its copies have landed.
+        for s in self._blocks.get(self._block, []):
+            s.copied.done()
         self._block = self._tier = None
         self._by_storage = {}
 

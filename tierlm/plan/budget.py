@@ -389,23 +389,32 @@ def _shrink_to_fit(spare: int, n: Needs, sizes: tuple[int, int, int], least: int
 
 # cuBLAS workspaces, the caching allocator's rounding and fragmentation, kernels' scratch
 GPU_RESERVE = 512 << 20
+# Layers' worth of activations on the GPU beside the kept ones at a step's worst moment, a swapped
+# layer's backward (engine/act_engine.py, engine/activations.py): its saved tensors copied back
+# (a recomputed layer's, made again), the gradients its backward makes through them (counted as
+# many bytes, as the CPU split counts them), and the layer below's swapped tensors, copied back on
+# the side stream one layer ahead so that they cross the host link while this one computes. A kept
+# layer's own are in the allowance. Forward holds less: the layer computing's activations in the
+# making (its copies out land, and release their device memory, by the end of its forward).
+GPU_LAYERS_IN_FLIGHT = 3
 
 
 def plan_gpu(budget: int, max_block_weight: int, max_block_grad: int, layer_act: int, layer_input: int,
              n_layers: int, logits: int, held_grad: int) -> int:
     """With a GPU computing: what `--gpu-mem` leaves for kept activations after its fixed share:
     the block computing, the one uploaded ahead and a spare, one block's gradients before they
-    are copied out, the layer inputs, one layer's activations in flight, the logits, a tied
-    head's held gradient and the runtime's reserve."""
-    fixed = (3 * max_block_weight + 2 * max_block_grad + n_layers * layer_input + 2 * layer_act + logits
+    are copied out, the layer inputs, GPU_LAYERS_IN_FLIGHT layers' activations beside the kept
+    ones, the logits, a tied head's held gradient and the runtime's reserve."""
+    acts = GPU_LAYERS_IN_FLIGHT * layer_act
+    fixed = (3 * max_block_weight + 2 * max_block_grad + n_layers * layer_input + acts + logits
              + held_grad + GPU_RESERVE)
     if fixed > budget:
         raise BudgetError(
             f"--gpu-mem {fmt_bytes(budget)} cannot hold the GPU's working set: at least {fmt_bytes(fixed)} "
             f"(3 blocks of weights {fmt_bytes(3 * max_block_weight)}, layer inputs "
-            f"{fmt_bytes(n_layers * layer_input)}, one layer's activations, logits and reserve "
-            f"{fmt_bytes(2 * layer_act + logits + held_grad + GPU_RESERVE)}). Raise --gpu-mem, or lower "
-            f"--batch-size / --seq-len.")
+            f"{fmt_bytes(n_layers * layer_input)}, {GPU_LAYERS_IN_FLIGHT} layers' activations in flight, "
+            f"logits and reserve {fmt_bytes(acts + logits + held_grad + GPU_RESERVE)}). Raise --gpu-mem, "
+            f"or lower --batch-size / --seq-len.")
     return budget - fixed
 
 
