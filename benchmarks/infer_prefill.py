@@ -3,6 +3,10 @@ and on the fallback (PyTorch's int8 kernel, int4 dequantised to fp32), side by s
 
     flock /tmp/tierlm-bench.lock python benchmarks/infer_prefill.py --preset tinyllama-1.1b --threads 2
 
+TIERLM_NATIVE_ISA=avx2 measures our kernels' AVX2 path on an AVX-512 CPU; ATEN_CPU_CAPABILITY=avx2
+ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 cap PyTorch's (the fallback's) the same way, as
+on an AVX2-only CPU. The first line printed names both.
+
 One engine per format (resident), one prompt of --prompt-len tokens prefilled into a KV slot per
 measurement; each round measures every variant in turn (drift hits all alike), and the table shows
 the best round of each (a run sharing the cores with other work slows some rounds, never speeds
@@ -70,7 +74,8 @@ def main():
     if not (model / "config.json").exists():
         init_model(model, make_config(None if a.preset else "llama", a.preset, over), dtype="bfloat16", tokenizer=False)
     print(json.dumps({"kernels": native.isa(), "integer_rows": qgemm.fast(), "threads": a.threads,
-                      "prompt_len": a.prompt_len}), flush=True)
+                      "torch_cpu": torch.backends.cpu.get_cpu_capability(), "prompt_len": a.prompt_len}),
+          flush=True)
     rows = []
     for w in a.formats:
         for v, ts in measure(model, w, a.prompt_len, a.threads, a.rounds, root / f"nvme-{w}").items():
