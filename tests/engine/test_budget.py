@@ -181,3 +181,18 @@ def test_kernel_scratch_is_counted_per_thread():
     # bf16 backward: 256 x 512 blocks of scores and their gradient, fp32 and bf16, and the packing
     assert two == 2 * (256 * 512 * 12 + (1 << 20))
     assert kernel_scratch_bytes(cfg, 4096, torch.float32, threads=2) == 2 * (256 * 512 * 8 + (1 << 20))
+
+
+def test_swapping_stages_in_host_ram_not_in_the_gpus_allowance():
+    """On the CPU a swapped layer is staged in the activations' share; on a GPU the staging pool is
+    pinned host RAM, so a swap policy asks nothing of the device's allowance."""
+    from types import SimpleNamespace
+
+    from tierlm.engine.budget_plan import check_kept
+    from tierlm.storage import BudgetError
+
+    def eng(on_gpu):
+        return SimpleNamespace(on_gpu=on_gpu, cfg=SimpleNamespace(activations="swap", cpu_mem=64 * MB))
+    check_kept(eng(True), 4, 10 * MB, 5 * MB, lambda b: b)
+    with pytest.raises(BudgetError, match="swapping stages one layer's"):
+        check_kept(eng(False), 4, 10 * MB, 5 * MB, lambda b: b // 4)

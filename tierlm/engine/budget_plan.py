@@ -151,7 +151,8 @@ def check_kept(eng, n_layers: int, act: int, allowance: int, acts_at) -> None:
     if "auto" in pols:
         return
     kept = sum(p == "keep" for p in pols)
-    swaps = any(p in ("swap", "swap-host") for p in pols)
+    # the staging pool is host RAM: on a GPU it takes none of the device's allowance
+    swaps = any(p in ("swap", "swap-host") for p in pols) and not eng.on_gpu
     need = (kept + swaps) * act
     if need <= allowance:
         return
