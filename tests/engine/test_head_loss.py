@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tierlm.engine.head_loss import causal_lm_loss
-from tierlm.plan.budget import CHUNK_ABOVE, MIN_CHUNK_TOKENS, chunk_tokens, logits_bytes_per_token
+from tierlm.plan.budget import CHUNK_ABOVE, MIN_CHUNK_TOKENS, chunk_tokens
 
 from .test_exactness import batches, run_engine, run_reference
 
@@ -49,32 +49,6 @@ def test_chunking_only_when_the_logits_are_large():
     assert chunk_tokens(100, 512, torch.float32, forced=0) is None
     assert chunk_tokens(100, 512, torch.float32, forced=16) == 16
     assert chunk_tokens(10, 512, torch.float32, forced=16) is None        # one chunk is the whole
-
-
-def test_a_larger_budget_takes_larger_chunks_split_evenly():
-    bf16 = torch.bfloat16
-    per = logits_bytes_per_token(32000, bf16)
-    # no budget: the 64 MiB target, 149 tokens, spread over 14 even chunks of at most 147
-    assert (64 << 20) // per == 149 and chunk_tokens(2048, 32000, bf16) == 147
-    # --cpu-mem 2GiB: an eighth of it, 599 tokens, so four chunks of 512
-    assert chunk_tokens(2048, 32000, bf16, budget=2 << 30) == 512
-    assert chunk_tokens(2048, 32000, bf16, budget=256 << 20) == 147        # a small budget: the target
-    assert chunk_tokens(2048, 32000, bf16, budget=16 << 30) is None        # room for the whole logits
-    assert chunk_tokens(2048, 32000, bf16, forced=100, budget=2 << 30) == 100
-    for tokens in (1000, 2047, 2048, 4099):
-        c = chunk_tokens(tokens, 32000, bf16, budget=2 << 30)
-        pieces = -(-tokens // c)
-        assert c * per <= (2 << 30) // 8 and tokens - (pieces - 1) * c >= c - pieces  # no short last chunk
-
-
-def test_the_split_counts_the_chunk_the_budget_sets():
-    from tierlm.plan.budget import head_loss_bytes, logits_bytes
-
-    from ..conftest import tiny_config
-
-    cfg = tiny_config("llama", vocab_size=32000, hidden_size=64)
-    small, large = (head_loss_bytes(cfg, 2048, torch.bfloat16, budget=b) for b in (256 << 20, 2 << 30))
-    assert large - small == logits_bytes(cfg, 512, torch.bfloat16) - logits_bytes(cfg, 147, torch.bfloat16)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2's tiny config ties the head to the embedding

@@ -12,7 +12,7 @@ from ..plan.budget import chunk_tokens
 from .head_loss import causal_lm_loss
 
 
-def warm_kernels(config, dtype: torch.dtype, device, batch: tuple[int, int], budget: int | None = None) -> None:
+def warm_kernels(config, dtype: torch.dtype, device, batch: tuple[int, int]) -> None:
     """One forward and backward of a one-layer model of `config` on `device` (made there: nothing of
     it in host memory) at `batch`, the loss through the engine's head (head_loss), so that the
     kernels a step of this shape selects are loaded."""
@@ -24,7 +24,7 @@ def warm_kernels(config, dtype: torch.dtype, device, batch: tuple[int, int], bud
         m = causal_lm(AutoModelForCausalLM.from_config(one)).to(dtype)
     n, seq = batch
     ids = torch.randint(0, one.vocab_size, (n, seq), device=device)
-    chunk = chunk_tokens(n * seq, one.vocab_size, dtype, budget=None if device.type == "cuda" else budget)
+    chunk = chunk_tokens(n * seq, one.vocab_size, dtype)
     if chunk is None:
         loss = m(input_ids=ids, labels=ids, use_cache=False).loss
     else:

@@ -67,13 +67,11 @@ def plan_budget(eng, baseline: int) -> tuple[B.Split, int]:
 
     bsz = max(eng.cfg.micro_batch_size, 1)
 
-    def sizes(tokens: int, budget: int | None = None) -> tuple[int, int, int]:
+    def sizes(tokens: int) -> tuple[int, int, int]:
         act = B.layer_activation_bytes(eng.config, tokens, eng.dtype, seq=max(tokens // bsz, 1))
         inp = tokens * eng.config.hidden_size * torch.empty((), dtype=eng.dtype).element_size()
-        # the head's chunks as the engine sizes them at this budget (Engine._loss_chunk)
         return act, inp, B.head_loss_bytes(eng.config, tokens, eng.dtype, eng._chunkable(),
-                                           eng.cfg.loss_chunk, tied=held > 0,
-                                           budget=None if eng.on_gpu else (budget or eng.cfg.cpu_mem))
+                                           eng.cfg.loss_chunk, tied=held > 0)
 
     def split(tokens: int, budget: int | None = None) -> B.Split:
         budget = eng.cfg.cpu_mem if budget is None else budget
@@ -82,7 +80,7 @@ def plan_budget(eng, baseline: int) -> tuple[B.Split, int]:
                                                          state_total=state_total, weights_total=weights_total),
                                reserve=B.GPU_HOST_RESERVE)
             return _swap_room(out, n_layers * sizes(tokens)[0], eng.cfg.activations)
-        act, inp, logits = sizes(tokens, budget)
+        act, inp, logits = sizes(tokens)
         # the kernels' per-thread scratch: as many copies as this machine runs threads
         reserve = B.TRAINING_RESERVE + B.kernel_scratch_bytes(eng.config, max(tokens // bsz, 1), eng.dtype)
         return B.plan_split(budget, baseline, B.Needs(win, max_g, item, act, inp, n_layers, logits, held,

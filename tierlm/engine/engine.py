@@ -277,9 +277,7 @@ class Engine(DurableState, Exports, BlockResidency):
         """Tokens a chunk of the head and loss (head_loss), or None for the model's own forward."""
         if not self._chunkable():
             return None
-        # on the CPU the chunk's logits come out of --cpu-mem (its share: plan.budget.CHUNK_SHARE)
-        return chunk_tokens(tokens, self.config.vocab_size, self.dtype, self.cfg.loss_chunk,
-                            None if self.on_gpu else self.cfg.cpu_mem)
+        return chunk_tokens(tokens, self.config.vocab_size, self.dtype, self.cfg.loss_chunk)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of loss / grad_accum; the optimizer consumes the gradients as they appear."""

@@ -19,18 +19,12 @@ from ..units import fmt_bytes
 
 # The head and loss a chunk of tokens at a time (engine/head_loss.py): when, and how many.
 CHUNK_ABOVE = 256 << 20     # logits (all four copies) at or below this: HF's own path, exact
-CHUNK_TARGET = 64 << 20     # a chunk's logits, all four copies, at least about this...
-CHUNK_SHARE = 8             # ...or up to this fraction of the --cpu-mem budget, where it is larger
+CHUNK_TARGET = 64 << 20     # a chunk's logits, all four copies, about this
 # ...but never fewer tokens: each chunk reads the whole head weight three times and adds into its
 # gradient, so small chunks are bound by memory. Qwen2.5-0.5B's head at 896 tokens, fp32, forward
 # and backward on a 2-vCPU EPYC, two runs of benchmarks/head_loss_chunks.py: HF's whole logits
 # 6.29 / 5.28 s; chunks of 27 tokens 13.00 / 11.76 s, 128 tokens 6.53 / 6.80 s, 256 tokens
 # 7.14 / 6.50 s, 448 tokens 6.06 / 5.39 s (128 and 256 within the noise: the smaller one is kept).
-# In bf16 the head weight's gradient still sums in fp32, a product whose inner size is the chunk:
-# a 32000 x 1024 head over 2048 tokens took a median 4.56 s in chunks of 149 tokens (the 64 MiB
-# target), 3.94 s in 256, 3.56 s in 512 and 3.63 s in 1024, HF's whole logits 4.20 s (same 2-vCPU
-# Zen 4, other work sharing its cores, the five sizes alternated five times). Hence the share of
-# the budget: a 2 GiB budget's chunks there are 512 tokens.
 MIN_CHUNK_TOKENS = 128
 
 
@@ -39,24 +33,16 @@ def logits_bytes_per_token(vocab: int, dtype: torch.dtype) -> int:
     return vocab * (dtype.itemsize + 12)
 
 
-def chunk_tokens(tokens: int, vocab: int, dtype: torch.dtype, forced: int | None = None,
-                 budget: int | None = None) -> int | None:
+def chunk_tokens(tokens: int, vocab: int, dtype: torch.dtype, forced: int | None = None) -> int | None:
     """Tokens per chunk for a micro-batch of `tokens`, or None for HF's unchunked path.
-    forced: 0 = never chunk, N > 0 = N tokens a chunk (tests), None = by the rule above, with the
-    `budget` (bytes of --cpu-mem; None: the fixed target alone) setting how large a chunk may be.
-    The tokens are split evenly: one product shape, no short last chunk. A flag's value, never a
-    timing, sets the chunk (it sets the order the head weight's gradient is summed in)."""
+    forced: 0 = never chunk, N > 0 = N tokens a chunk (tests), None = by the rule above."""
     if forced is not None:
         return None if forced == 0 or forced >= tokens else forced
     per = logits_bytes_per_token(vocab, dtype)
     if tokens * per <= CHUNK_ABOVE:
         return None
-    target = CHUNK_TARGET if budget is None else max(CHUNK_TARGET, budget // CHUNK_SHARE)
-    chunk = max(MIN_CHUNK_TOKENS, target // per)
-    if chunk >= tokens:
-        return None
-    pieces = -(-tokens // chunk)
-    return -(-tokens // pieces)
+    chunk = max(MIN_CHUNK_TOKENS, CHUNK_TARGET // per)
+    return None if chunk >= tokens else chunk
 
 
 def shard_elems_for(budget: int, want: int | None = None) -> int:
@@ -201,12 +187,12 @@ def logits_bytes(config, tokens: int, dtype: torch.dtype) -> int:
 
 
 def head_loss_bytes(config, tokens: int, dtype: torch.dtype, chunkable: bool = True,
-                    forced: int | None = None, tied: bool = False, budget: int | None = None) -> int:
+                    forced: int | None = None, tied: bool = False) -> int:
     """What the head and the loss hold at once: the whole logits, or, where they run in chunks
     (`head_loss.chunk_tokens`), one chunk's logits and the head weight's gradient, which is made
     during forward (fp32 while it sums; a tied head's is the gradient the split already holds
     through backward, so it is not counted twice)."""
-    chunk = chunk_tokens(tokens, config.vocab_size, dtype, forced, budget) if chunkable else None
+    chunk = chunk_tokens(tokens, config.vocab_size, dtype, forced) if chunkable else None
     if chunk is None:
         return logits_bytes(config, tokens, dtype)
     vh, es = config.vocab_size * config.hidden_size, dtype.itemsize

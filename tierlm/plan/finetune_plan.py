@@ -246,8 +246,7 @@ def _engine_split(s: ModelShape, task: Task, T: int, act: int, p: Plan, hw: Hard
         needs = budget.Needs(
             budget.window_size(blocks, run.prefetch.value), block * lay.grad, shard * (C.OPT_BYTES + 4 + lay.w),
             act, C.layer_input_bytes(s, T, lay.w), s.layers,
-            budget.head_loss_bytes(C.hf_like_config(s), T, lay.dtype, tied=tied,
-                                   budget=None if hw.gpu is not None else task.cpu_mem),
+            budget.head_loss_bytes(C.hf_like_config(s), T, lay.dtype, tied=tied),
             # a tied head (no matrix of its own) holds its gradient through backward
             s.vocab * s.hidden * lay.grad if tied else 0,
             max_layer_grad=s.layer_params * lay.grad,

@@ -231,7 +231,7 @@ def _start(cfg: FinetuneConfig, out: Path, dist) -> _Run:
     dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
     # measured first: what the tokenizer and the data hold counts against --cpu-mem
     library_rss = library_baseline(hf_config, dtype, cfg.device, warm=lambda: warm_kernels(
-        hf_config, dtype, cfg.device, (cfg.batch_size, cfg.seq_len), parse_bytes(cfg.cpu_mem, "cpu_mem")))
+        hf_config, dtype, cfg.device, (cfg.batch_size, cfg.seq_len)))
     tokenizer = checks.load_tokenizer(cfg.model)
     dataset = load_dataset(cfg.data, tokenizer, cfg.seq_len)
     batches = Batches(dataset, cfg.batch_size, seed=cfg.seed)
