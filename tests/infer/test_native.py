@@ -345,7 +345,7 @@ def test_int8_qlinear_uses_ours_for_few_rows_and_agrees_with_pytorchs_kernel():
     lin = QLinear(256, 96, "int8")
     for name, t in lin.quantize(torch.randn(96, 256), None, torch.float32).items():
         setattr(lin, name, t)
-    for rows in (1, 7, 33):  # 33: above NATIVE_MAX_ROWS, PyTorch's kernel itself (or, on VNNI, qgemm)
+    for rows in (1, 7, 33):  # 33: above NATIVE_MAX_ROWS, PyTorch's kernel itself (or, from AVX2 up, qgemm)
         x = torch.randn(rows, 256)
         xr = x
         if rows == 1:  # ours rounds one row (kernels/gemv.c); PyTorch's is given the same x
