@@ -182,28 +182,7 @@ TARGET_QVNNI static void pack_panel(int int4, const void *w, const float *s, int
                                     int64_t nr, int32_t *P, uint8_t *rows, int32_t *corr, float *sc, float *lo) {
     int64_t KQ = K / 4, G = K / xg;
     const uint8_t *src[QG_NP];
-    memset(rows + QG_NP * K, 0, (size_t)K);
-    for (int64_t c = 0; c < QG_NP; c++) {
-        if (c >= nr) {
-            src[c] = rows + QG_NP * K;
-        } else if (int4) {
-            const uint8_t *wr = (const uint8_t *)w + (n0 + c) * (K / 2);
-            uint8_t *row = rows + c * K;
-            __m128i m15 = _mm_set1_epi8(15);
-            for (int64_t b = 0; b < K / 32; b++) {
-                __m128i v = _mm_loadu_si128((const __m128i *)(wr + b * 16));
-                _mm_storeu_si128((__m128i *)(row + b * 32), _mm_and_si128(v, m15));
-                _mm_storeu_si128((__m128i *)(row + b * 32 + 16), _mm_and_si128(_mm_srli_epi16(v, 4), m15));
-            }
-            src[c] = row;
-        } else {
-            src[c] = (const uint8_t *)w + (n0 + c) * K;
-        }
-        for (int64_t g = 0; g < G && int4; g++) {
-            sc[g * QG_NP + c] = c < nr ? s[((n0 + c) * G + g) * 2] : 0.f;
-            lo[g * QG_NP + c] = c < nr ? s[((n0 + c) * G + g) * 2 + 1] : 0.f;
-        }
-    }
+    panel_sources(int4, w, s, K, G, n0, nr, QG_NP, rows, src, sc, lo);
     int64_t kq = 0;
     for (; kq + 16 <= KQ; kq += 16)
         for (int h = 0; h < 2; h++) {
