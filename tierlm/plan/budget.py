@@ -207,10 +207,10 @@ def head_loss_bytes(config, tokens: int, dtype: torch.dtype, chunkable: bool = T
 # and backward), and the allocator's slack. Both hold oneDNN's kernel caches at their bound
 # (KERNEL_CACHE_BYTES, 18 MiB): a mixture of experts builds new products every step (each expert's
 # row count changes), and so does a server's prefill for every new prompt length (kernel_cache.py).
-# Training's adds 4 MiB for the spread of the process's own peak and of the libraries' baseline
-# from run to run (each moved by ~2 MiB between identical runs of a 96 MiB budget test on a busy
-# 2-core machine, enough to cross the budget by 1 MiB with 24 MiB); forward-only work (inference)
-# has less scratch.
+# Beside them, forward-only work (inference) keeps 4 MiB of scratch; training 10 MiB: its backward's
+# scratch, and 4 MiB for the spread of the process's own peak and of the libraries' baseline from
+# run to run (each moved by ~2 MiB between identical runs of a 96 MiB budget test on a busy 2-core
+# machine, enough to cross the budget by 1 MiB with 24 MiB).
 RUNTIME_RESERVE = KERNEL_CACHE_BYTES + (4 << 20)
 TRAINING_RESERVE = KERNEL_CACHE_BYTES + (10 << 20)
 # With a GPU computing, CUDA loads each kernel's module into host memory on its first use: the
