@@ -1,5 +1,8 @@
 """The next forward's embedding rows, copied out of the step's update (tierlm.engine.next_rows):
 that forward reads no embedding, and the weights are the same bits as when it reads it."""
+import threading
+import time
+
 import pytest
 import torch
 
@@ -10,13 +13,13 @@ from .test_exactness import batches
 
 
 def _train(model_dir, tmp_path, data, tag, expect, clip=None, nan_step=None, accum=1, precision="fp32",
-           expect_ids=None, clip_path="speculate"):
-    # (a held step's update runs beside the next forward, which reads the embedding back: the rows
-    # come from a speculative update, or a clip's redo)
+           expect_ids=None, clip_path="speculate", patch=None):
     cfg = EngineConfig(nvme_dir=str(tmp_path / f"nv-{tag}"), cpu_mem="1GiB", precision=precision, grad_accum=accum,
                        tokens_per_micro_batch=data[0].numel(), shard_elems=2048, clip_path=clip_path,
                        optim=AdamWConfig(lr=1e-2, weight_decay=0.1, max_grad_norm=clip))
     eng = Engine.from_pretrained(model_dir, cfg)
+    if patch is not None:
+        patch(eng)
     embed_reads = []  # the embedding's loads into the modules (a window hit or a read)
     real_acquire = eng.window.acquire
     eng.window.acquire = lambda ns: (embed_reads.extend(n for n in ns if "embed_tokens" in n)
@@ -133,3 +136,68 @@ def test_backward_does_not_read_ahead_an_embedding_whose_rows_are_expected(make_
     assert used == 3
     between = " ".join(events).split("expect")[1:]
     assert len(between) == 3 and not any("embed" in e.split("commit")[0] for e in between), events
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"], ids=["untied", "tied"])
+@pytest.mark.parametrize("clip", [0.5, 1e9], ids=["clip-triggers", "clip-idle"])
+def test_a_held_update_beside_the_next_forward_hands_it_the_rows(make_model_dir, tmp_path, arch, clip):
+    """Exact clipping that holds the gradients runs each update after its commit, beside the next
+    forward: the lookup waits for the embedding's shards as that update offers them (slowed down
+    here, so that it does wait) instead of reading the embedding back, with the same bits."""
+    from tierlm.engine.next_rows import NextRows
+    model_dir, _ = make_model_dir(arch)
+    data = batches(4)
+    waited = []
+
+    def slow_offers(eng):
+        nr, real = eng.next_rows, eng.next_rows.offer
+
+        def offer(shard, values):
+            if nr.waits():
+                time.sleep(0.02)
+            real(shard, values)
+        nr.offer = offer
+        real_take = nr.take
+        nr.take = lambda ids: (waited.append(nr.waits()), real_take(ids))[1]
+        assert isinstance(nr, NextRows) and eng.optimizer.defer_apply
+    ref_m, ref_w, ref_l, _ = _train(model_dir, tmp_path, data, "ref", expect=False, clip=clip, clip_path="hold")
+    got_m, got_w, got_l, used = _train(model_dir, tmp_path, data, "rows", expect=True, clip=clip,
+                                       clip_path="hold", patch=slow_offers)
+    assert used == 3 and waited[1:] == [True] * 3
+    assert [lo for lo, _ in got_l] == [lo for lo, _ in ref_l]
+    per_forward = 1 if arch == "llama" else 2
+    assert [r for _, r in got_l] == [per_forward] + [per_forward - 1] * 3
+    for n in ref_m:
+        assert torch.equal(got_m[n], ref_m[n]), n
+        assert torch.equal(got_w[n], ref_w[n]), n
+
+
+def test_a_held_update_that_fails_fails_the_lookup_waiting_for_it(make_model_dir, tmp_path):
+    """The deferred update stops halfway through the embedding's shards: the next forward, waiting
+    for the rest of its rows, raises the update's error instead of waiting for ever."""
+    model_dir, _ = make_model_dir("llama")
+    data = batches(3)
+
+    def break_offers(eng):
+        nr, real = eng.next_rows, eng.next_rows.offer
+        seen = []
+
+        def offer(shard, values):
+            if nr.waits():
+                seen.append(shard)
+                if len(seen) == 2:
+                    raise OSError(5, "injected: the update's write failed")
+            real(shard, values)
+        nr.offer = offer
+    out = {}
+
+    def run():
+        try:
+            _train(model_dir, tmp_path, data, "fail", expect=True, clip=0.5, clip_path="hold", patch=break_offers)
+        except BaseException as e:  # noqa: BLE001 - the test inspects it
+            out["error"] = e
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(120)
+    assert not t.is_alive(), "the forward waited for rows the failed update never offered"
+    assert "injected" in str(out.get("error")), out

@@ -178,8 +178,14 @@ class Engine(DurableState, Exports, BlockResidency):
         self.optimizer.defer_writes = cfg.defer_commit and dist is None
         # ... and so does a held step's update, block by block ahead of the forward that reads them
         self.optimizer.defer_apply = self.optimizer.defer_writes
-        self.optimizer.on_apply_failed = self.window.fail_awaiting
+        self.optimizer.on_apply_failed = self._apply_failed
         self.optimizer.on_apply_start = self.window.await_renewal
+
+    def _apply_failed(self, error: BaseException) -> None:
+        """A deferred update stopped: blocks and a lookup waiting for its weights give up."""
+        self.window.fail_awaiting(error)
+        if self.next_rows is not None:
+            self.next_rows.end_deferred()
 
     def settings_record(self) -> dict:
         """Every automatic choice of this run with its reason, and the budget split made from them:
@@ -340,7 +346,7 @@ class Engine(DurableState, Exports, BlockResidency):
         if not self.optimizer.applying:  # (a deferred update's entries await its weights: await_renewal)
             self.window.invalidate_all(keep_renewed=res.finite)  # the first blocks' new weights stay
         if self.next_rows is not None:
-            self.next_rows.commit(res.finite)
+            self.next_rows.commit(res.finite, deferred=self.optimizer.applying)
         if self.optimizer.applying:  # the update runs beside the next forward; the commit after it
             self._commit_after_apply(durable)
         elif res.finite:
@@ -365,6 +371,8 @@ class Engine(DurableState, Exports, BlockResidency):
                 self.optimizer.wait_apply()
             finally:
                 self.window.end_renewal()
+                if self.next_rows is not None:
+                    self.next_rows.end_deferred()
             tail = self.optimizer.take_tail() + self.optimizer.commit(durable)
             if not durable:
                 self._land(tail)

@@ -5,6 +5,7 @@ forward and backward hooks of every block call in here."""
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 
 import torch
 from torch import nn
@@ -36,7 +37,12 @@ class BlockResidency:
 
     def _embed_in(self, mod: nn.Module, args, names) -> None:
         nr = self.next_rows
-        got = nr.take(args[0]) if nr is not None and names == [nr.name] and args else None
+        got = None
+        if nr is not None and names == [nr.name] and args:
+            t0 = time.perf_counter()
+            with self.timeline.span("wait", "embedding rows") if nr.waits() else nullcontext():
+                got = nr.take(args[0])  # (a held step's update still offering them: waits)
+            self.acts.waited(time.perf_counter() - t0)
         if got is not None:
             mod._tierlm_rows = got  # the lookup takes the expected rows: the weight stays unread
         else:
@@ -60,10 +66,12 @@ class BlockResidency:
 
     def _new_weights(self, name: str, shard: int, values: torch.Tensor) -> None:
         self.window.offer(name, shard, values)
-        # (a deferred update runs after its step committed, beside the next forward: the rows that
-        # forward looks up were to be gathered before; it reads the embedding instead)
-        if self.next_rows is not None and name == self.next_rows.name and not self.optimizer.applying:
-            self.next_rows.offer(shard, values)
+        # (a deferred update runs after its step committed, beside the next forward: its offers
+        # complete the rows that forward waits for; an expect() for a later forward, made while
+        # it still runs, takes none of its offers)
+        nr = self.next_rows
+        if nr is not None and name == nr.name and (not self.optimizer.applying or nr.waits()):
+            nr.offer(shard, values)
 
     def _canon(self, mod: nn.Module, attr: str) -> str:
         p = mod._parameters[attr]
