@@ -420,7 +420,7 @@ def test_the_product_tests_pass_on_each_path_this_cpu_has(path):
 
 def test_a_path_the_cpu_lacks_or_no_path_is_an_error(monkeypatch):
     """Naming a path this CPU lacks stops with a message that names it (a CPU with only the portable
-    path stands in here), as does a name that is no path, AMX (none in the kernels), or a switch
+    path stands in here), as does a name that is no path or a switch
     TIERLM_NATIVE_ISA replaced; none falls back quietly to another path or to PyTorch's kernels."""
     class PortableOnly:
         def tierlm_native_cpu_isa(self):
@@ -441,9 +441,8 @@ def test_a_path_the_cpu_lacks_or_no_path_is_an_error(monkeypatch):
         for k in env:
             monkeypatch.delenv(k)
     # and through the library's first use, not caught as a build failure
-    r = run_py("from tierlm.infer import native\nnative.available()", TIERLM_NATIVE_ISA="amx")
-    assert r.returncode != 0 and "ValueError: TIERLM_NATIVE_ISA=amx: the kernels have no AMX path" in r.stderr, \
-        r.stderr[-1500:]
+    r = run_py("from tierlm.infer import native\nnative.available()", TIERLM_NATIVE_ISA="avx3")
+    assert r.returncode != 0 and "ValueError: TIERLM_NATIVE_ISA='avx3' is none of" in r.stderr, r.stderr[-1500:]
 
 
 # On avx512vnni one int8 row takes AVX512-VNNI, and on avx512bf16 one bf16 row AVX512-BF16; the

@@ -1,6 +1,7 @@
 """Many-row int8/int4 products in 8-bit integers (kernels/qgemm.c): against a float64 product of
 the same rounded x, the same bits on every path and thread count, and where QLinear uses them."""
 import os
+import platform
 import subprocess
 import sys
 
@@ -115,12 +116,15 @@ from tierlm.infer import native, qgemm
 from tierlm.infer.quant import _int4, _int8
 g = torch.Generator().manual_seed(5)
 cases = {}
-for rows, k, n in ((1, 256, 40), (37, 192, 72), (64, 96, 33), (9, 1024, 65), (3, 160, 7), (6, 2048, 16)):
+# rows not a multiple of the AMX path's 16 or 32, widths not a multiple of a panel's 32, several groups,
+# and groups of 32 and odd multiples of 32 (the AMX tiles' 32-byte depth) besides 64 and 128
+for rows, k, n in ((1, 256, 40), (37, 192, 72), (64, 96, 33), (9, 1024, 65), (3, 160, 7), (6, 2048, 16),
+                  (100, 384, 97), (33, 288, 40)):
     x = torch.randn(rows, k, generator=g) * 2
     w = torch.randn(n, k, generator=g)
     t = _int8(w, torch.float32)
     cases[f"int8 {rows} {k} {n}"] = (x, t["qweight"], t["scales"], 0)
-    for group in (32, 64, 128):
+    for group in (32, 64, 96, 128):
         if k % group == 0:
             t = _int4(w, torch.float32, group, "tierlm")
             cases[f"int4 {rows} {k} {n} {group}"] = (x, t["qweight"], t["scales"], group)
@@ -146,27 +150,34 @@ for threads in (1, 2):
     torch.set_num_threads(threads)
     for key, (x, q, s, group) in cases.items():
         out[f"{key}, {threads} threads"] = qgemm.product(x, q, s, group)
-torch.save({"isa": native.isa(), "fast": qgemm.fast(), "out": out, "cases": cases}, sys.argv[1])
+torch.save({"isa": native.isa(), "amx_emulated": native.amx_emulated(), "fast": qgemm.fast(), "out": out,
+            "cases": cases}, sys.argv[1])
 """
 
 
 @needs_kernels
 def test_every_path_gives_the_same_bits(tmp_path):
-    """The portable loop, the AVX2 one and the AVX512-VNNI one compute the same integer sums and the
-    same fp32 steps in the same order: their products are equal, bit for bit, on every path this
-    CPU has and on 1 and 2 threads, the extremes of x and the weights included (where the AVX2
-    path's 16-bit pair sums would saturate if its operands were not |w| and x with w's sign)."""
+    """The portable loop, the AVX2 one, the AVX512-VNNI one and the AMX one compute the same integer
+    sums and the same fp32 steps in the same order: their products are equal, bit for bit, on every
+    path this CPU has and on 1 and 2 threads, the extremes of x and the weights included (where the
+    AVX2 path's 16-bit pair sums would saturate if its operands were not |w| and x with w's sign).
+    The AMX kernel also runs against the software tiles (amx-emulated) on any x86 CPU: the only
+    check of its bits where the CPU has no AMX."""
     if os.environ.get("TIERLM_NATIVE_ISA"):
         pytest.skip(f"this run is already forced to {os.environ['TIERLM_NATIVE_ISA']}")
     got = {}
-    for path in native.supported_isas():
+    emulated = [native.AMX_EMULATED] if platform.machine() in ("x86_64", "AMD64") else []
+    for path in native.supported_isas() + emulated:
         f = tmp_path / f"{path}.pt"
         r = subprocess.run([sys.executable, "-c", _PATHS_CODE, str(f)], capture_output=True, text=True,
                            timeout=300, env={**os.environ, "TIERLM_NATIVE_ISA": path})
         assert r.returncode == 0, r.stderr[-2000:]
         got[path] = torch.load(f)
-        assert got[path]["isa"] == path
-        assert got[path]["fast"] is (path != "portable")  # the integer units from AVX2 up
+        if path == native.AMX_EMULATED:  # the other loops on the CPU's highest path below amx
+            assert got[path]["amx_emulated"] and got[path]["isa"] == native.supported_isas()[:4][-1]
+        else:
+            assert got[path]["isa"] == path and not got[path]["amx_emulated"]
+            assert got[path]["fast"] is (path != "portable")  # the integer units from AVX2 up
     base = got["portable"]["out"]
     x, q, s, _ = got["portable"]["cases"]["int8 extremes"]
     exact = (x.double() @ q.double().T).float() * s  # +-1 rounds to +-127 at scale 1/127: exact here
@@ -207,3 +218,24 @@ def test_qlinear_takes_many_rows_in_integers_from_avx2_up(mode):
     few = native.gemv_int8(x1, lin.qweight, lin.scales) if mode == "int8" else \
         native.gemv_int4(x1, lin.qweight, lin.scales, 64)
     assert torch.equal(lin(x1), few + lin.bias)
+
+
+@needs_kernels
+def test_the_amx_path_runs_only_where_the_cpu_has_it():
+    """amx is chosen only where CPUID, the OS and Linux's permission all allow the tiles (never on a
+    CPU without them, where asking for it is an error that says why); elsewhere the highest path
+    below runs the products."""
+    if os.environ.get("TIERLM_NATIVE_ISA"):
+        pytest.skip(f"this run is already forced to {os.environ['TIERLM_NATIVE_ISA']}")
+    r = subprocess.run([sys.executable, "-c", "from tierlm.infer import native\nnative.available()"],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "TIERLM_NATIVE_ISA": "amx"})
+    if "amx" in native.supported_isas():
+        assert native.isa() == "amx" and native.amx_unavailable() is None and r.returncode == 0, r.stderr[-1500:]
+        return
+    why = native.amx_unavailable()
+    assert native.isa() != "amx" and why
+    cpuinfo = "/proc/cpuinfo"
+    if os.path.exists(cpuinfo) and platform.machine() == "x86_64" and "amx_int8" not in open(cpuinfo).read():
+        assert "no AMX-TILE and AMX-INT8" in why
+    assert r.returncode != 0 and "ValueError: TIERLM_NATIVE_ISA=amx: this CPU has no amx path" in r.stderr \
+        and why in r.stderr, r.stderr[-1500:]

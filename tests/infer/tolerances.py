@@ -53,7 +53,7 @@ def x_step(kind: str, x: torch.Tensor, group: int = 0, light: bool = False, isa:
         if light and ISAS.index(isa) >= ISAS.index("avx512vnni") and k % 128 == 0:
             return x.view(1, -1, 128).abs().amax(-1).max().item() * STEP["x8"]
         return top * STEP["x16"]
-    if kind == "bf16" and rows == 1 and light and isa == "avx512bf16":
+    if kind == "bf16" and rows == 1 and light and isa in ("avx512bf16", "amx"):  # amx: bf16 rows as avx512bf16
         return top * STEP["bf16"]
     return 0.0
 

@@ -10,7 +10,12 @@ loaded after torch, whose bundled libgomp.so.1 then serves it too: one OpenMP th
 The loops come in instruction-set paths (`ISAS`, each a superset of the one before); the highest
 the CPU has runs, or the one TIERLM_NATIVE_ISA names (`supported_isas()` lists this CPU's), so that
 every path's loops can be tested on any CPU that has it. Naming a path the CPU lacks is an error.
-There is no AMX path: a CPU with AMX runs avx512bf16.
+The amx path (many-row int8/int4 products through AMX-INT8's tiles, kernels/qgemm_amx.c) runs only
+where the CPU has AMX-TILE and AMX-INT8, the OS enables the tile state and Linux grants this process
+the tile data (`amx_unavailable()` says which failed); the rest of its loops are avx512bf16's.
+TIERLM_NATIVE_ISA=amx-emulated runs that same AMX kernel on any x86 CPU, against a software model
+of the tiles (kernels/amx_emu.h; slow: for tests of its bits, never for speed), the other loops on
+the CPU's highest path below amx; `amx_emulated()` says whether it is on.
 """
 from __future__ import annotations
 
@@ -27,8 +32,9 @@ from pathlib import Path
 import torch
 
 KERNELS = Path(__file__).with_name("kernels")
-SRC = [KERNELS / "gemv.c", KERNELS / "layer.c", KERNELS / "qgemm.c", KERNELS / "qgemm_avx2.c"]  # compiled together
-HEADERS = [KERNELS / "gemv.h", KERNELS / "qgemm.h"]  # what they share
+SRC = [KERNELS / "gemv.c", KERNELS / "layer.c", KERNELS / "qgemm.c", KERNELS / "qgemm_avx2.c",
+       KERNELS / "qgemm_amx.c", KERNELS / "qgemm_amx_emu.c"]  # compiled together
+HEADERS = [KERNELS / "gemv.h", KERNELS / "qgemm.h", KERNELS / "amx_emu.h"]  # what they share
 FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-fopenmp"]
 LIBS = ["-lm"]
 _lock = threading.Lock()
@@ -36,8 +42,9 @@ _lib: ctypes.CDLL | None = None
 _failed: str | None = None
 _switched_off = False  # use(False): benchmarks compare against PyTorch's kernels in one process
 # kernels/gemv.c's paths, in its order (cpu_level): portable C, AVX2 + FMA, + AVX512-VNNI for one
-# int8 row, + AVX512-BF16 for one bf16 row
-ISAS = ("portable", "avx2", "avx512vnni", "avx512bf16")
+# int8 row, + AVX512-BF16 for one bf16 row, + AMX-INT8 tiles for many int8/int4 rows
+ISAS = ("portable", "avx2", "avx512vnni", "avx512bf16", "amx")
+AMX_EMULATED = "amx-emulated"  # TIERLM_NATIVE_ISA's name for the AMX kernel on software tiles
 # the switches TIERLM_NATIVE_ISA replaced, and the value that asked for a lower path
 _OLD_SWITCHES = {"TIERLM_NATIVE_PORTABLE": ("not 0", "portable"), "TIERLM_NATIVE_VNNI": ("0", "avx2"),
                  "TIERLM_NATIVE_BF16DP": ("0", "avx512vnni")}
@@ -95,6 +102,10 @@ def _build() -> ctypes.CDLL:
     dll.tierlm_qgemm.argtypes = [p, i64, i64, p, p, i64, i64, i64, p, i64, c_int]
     dll.tierlm_qgemm.restype = c_int
     dll.tierlm_qgemm_fast.restype = c_int
+    dll.tierlm_native_amx_why.restype = ctypes.c_char_p
+    dll.tierlm_qgemm_set_amx_emulated.argtypes = [c_int]
+    dll.tierlm_qgemm_set_amx_emulated.restype = c_int
+    dll.tierlm_qgemm_amx_emulated.restype = c_int
     _cap_isa(dll)
     dll.tierlm_gemv_isa()  # the CPU checks cache their answers here, before any parallel region asks
     return dll
@@ -103,11 +114,17 @@ def _build() -> ctypes.CDLL:
 def _cap_isa(dll) -> None:
     """The kernels capped at the path TIERLM_NATIVE_ISA names; a ValueError where the CPU lacks it."""
     want = _requested_isa()
-    if want is not None:
+    if want == AMX_EMULATED:
+        if dll.tierlm_native_cpu_isa() > ISAS.index("avx512bf16"):
+            dll.tierlm_native_set_isa(ISAS.index("avx512bf16"))  # the CPU's own tiles stay unused
+        if dll.tierlm_qgemm_set_amx_emulated(1) != 1:
+            raise ValueError(f"TIERLM_NATIVE_ISA={want}: this CPU has no {want} path (not x86)")
+    elif want is not None:
         have = dll.tierlm_native_cpu_isa()
         if ISAS.index(want) > have:
+            why = f"; {dll.tierlm_native_amx_why().decode()}" if want == "amx" else ""
             raise ValueError(f"TIERLM_NATIVE_ISA={want}: this CPU has no {want} path (it has "
-                             f"{', '.join(ISAS[:have + 1])})")
+                             f"{', '.join(ISAS[:have + 1])}{why})")
         dll.tierlm_native_set_isa(ISAS.index(want))
 
 
@@ -121,10 +138,8 @@ def _requested_isa() -> str | None:
     want = os.environ.get("TIERLM_NATIVE_ISA", "").strip().lower()
     if not want:
         return None
-    if want == "amx":
-        raise ValueError("TIERLM_NATIVE_ISA=amx: the kernels have no AMX path; a CPU with AMX runs avx512bf16")
-    if want not in ISAS:
-        raise ValueError(f"TIERLM_NATIVE_ISA={want!r} is none of {', '.join(ISAS)}")
+    if want not in ISAS + (AMX_EMULATED,):
+        raise ValueError(f"TIERLM_NATIVE_ISA={want!r} is none of {', '.join(ISAS + (AMX_EMULATED,))}")
     return want
 
 
@@ -198,6 +213,19 @@ def isa() -> str:
     """The path the products run on (one of ISAS), or "none" where the kernels are unavailable."""
     lib = library()
     return ISAS[lib.tierlm_gemv_isa() & 15] if lib is not None else "none"
+
+
+def amx_unavailable() -> str | None:
+    """Why the amx path cannot run on this CPU (None where it can, or the kernels are unavailable)."""
+    lib = library()
+    why = lib.tierlm_native_amx_why() if lib is not None else None
+    return why.decode() if why else None
+
+
+def amx_emulated() -> bool:
+    """Whether many-row products take the AMX kernel on software tiles (TIERLM_NATIVE_ISA=amx-emulated)."""
+    lib = library()
+    return lib is not None and bool(lib.tierlm_qgemm_amx_emulated())
 
 
 def supported_isas() -> list[str]:

@@ -22,14 +22,15 @@
    q (0..15) is it, and for int8 x is shifted to xq + 128, the panel's 128 * sum_k q[n,k] over
    each group (vpdpbusd of ones, once per panel) subtracted from the sums after.
 
+   The AMX path (qgemm_amx.c, on CPUs with AMX-INT8) takes the same panels as the tiles' B operand
+   and x, not shifted, as their A: TDPBSSD (int8) or TDPBSUD (int4) give each group's sums.
+
    Weights stay in the row-major layout the one-row kernels read; a thread packs a panel (32 rows x
    K, 64 KiB at K = 2048) into its own buffer and multiplies every row of x by it, so the packing
    is amortised over the rows. */
 #include "qgemm.h"
 
 #include <omp.h>
-
-#define QG_NP 32 /* weight rows of a panel: two vectors of 16 lanes */
 
 /* One group of x (n inputs, a multiple of 16) rounded to 8 bits: q = round(x * 127 / max|x|), halves
    away from zero, xor `flip` (0x80: the VNNI path's xq + 128); returns the scale max|x| / 127 and,
@@ -52,8 +53,6 @@ static float quantize_group(const float *v, int64_t n, int8_t *q, int flip, floa
 }
 
 #if HAVE_X86
-#define TARGET_QVNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")))
-
 TARGET_QVNNI static float quantize_group_avx512(const float *v, int64_t n, int8_t *q, int flip, float *sum) {
     __m512 vm = _mm512_setzero_ps(), vs = vm;
     for (int64_t k = 0; k < n; k += 16) {
@@ -146,34 +145,6 @@ static void qgemm_portable(int int4, const int8_t *xq, const float *xs, const fl
 }
 
 #if HAVE_X86
-/* 16 vectors of 16 words, rows of a 16 x 16 matrix, transposed in place (three rounds of unpacks
-   and lane shuffles). */
-TARGET_QVNNI static void transpose16(__m512i r[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int a = 0; a < 4; a++) {  /* r[4a + j], 128-bit lane L: column 4L + j of rows 4a..4a+3 */
-        r[4 * a] = _mm512_unpacklo_epi64(t[4 * a], t[4 * a + 2]);
-        r[4 * a + 1] = _mm512_unpackhi_epi64(t[4 * a], t[4 * a + 2]);
-        r[4 * a + 2] = _mm512_unpacklo_epi64(t[4 * a + 1], t[4 * a + 3]);
-        r[4 * a + 3] = _mm512_unpackhi_epi64(t[4 * a + 1], t[4 * a + 3]);
-    }
-    for (int j = 0; j < 4; j++) {
-        t[j] = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x88);
-        t[4 + j] = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xdd);
-        t[8 + j] = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x88);
-        t[12 + j] = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xdd);
-    }
-    for (int j = 0; j < 4; j++) {
-        r[j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0x88);
-        r[4 + j] = _mm512_shuffle_i32x4(t[4 + j], t[12 + j], 0x88);
-        r[8 + j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0xdd);
-        r[12 + j] = _mm512_shuffle_i32x4(t[4 + j], t[12 + j], 0xdd);
-    }
-}
-
 /* A panel of weight rows n0.. (nr <= 32 of them, the rest zero) as int32 words [K/4][32]: word
    (kq, c) is inputs 4kq..4kq+3 of row n0 + c. int4 rows are unpacked to bytes 0..15 first (into
    `rows`, [33][K] bytes, the last row zeros). Also per group: int8, 128 * the sum of each row's
@@ -183,16 +154,7 @@ TARGET_QVNNI static void pack_panel(int int4, const void *w, const float *s, int
     int64_t KQ = K / 4, G = K / xg;
     const uint8_t *src[QG_NP];
     panel_sources(int4, w, s, K, G, n0, nr, QG_NP, rows, src, sc, lo);
-    int64_t kq = 0;
-    for (; kq + 16 <= KQ; kq += 16)
-        for (int h = 0; h < 2; h++) {
-            __m512i r[16];
-            for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(src[16 * h + i] + 4 * kq);
-            transpose16(r);
-            for (int i = 0; i < 16; i++) _mm512_storeu_si512(P + (kq + i) * QG_NP + 16 * h, r[i]);
-        }
-    for (; kq < KQ; kq++)
-        for (int64_t c = 0; c < QG_NP; c++) memcpy(P + kq * QG_NP + c, src[c] + 4 * kq, 4);
+    pack_words(src, KQ, P);
     if (int4) return;
     __m512i ones = _mm512_set1_epi8(1);
     for (int64_t g = 0; g < G; g++)
@@ -303,6 +265,20 @@ TARGET_QVNNI static int qgemm_vnni(int int4, const uint8_t *xq, const float *xs,
 }
 #endif
 
+/* gemv.c's path 4: AMX's tiles usable (its cpu_level) and not capped below. */
+int tl_use_amx(void) { return (tierlm_gemv_isa() & 15) >= 4; }
+
+/* TIERLM_NATIVE_ISA=amx-emulated (native.py, before the first product): the products below take the
+   AMX kernel against software tiles (qgemm_amx_emu.c), on any x86 CPU, so that tests check its
+   bits where no CPU with AMX is at hand; the other loops keep their path. -1 where there is none. */
+static int amx_emulated;
+int tierlm_qgemm_set_amx_emulated(int on) {
+    if (!HAVE_X86) return -1;
+    amx_emulated = on != 0;
+    return amx_emulated;
+}
+int tierlm_qgemm_amx_emulated(void) { return amx_emulated; }
+
 /* y [M, ldy] = x [M, K] @ W^T as the header says: int8 weights [N, K] with scales s [N] (`group`
    0; xg, the x group, 128, 64 or 32 dividing K), or int4 weights [N, K/2] with (scale, lo) pairs
    s [N, K/group, 2] (`group` > 0, a multiple of 32 dividing K; xg = group). Returns -1 where
@@ -313,7 +289,8 @@ int tierlm_qgemm(const float *x, int64_t M, int64_t K, const void *w, const floa
     if (int4) xg = group;
     if (xg <= 0 || xg % 32 || K % xg || (int4 && K % 32)) return -2;
     if (ldy <= 0) ldy = N;
-    int64_t Mp = (M + QG_MR - 1) / QG_MR * QG_MR, G = K / xg;
+    int amx = amx_emulated ? 2 : tl_use_amx();  /* 1: the CPU's tiles, 2: software ones */
+    int64_t mr = amx ? TL_AMX_ROWS : QG_MR, Mp = (M + mr - 1) / mr * mr, G = K / xg;
     int8_t *xq = (int8_t *)malloc((size_t)(Mp * K));
     float *xs = (float *)malloc((size_t)(2 * Mp * G) * sizeof(float));
     if (!xq || !xs) {
@@ -322,11 +299,17 @@ int tierlm_qgemm(const float *x, int64_t M, int64_t K, const void *w, const floa
         return -1;
     }
     float *xsum = int4 ? xs + Mp * G : NULL;
-    int vnni = tl_use_vnni();
+    int vnni = tl_use_vnni() && !amx;
     /* the VNNI path takes int8's x as the unsigned operand, xq + 128 */
     quantize_x(x, M, Mp, K, xg, vnni && !int4 ? 0x80 : 0, xq, xs, xsum, threads);
     int rc = 0;
 #if HAVE_X86
+    if (amx) {
+        rc = (amx == 2 ? tl_qgemm_amx_emu : tl_qgemm_amx)(int4, xq, xs, xsum, M, Mp, K, xg, w, s, y, ldy, N, threads);
+        free(xq);
+        free(xs);
+        return rc;
+    }
     if (vnni) {
         rc = qgemm_vnni(int4, (const uint8_t *)xq, xs, xsum, M, Mp, K, xg, w, s, y, ldy, N, threads);
         free(xq);
