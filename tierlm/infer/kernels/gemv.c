@@ -436,10 +436,14 @@ TARGET_VNNI static void rows_i8x8_vnni(const int8_t *xq, const float *xs, int64_
    1 avx2      AVX2 + FMA loops for every kind
    2 avx512vnni  as 1, and one int8 row through AVX512-VNNI (row_i8x16_vnni, rows_i8x8_vnni)
    3 avx512bf16  as 2, and one bf16 row through AVX512-BF16's dot product (rows_bf16_dp, _dp1)
-   There is no AMX path: a CPU with AMX runs 3. By default the highest this CPU has runs; the
+   4 amx       as 3, and many rows against int8/int4 weights through AMX-INT8's tiles (qgemm_amx.c),
+               only where tl_amx_usable() finds them in CPUID, enabled by the OS, and granted to
+               this process (Linux's arch_prctl); one row stays on 3's loops (memory-bound)
+   By default the highest this CPU has runs; the
    caller (native.py, from TIERLM_NATIVE_ISA) may cap it lower with tierlm_native_set_isa before
    the first product, so that each path's loops can be tested on any CPU that has it. The choice
    follows the CPU's flags and that cap only, so one command gives the same bits on one CPU. */
+int tl_amx_usable(void); /* qgemm_amx.c */
 static int cpu_level(void) {
 #if HAVE_X86
     static int cached = -1;
@@ -451,6 +455,7 @@ static int cpu_level(void) {
             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
             lv = 2;
         if (lv == 2 && __builtin_cpu_supports("avx512bf16")) lv = 3;
+        if (lv == 3 && tl_amx_usable()) lv = 4;
         cached = lv;
     }
     return cached;
@@ -491,7 +496,7 @@ static int x_light(void) {
 void tierlm_gemv_set_light_x(int on) { light_x = on != 0; }
 static int i8_x8(int64_t K) { return tl_use_vnni() && x_light() && K % X8_GROUP == 0; }
 
-/* The active path (0-3 above), plus 16 where its one-row loops round x lighter (x_light). */
+/* The active path (0-4 above), plus 16 where its one-row loops round x lighter (x_light). */
 int tierlm_gemv_isa(void) { return level() | (tl_use_vnni() && x_light() ? 16 : 0); }
 
 /* int4 weights back to fp32 [N, K] for products of many rows (a prefill), which then run as one
