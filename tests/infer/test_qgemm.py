@@ -227,15 +227,18 @@ def test_qlinear_takes_many_rows_in_integers_from_avx2_up(mode):
 
 @needs_kernels
 def test_the_amx_path_runs_only_where_the_cpu_has_it():
-    """amx is chosen only where CPUID, the OS and Linux's permission all allow the tiles (never on a
-    CPU without them, where asking for it is an error that says why); elsewhere the highest path
-    below runs the products."""
+    """amx runs only where CPUID, the OS and Linux's permission all allow the tiles (never on a
+    CPU without them, where asking for it is an error that says why), and, until it has run on a CPU
+    with AMX, only when named; elsewhere the highest path below runs the products."""
     if os.environ.get("TIERLM_NATIVE_ISA"):
         pytest.skip(f"this run is already forced to {os.environ['TIERLM_NATIVE_ISA']}")
-    r = subprocess.run([sys.executable, "-c", "from tierlm.infer import native\nnative.available()"],
+    r = subprocess.run([sys.executable, "-c", "from tierlm.infer import native\nprint(native.isa())"],
                        capture_output=True, text=True, timeout=120, env={**os.environ, "TIERLM_NATIVE_ISA": "amx"})
     if "amx" in native.supported_isas():
-        assert native.isa() == "amx" and native.amx_unavailable() is None and r.returncode == 0, r.stderr[-1500:]
+        # named, it runs; unnamed, only once it is the default (AMX_BY_DEFAULT: after it ran on AMX)
+        assert r.returncode == 0 and r.stdout.split() == ["amx"], r.stderr[-1500:]
+        assert native.isa() == ("amx" if native.AMX_BY_DEFAULT else "avx512bf16")
+        assert native.amx_unavailable() is None
         return
     why = native.amx_unavailable()
     assert native.isa() != "amx" and why

@@ -12,7 +12,8 @@ the CPU has runs, or the one TIERLM_NATIVE_ISA names (`supported_isas()` lists t
 every path's loops can be tested on any CPU that has it. Naming a path the CPU lacks is an error.
 The amx path (many-row int8/int4 products through AMX-INT8's tiles, kernels/qgemm_amx.c) runs only
 where the CPU has AMX-TILE and AMX-INT8, the OS enables the tile state and Linux grants this process
-the tile data (`amx_unavailable()` says which failed); the rest of its loops are avx512bf16's.
+the tile data (`amx_unavailable()` says which failed); the rest of its loops are avx512bf16's. It
+has not yet run on a CPU with AMX, so it runs only when named (AMX_BY_DEFAULT).
 TIERLM_NATIVE_ISA=amx-emulated runs that same AMX kernel on any x86 CPU, against a software model
 of the tiles (kernels/amx_emu.h; slow: for tests of its bits, never for speed), the other loops on
 the CPU's highest path below amx; `amx_emulated()` says whether it is on.
@@ -111,9 +112,18 @@ def _build() -> ctypes.CDLL:
     return dll
 
 
+# The AMX prefill kernel has been checked only against a software model of the tiles, never on a
+# CPU with AMX: until it has, a CPU with AMX runs avx512bf16 unless TIERLM_NATIVE_ISA=amx names it
+# (the tests name every path the CPU has, so an AMX machine's test run compares it bit for bit).
+AMX_BY_DEFAULT = False
+
+
 def _cap_isa(dll) -> None:
-    """The kernels capped at the path TIERLM_NATIVE_ISA names; a ValueError where the CPU lacks it."""
+    """The kernels capped at the path TIERLM_NATIVE_ISA names (unnamed: the CPU's highest, amx only
+    where AMX_BY_DEFAULT); a ValueError where the CPU lacks it."""
     want = _requested_isa()
+    if want is None and not AMX_BY_DEFAULT and dll.tierlm_native_cpu_isa() > ISAS.index("avx512bf16"):
+        dll.tierlm_native_set_isa(ISAS.index("avx512bf16"))
     if want == AMX_EMULATED:
         if dll.tierlm_native_cpu_isa() > ISAS.index("avx512bf16"):
             dll.tierlm_native_set_isa(ISAS.index("avx512bf16"))  # the CPU's own tiles stay unused
