@@ -8,7 +8,11 @@
 # 3. the ratio without the drift between sittings (benchmarks/train_pairs.sh): in memory and tierlm
 #    alternated, clipping off then on (--max-grad-norm 1.0), 2 pairs each;
 # 4. serving (benchmarks/peer_llamacpp.py): llama.cpp and tierlm per format (bf16, int8 / Q8_0,
-#    int4 / Q4_0) on the TinyLlama-1.1B shape at every core, when llama.cpp is built.
+#    int4 / Q4_0) on the TinyLlama-1.1B shape at every core, when llama.cpp is built; on a CPU with
+#    AMX, the AMX prefill path's bit tests and then int8/int4 again with it named.
+# Decode is memory-bound, and a VM's bandwidth can change state for minutes (a Zen 4 VM flipped
+# between ~34 and ~63 GB/s): benchmarks/decode_split.py --pairs N alternates the two decoders with
+# the read rate logged beside each pair, for a ratio from pairs in the same state.
 # Peers are optional: llama.cpp is built from the llama-cpp-python sdist when one is at hand
 # ($LLAMA_CPP_SDIST, default /tmp/dl/llama_cpp_python-0.3.36.tar.gz) and PEERS (default /work/peers)
 # has no build; DeepSpeed is used where `import deepspeed` works. CPU_SKIP="train pairs serve" leaves
@@ -55,6 +59,16 @@ if ! skip serve; then
             --preset tinyllama-1.1b --threads "$(nproc)" --reps 2 --json "$OUT/serve.json" 2>&1 | tee "$OUT/serve.log"
     else
         echo "serving beside llama.cpp skipped: no llama-bench at $LLAMA/bin" | tee "$OUT/serve.log"
+    fi
+    # The AMX prefill path runs only when named until it has run on AMX (native.AMX_BY_DEFAULT):
+    # where the CPU has it, its bits against every other path first, then its speed.
+    if python3 -c "from tierlm.infer import native; raise SystemExit('amx' not in native.supported_isas())"; then
+        if flock /tmp/tierlm-bench.lock python3 -m pytest -q -p no:cacheprovider tests/infer/test_qgemm.py \
+                tests/infer/test_native.py 2>&1 | tee "$OUT/amx_tests.log" && [ -x "$LLAMA/bin/llama-bench" ]; then
+            TIERLM_NATIVE_ISA=amx flock /tmp/tierlm-bench.lock python3 benchmarks/peer_llamacpp.py \
+                --llama-cpp "$LLAMA" --preset tinyllama-1.1b --formats int8 int4 --threads "$(nproc)" --reps 2 \
+                --json "$OUT/serve_amx.json" 2>&1 | tee "$OUT/serve_amx.log"
+        fi
     fi
 fi
 echo "logs: $OUT"
