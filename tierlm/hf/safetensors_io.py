@@ -283,7 +283,11 @@ class SafetensorsWriter:
             header[name] = {"dtype": DTYPE_CODES[dtype], "shape": list(shape), "data_offsets": [pos, pos + n]}
             pos += n
         hbytes = json.dumps(header, separators=(",", ":")).encode()
-        hbytes += b" " * (-len(hbytes) % 8)  # data must start 8-byte aligned, as safetensors pads
+        # The data starts 64-byte aligned (safetensors asks for 8; the header may end in any number of
+        # spaces), so every tensor whose offset is a multiple of 64 is cache-line aligned where a loader
+        # maps the file: CPU products of some shapes (torch's grouped_mm for a mixture's experts) give
+        # other bits on weights only 8- or 16-byte aligned, and a reloaded model must compute as it did.
+        hbytes += b" " * (-(8 + len(hbytes)) % 64)
         path = self.dir / (fname + _PARTIAL)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         self._files.append((path, fd))
