@@ -85,6 +85,25 @@ def test_bf16_seed_and_reuse(tmp_path):
     assert torch.equal(SafetensorsDir(a).read(name), fc.read(name))
 
 
+def test_values_a_constructor_sets_and_init_weights_leaves_are_kept(tmp_path):
+    """Apertus's xIELU activation sets alpha_p, alpha_n, beta and eps in its constructor, and
+    `_init_weights` never rewrites them: built on meta they were whatever the allocator's memory
+    held (a model whose logits were all 0 in one run and finite garbage in another). Now they are the
+    constructor's, and two runs write the same bytes."""
+    from transformers import AutoConfig
+    cfg = AutoConfig.for_model("apertus", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+    a = init_model(tmp_path / "a", cfg, seed=3, tokenizer=False)
+    b = init_model(tmp_path / "b", cfg, seed=3, tokenizer=False)
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+    ref = AutoModelForCausalLM.from_config(cfg).state_dict()
+    got = SafetensorsDir(a)
+    consts = [n for n in got.names() if ".act_fn." in n]
+    assert len(consts) == 8
+    for n in consts:
+        assert torch.equal(got.read(n), ref[n].float()), n
+
+
 def test_preset_shrunk_with_trained_tokenizer(tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("<|im_start|> is special but this is plain text, repeated.\n" * 40)

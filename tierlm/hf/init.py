@@ -22,6 +22,53 @@ from tierlm.hf.safetensors_io import SafetensorsWriter
 from tierlm.hf.tokenizer import make_tokenizer, special_token_ids
 
 
+SMALL = 1 << 16  # elements: a constant fill this small is made for real while the model is built
+
+
+def _size_numel(args) -> int:
+    size = args[0] if args and isinstance(args[0], (tuple, list, torch.Size)) else args
+    n = 1
+    for d in size:
+        if not isinstance(d, int):
+            return SMALL + 1  # not a plain size: leave it to the meta device
+        n *= d
+    return n
+
+
+class _ConstantsOnCPU(torch.overrides.TorchFunctionMode):
+    """Inside `torch.device("meta")`: tensors a constructor makes from data (torch.tensor) or small
+    constant fills stay real, on the CPU. Their values are the module's own and `_init_weights` may
+    never rewrite them (xIELU's alpha_p, alpha_n, beta and eps in Apertus's MLP): on meta they were
+    lost, and `to_empty` gave them whatever the allocator's memory held - a different model each run."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if kwargs.get("device") is None:
+            if func in (torch.tensor, torch.as_tensor, torch.scalar_tensor):
+                kwargs["device"] = "cpu"
+            elif func in (torch.ones, torch.zeros) and _size_numel(args) <= SMALL:
+                kwargs["device"] = "cpu"
+            elif func is torch.full and _size_numel(args[:1]) <= SMALL:
+                kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+def _materialise(piece: nn.Module) -> None:
+    """Give the piece's meta parameters and buffers CPU memory, keeping those already real (one
+    tensor shared by two modules stays one)."""
+    made: dict[int, torch.Tensor] = {}
+    for m in piece.modules():
+        for table in (m._parameters, m._buffers):
+            for n, t in table.items():
+                if t is None or not t.is_meta:
+                    continue
+                if id(t) not in made:
+                    real = torch.empty_like(t, device="cpu")
+                    made[id(t)] = nn.Parameter(real, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) \
+                        else real
+                table[n] = made[id(t)]
+
+
 def _has_saved_state(mod: nn.Module) -> bool:
     bufs = [n for n, b in mod._buffers.items() if b is not None and n not in mod._non_persistent_buffers_set]
     return any(p is not None for p in mod._parameters.values()) or bool(bufs)
@@ -72,7 +119,7 @@ def _init_piece(model, piece: nn.Module) -> None:
 
 def _write_piece(model, piece: nn.Module, prefix: str, saved: dict, writer: SafetensorsWriter) -> None:
     # A function of its own so no loop variable keeps the last tensor alive after the piece is freed.
-    piece.to_empty(device="cpu")
+    _materialise(piece)
     _init_piece(model, piece)
     for k, t in piece.state_dict(prefix=prefix).items():
         if k in saved:
@@ -114,8 +161,8 @@ def init_model(out_dir: str | os.PathLike, config, seed: int = 0, dtype: str | t
         gen_kw = dict(bos_token_id=ids["bos_token_id"], pad_token_id=ids["pad_token_id"],
                       eos_token_id=[ids["eos_token_id"], ids["im_end_token_id"]])
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    with torch.random.fork_rng(devices=[]), torch.device("meta"), _ConstantsOnCPU():
+        model = AutoModelForCausalLM.from_config(config)  # a small real tensor may draw numbers
     model.to(dtype)  # on meta: free, and to_empty() below then allocates each piece in this dtype
     model.eval()
     saved = _saved_tensors(model)
