@@ -66,3 +66,20 @@ def test_weights_used_before_the_layers_are_refused_before_anything_is_written(f
     with pytest.raises(ValueError, match=f"{module}.*run before the decoder layers"):
         Engine.from_pretrained(d, EngineConfig(nvme_dir=str(tmp_path / "nvme"), cpu_mem="1GiB", precision="fp32"))
     assert not (tmp_path / "nvme").exists()
+
+
+def test_parameters_the_family_keeps_fixed_are_refused_before_anything_is_written(tmp_path):
+    """Ernie 4.5 MoE's router holds its score-correction bias as a Parameter with
+    requires_grad=False: it never gets a gradient, and the step failed reading the gradient it waited
+    for. Refused at construction, the parameters named, no store created."""
+    from transformers import AutoConfig
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model("ernie4_5_moe", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128,
+                               num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    model = AutoModelForCausalLM.from_config(cfg)
+    d = tmp_path / "m"
+    model.save_pretrained(d)
+    with pytest.raises(ValueError, match=r"moe_statics\.e_score_correction_bias.*not trained \(requires_grad=False\)"):
+        Engine.from_pretrained(d, EngineConfig(nvme_dir=str(tmp_path / "nvme"), cpu_mem="1GiB", precision="fp32"))
+    assert not (tmp_path / "nvme").exists()
