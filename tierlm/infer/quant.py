@@ -189,14 +189,32 @@ def device_weight(q, dtype: torch.dtype) -> torch.Tensor:
     return dequant_int4(q.qweight, q.scales, q.group).to(dtype)
 
 
+def _expert_counts(layer: nn.Module) -> set[int]:
+    """The expert counts of a layer's mixtures (of MLP or attention experts). A linear map of the
+    layer's width onto that many outputs is a router, kept in the compute dtype as llama.cpp keeps
+    its routers: its logits choose experts, and a rounding there swaps whole experts (int8 routers
+    moved a tiny JetMoE's logits 0.31 from fp32's), for a matrix of a few thousandths of the layer.
+    Some families also read the router's `.weight` themselves (Hunyuan's dtype check)."""
+    counts = set()
+    for m in layer.modules():
+        for attr in ("num_experts", "num_local_experts", "n_routed_experts"):
+            v = getattr(m, attr, None)
+            if isinstance(v, int) and v > 1:
+                counts.add(v)
+    return counts
+
+
 def quantizable(layer: nn.Module, mode: str) -> dict[str, tuple[nn.Module, bool]]:
     """Sub-module name -> (linear module, is_gpt2_conv1d) for every linear map of a decoder layer
     that `mode` can hold. GPT-2's Conv1D stores W as [in, out]; it is transposed when quantised."""
     from transformers.pytorch_utils import Conv1D
 
     out = {}
+    experts = _expert_counts(layer)
     for name, mod in layer.named_modules():
         if isinstance(mod, nn.Linear):
+            if mod.out_features in experts and mod.out_features < mod.in_features:
+                continue  # a router: see _expert_counts
             k = mod.in_features
             conv = False
         elif isinstance(mod, Conv1D):
