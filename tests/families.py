@@ -40,6 +40,30 @@ FAMILIES = {
     # embedding, residual, attention multipliers and logits scaling
     "granite": dict(_BASE, embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.2,
                     logits_scaling=2.0),
+    # Command R: parallel attention + MLP on one LayerNorm, q/k norms, scaled logits, tied head
+    "cohere": dict(_BASE, head_dim=16, use_qk_norm=True),
+    # Command R7B: sliding layers beside global ones without rotary on the global ones
+    "cohere2": dict(_BASE, head_dim=16, sliding_window=6, layer_types=["sliding_attention", "full_attention"]),
+    "glm": dict(_BASE, pad_token_id=0, head_dim=16),                                      # partial interleaved rotary, fused gate_up
+    "glm4": dict(_BASE, pad_token_id=0, head_dim=16),                                     # + norms after attention and MLP
+    # NoPE layers (no rotary on layer 1), tied head
+    "smollm3": dict(_BASE, pad_token_id=0, head_dim=16, no_rope_layers=[1, 0], layer_types=["full_attention", "full_attention"]),
+    "ernie4_5": dict(_BASE, head_dim=16),                                 # interleaved rotary, tied head
+    # q/k norms, norms after blocks, sliding layers beside global ones (NoPE on the global ones)
+    "exaone4": dict(_BASE, head_dim=16, sliding_window=6, layer_types=["sliding_attention", "full_attention"]),
+    "olmo3": dict(_BASE, head_dim=16, sliding_window=6, layer_types=["sliding_attention", "full_attention"]),
+    "apertus": dict(_BASE, head_dim=16),                                  # xIELU activation, q/k norms, no gate
+    "arcee": dict(_BASE, head_dim=16),                                    # ReLU² MLP without a gate
+    # partial rotary, LayerNorms, per-head q/k LayerNorms, parallel residual
+    "stablelm": dict(_BASE, qk_layernorm=True, use_parallel_residual=True, hidden_dropout=0.0, **_NO_DROP),
+    "nemotron": dict(_BASE, head_dim=16),                                 # LayerNorm1P, ReLU², partial rotary
+    # Gemma 2 without norms after blocks: soft-capping, sliding layers, tied scaled embeddings
+    "vaultgemma": dict(_BASE, head_dim=16, sliding_window=6, layer_types=["sliding_attention", "full_attention"]),
+    "hunyuan_v1_dense": dict(_BASE, head_dim=16),                         # q/k norms after rotary
+    "ministral": dict(_BASE, head_dim=16, sliding_window=6, layer_types=["sliding_attention", "sliding_attention"]),
+    # biases on q/k/v and on the output projection; dropout off (its config's default is 0.1)
+    "seed_oss": dict(_BASE, head_dim=16, attention_out_bias=True, residual_dropout=0.0, **_NO_DROP),
+    "helium": dict(_BASE, head_dim=16),
     # mixtures of experts: stacked expert weights (one file tensor per expert), top-k routing, the
     # router's load-balancing loss added to the loss (output_router_logits)
     "mixtral": dict(_BASE, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
@@ -63,6 +87,28 @@ FAMILIES = {
     "gpt_oss": dict(_BASE, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=6,
                     layer_types=["sliding_attention", "full_attention"], output_router_logits=True,
                     router_aux_loss_coef=0.1, rope_scaling=None),
+    # sigmoid routing with a correction bias, a shared expert, a dense first layer, q/k norms
+    "glm4_moe": dict(_BASE, head_dim=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                     n_shared_experts=1, first_k_dense_replace=1, use_qk_norm=True),
+    "hunyuan_v1_moe": dict(_BASE, head_dim=16, num_experts=4, moe_topk=2),  # a shared MLP beside the experts
+    # sigmoid routing with a correction bias, q/k norms over all heads together
+    "minimax_m2": dict(_BASE, head_dim=16, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                       router_aux_loss_coef=0.1),
+    # a mixture of attention experts (MoA) beside the MLP's, its own auxiliary loss
+    "jetmoe": dict(_BASE, kv_channels=16, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                   aux_loss_coef=0.1),
+    "flex_olmo": dict(_BASE, pad_token_id=0, head_dim=16, num_experts=4, num_experts_per_tok=2),  # OLMo 2's norms, experts
+    # a shared expert averaged with the routed ones, sliding layers beside global ones
+    "cohere2_moe": dict(_BASE, head_dim=16, num_experts=4, num_experts_per_tok=2, num_shared_experts=1,
+                        sliding_window=6, layer_types=["sliding_attention", "full_attention"]),
+    "exaone_moe": dict(_BASE, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       num_shared_experts=1, first_k_dense_replace=1, sliding_window=6,
+                       layer_types=["sliding_attention", "full_attention"]),
+    # Granite's multipliers around experts in one fused tensor; the shared variant adds a dense MLP
+    "granitemoe": dict(_BASE, head_dim=16, num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=4.0,
+                       residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0),
+    "granitemoeshared": dict(_BASE, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                             shared_intermediate_size=48),
 }
 
 

@@ -8,8 +8,11 @@ from pathlib import Path
 # torch.optim.AdamW, generate equal to transformers, serve, reload). Any other decoder-only family
 # transformers builds runs on the same generic path; `family_problem` refuses what cannot.
 TESTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi", "phi3", "olmo",
-          "olmo2", "gpt_neox", "gpt2", "falcon", "starcoder2", "granite",
-          "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
+          "olmo2", "gpt_neox", "gpt2", "falcon", "starcoder2", "granite", "cohere", "cohere2", "glm", "glm4",
+          "smollm3", "ernie4_5", "exaone4", "olmo3", "apertus", "arcee", "stablelm", "nemotron", "vaultgemma",
+          "hunyuan_v1_dense", "ministral", "seed_oss", "helium",
+          "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "glm4_moe", "hunyuan_v1_moe",
+          "minimax_m2", "jetmoe", "flex_olmo", "cohere2_moe", "exaone_moe", "granitemoe", "granitemoeshared")
 
 
 class ModelDirError(ValueError):
