@@ -168,7 +168,7 @@ def test_many_rows_take_the_modules_path_and_agree(tmp_path):
     torch.testing.assert_close(out[True], out[False], rtol=0.05, atol=0.05 * out[False].abs().max().item())
 
 
-NATIVE_FAMILIES = {"llama", "mistral", "qwen2", "qwen3", "gemma"}
+NATIVE_FAMILIES = {"llama", "mistral", "qwen2", "qwen3", "gemma", "ministral", "seed_oss"}
 
 
 def test_each_family_runs_lean_or_says_why_not():
@@ -231,5 +231,37 @@ def test_an_engine_on_granite_keeps_transformers_forward_and_says_why(tmp_path):
     eng = _engine(d, tmp_path, True)
     try:
         assert eng.lean is not None and LeanDecoder.refusal(eng) is None
+    finally:
+        eng.close()
+
+
+def test_the_self_check_holds_every_kind_of_layer_the_config_lists(tmp_path):
+    """SmolLM3 leaves rotary out of every fourth layer (no_rope_layers). The self-check's tiny
+    copy kept the first two layers, both with rotary, passed, and the fused path then rotated the
+    fourth layer's keys: decode logits 1.6 away from transformers' (of 7.3). The copy now keeps as
+    many layers as it takes to hold each kind the per-layer lists make."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tierlm.hf.fields import shrunk
+    cfg = AutoConfig.for_model("smollm3", hidden_size=64, intermediate_size=96, num_hidden_layers=8,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128,
+                               max_position_embeddings=64, initializer_range=0.3, pad_token_id=0)
+    assert cfg.no_rope_layers == [1, 1, 1, 0, 1, 1, 1, 0]
+    assert shrunk(cfg, layers=2).num_hidden_layers == 2
+    tiny = shrunk(cfg, layers=2, every_kind=True)
+    assert tiny.num_hidden_layers == 4 and tiny.no_rope_layers == [1, 1, 1, 0] and len(tiny.layer_types) == 4
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).float().eval()
+    d = tmp_path / "smollm3"
+    model.save_pretrained(d)
+    prompt = [5, 9, 17, 3, 44, 2, 80]
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt + [7]])).logits[0, -1]
+    eng = InferenceEngine(d, InferConfig(cpu_mem="1GiB", dtype="fp32", max_batch=1, max_seq_len=40,
+                                         nvme_dir=str(tmp_path / "nvme")), library_rss=0)
+    try:
+        assert eng.lean is None and "differ" in eng.decode_path()
+        eng.step([prompt], [0])
+        torch.testing.assert_close(eng.step([[7]], [len(prompt)])[0], ref, atol=1e-4, rtol=1e-4)
     finally:
         eng.close()

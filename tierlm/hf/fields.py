@@ -45,12 +45,21 @@ def put(config, role: str, value) -> bool:
     f = _field(config, role)
     if f is None:
         return False
+    old = getattr(config, f, None)
     setattr(config, f, value)
     if role == "layers":
-        types = getattr(config, "layer_types", None)
-        if types:
-            config.layer_types = [types[i % len(types)] for i in range(value)]
+        for k, v in per_layer_lists(config, old).items():  # the pattern repeats
+            setattr(config, k, [v[i % len(v)] for i in range(value)])
     return True
+
+
+def per_layer_lists(config, layers: int | None = None) -> dict[str, list]:
+    """The config's lists of one entry per decoder layer (layer_types, SmolLM3's no_rope_layers, ...)."""
+    n = layers if layers is not None else get(config, "layers")
+    if not isinstance(n, int) or n < 2:
+        return {}
+    return {k: list(v) for k, v in vars(config).items()
+            if not k.startswith("_") and isinstance(v, (list, tuple)) and len(v) == n}
 
 
 def head_dim(config) -> int:
@@ -58,10 +67,17 @@ def head_dim(config) -> int:
 
 
 def shrunk(config, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
-           intermediate: int = 96, vocab: int = 128):
+           intermediate: int = 96, vocab: int = 128, every_kind: bool = False):
     """A small copy of `config`: the same family and options (rotary variant, norms, soft-capping,
-    sliding pattern, biases), tiny shapes. Layers keep the first `layers` of the layer pattern."""
+    sliding pattern, biases), tiny shapes. Layers keep the first `layers` of the layer pattern;
+    with every_kind, more where it takes more to hold every kind of layer the per-layer lists make
+    (SmolLM3's rotary-free fourth layer; a full-attention layer after three sliding ones): what a
+    check of the family's maths must see."""
     c = copy.deepcopy(config)
+    per = per_layer_lists(config) if every_kind else {}
+    if per:
+        kinds = list(zip(*per.values()))
+        layers = max(layers, max(kinds.index(k) for k in set(kinds)) + 1)
     put(c, "layers", min(layers, get(config, "layers", layers)))
     put(c, "hidden", hidden)
     put(c, "heads", heads)

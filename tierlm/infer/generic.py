@@ -113,7 +113,7 @@ def check(model) -> str | None:
     """Why this path does not compute what transformers computes for `model`'s family (on a tiny
     copy), or None; None too where no tiny copy can be made and run (nothing to compare)."""
     try:
-        cfg = shrunk(model.config, layers=2)
+        cfg = shrunk(model.config, layers=2, every_kind=True)
         key = (type(model), json.dumps(cfg.to_dict(), sort_keys=True, default=str))
     except Exception:  # noqa: BLE001 -- a config that cannot be copied small is not checked
         return None

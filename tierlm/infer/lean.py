@@ -175,7 +175,7 @@ def self_check(model) -> tuple[str | None, bool]:
     soft-capped after the head. Kept per config."""
     import json
 
-    cfg = shrunk(model.config, layers=2)
+    cfg = shrunk(model.config, layers=2, every_kind=True)
     try:
         key = (type(model), json.dumps(cfg.to_dict(), sort_keys=True, default=str))
     except (TypeError, ValueError):
