@@ -204,3 +204,13 @@ def test_deepseek_v3_preset_has_its_latent_attention_and_dense_first_layers():
         (61, 7168, 129280, 2048, 18432)
     m = make_config(preset="mixtral-8x7b")
     assert (m.num_local_experts, m.num_experts_per_tok, m.num_key_value_heads) == (8, 2, 8)
+
+
+def test_a_head_dim_the_family_leaves_none_is_filled():
+    """Hunyuan's config defaults head_dim to None and its attention computes head_dim ** -0.5:
+    `tierlm init --arch hunyuan_v1_dense` failed inside transformers."""
+    from transformers import AutoModelForCausalLM
+    for arch in ("hunyuan_v1_dense", "hunyuan_v1_moe"):
+        c = make_config(arch, None, {"layers": 2, "hidden": 128, "heads": 4})
+        assert c.head_dim == 32
+        AutoModelForCausalLM.from_config(c)

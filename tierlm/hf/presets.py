@@ -217,6 +217,9 @@ def _native(config, overrides: dict | None, what: str):
         put(config, "intermediate", r["inter"])
     if explicit_hd is not None and (r["hidden"] != view.shape.hidden or r["heads"] != view.shape.heads):
         put(config, "head_dim", r["hidden"] // r["heads"])  # a family whose head_dim is its own field
+    elif "head_dim" in config.to_dict() and getattr(config, "head_dim", None) is None:
+        # a field left None by the family's defaults that its modules read as a number (Hunyuan's)
+        config.head_dim = r["hidden"] // r["heads"]
     config.tie_word_embeddings = r["tie"]
     if "rope_theta" in o:
         rope = getattr(config, "rope_parameters", None)
