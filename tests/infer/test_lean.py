@@ -249,7 +249,11 @@ def test_the_self_check_holds_every_kind_of_layer_the_config_lists(tmp_path):
     assert cfg.no_rope_layers == [1, 1, 1, 0, 1, 1, 1, 0]
     assert shrunk(cfg, layers=2).num_hidden_layers == 2
     tiny = shrunk(cfg, layers=2, every_kind=True)
-    assert tiny.num_hidden_layers == 4 and tiny.no_rope_layers == [1, 1, 1, 0] and len(tiny.layer_types) == 4
+    assert tiny.num_hidden_layers == 4 and tiny.no_rope_layers[:4] == [1, 1, 1, 0] and len(tiny.layer_types) == 4
+    # `tierlm init --arch smollm3 --layers 8` keeps the default's 36-long list, indexed by layer
+    from tierlm.hf.presets import make_config
+    preset = make_config("smollm3", None, {"layers": 8, "hidden": 64, "heads": 4, "kv_heads": 2})
+    assert len(preset.no_rope_layers) == 36 and shrunk(preset, layers=2, every_kind=True).num_hidden_layers == 4
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).float().eval()
     d = tmp_path / "smollm3"

@@ -45,21 +45,23 @@ def put(config, role: str, value) -> bool:
     f = _field(config, role)
     if f is None:
         return False
-    old = getattr(config, f, None)
     setattr(config, f, value)
     if role == "layers":
-        for k, v in per_layer_lists(config, old).items():  # the pattern repeats
-            setattr(config, k, [v[i % len(v)] for i in range(value)])
+        types = getattr(config, "layer_types", None)
+        if types:  # transformers checks its length; lists indexed by layer (no_rope_layers) may be longer
+            config.layer_types = [types[i % len(types)] for i in range(value)]
     return True
 
 
-def per_layer_lists(config, layers: int | None = None) -> dict[str, list]:
-    """The config's lists of one entry per decoder layer (layer_types, SmolLM3's no_rope_layers, ...)."""
-    n = layers if layers is not None else get(config, "layers")
+def per_layer_lists(config) -> dict[str, list]:
+    """The config's lists of (at least) one entry per decoder layer, cut to the layers (layer_types,
+    SmolLM3's no_rope_layers: its modules index it by layer, and a preset cut from 36 layers keeps
+    all 36). A list of something else as long is taken too: it can only add layers to a copy."""
+    n = get(config, "layers")
     if not isinstance(n, int) or n < 2:
         return {}
-    return {k: list(v) for k, v in vars(config).items()
-            if not k.startswith("_") and isinstance(v, (list, tuple)) and len(v) == n}
+    return {k: list(v)[:n] for k, v in vars(config).items()
+            if not k.startswith("_") and isinstance(v, (list, tuple)) and len(v) >= n}
 
 
 def head_dim(config) -> int:
