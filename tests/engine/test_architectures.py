@@ -80,6 +80,7 @@ def test_parameters_the_family_keeps_fixed_are_refused_before_anything_is_writte
     model = AutoModelForCausalLM.from_config(cfg)
     d = tmp_path / "m"
     model.save_pretrained(d)
-    with pytest.raises(ValueError, match=r"moe_statics\.e_score_correction_bias.*not trained \(requires_grad=False\)"):
+    fixed = r"keep model\.layers\.1\.mlp\.gate\.moe_statics\.e_score_correction_bias fixed \(requires_grad=False\)"
+    with pytest.raises(ValueError, match=fixed):
         Engine.from_pretrained(d, EngineConfig(nvme_dir=str(tmp_path / "nvme"), cpu_mem="1GiB", precision="fp32"))
     assert not (tmp_path / "nvme").exists()

@@ -112,9 +112,9 @@ class Engine(DurableState, Exports, BlockResidency):
         frozen = [n for n, p in params.items() if not p.requires_grad]
         if frozen:  # they get no gradient: the step would wait for one (torch's AdamW skips them)
             shown = ", ".join(frozen[:3]) + (f" and {len(frozen) - 3} more" if len(frozen) > 3 else "")
-            raise ValueError(f"{model.config.model_type}: its modules make {shown} parameters that are not trained "
-                             "(requires_grad=False); the fine-tuning engine trains every parameter and cannot keep "
-                             "some fixed yet (generate and serve run this model)")
+            raise ValueError(f"{model.config.model_type}: its modules keep {shown} fixed (requires_grad=False); "
+                             "the fine-tuning engine trains every parameter and cannot keep some fixed yet "
+                             "(generate and serve run this model)")
         self.names = list(params)  # canonical order: model.parameters()
         self.settings = settings
         self.shard_elems, self.shard_why = settings.shard_elems.value, settings.shard_elems.why
