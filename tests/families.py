@@ -109,6 +109,17 @@ FAMILIES = {
                        residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0),
     "granitemoeshared": dict(_BASE, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
                              shared_intermediate_size=48),
+    # DeepSeek-V2's latent attention and grouped routing, without V3's correction bias
+    "deepseek_v2": dict(_BASE, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+                        moe_intermediate_size=32, first_k_dense_replace=1, n_group=2, topk_group=1, q_lora_rank=24,
+                        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_shared_experts=1,
+                        rope_scaling=None, head_dim=8),
+    "dots1": dict(_BASE, head_dim=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                  first_k_dense_replace=1, n_shared_experts=1, n_group=1, topk_group=1),
+    # nested attention and MLP configs, fused Wqkv with clipping, experts as one tensor per projection
+    "dbrx": dict(d_model=64, n_heads=4, n_layers=2, vocab_size=128, max_seq_len=64, resid_pdrop=0.0, emb_pdrop=0.0,
+                 attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+                 ffn_config=dict(ffn_hidden_size=96, moe_num_experts=4, moe_top_k=2)),
 }
 
 

@@ -12,7 +12,8 @@ TESTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"
           "smollm3", "ernie4_5", "exaone4", "olmo3", "apertus", "arcee", "stablelm", "nemotron", "vaultgemma",
           "hunyuan_v1_dense", "ministral", "seed_oss", "helium",
           "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "glm4_moe", "hunyuan_v1_moe",
-          "minimax_m2", "jetmoe", "flex_olmo", "cohere2_moe", "exaone_moe", "granitemoe", "granitemoeshared")
+          "minimax_m2", "jetmoe", "flex_olmo", "cohere2_moe", "exaone_moe", "granitemoe", "granitemoeshared",
+          "deepseek_v2", "dots1", "dbrx")
 
 
 class ModelDirError(ValueError):
