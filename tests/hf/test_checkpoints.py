@@ -200,6 +200,25 @@ def test_gpt_neox_embed_out_loads_and_saves_as_embed_out(tmp_path):
     assert torch.equal(_hf_logits(saved), ref)
 
 
+def test_a_conversion_of_whole_tensors_loads_and_saves_in_the_familys_layout(tmp_path):
+    """OLMo-Hybrid's q, k and v convolutions are three file tensors that transformers' conversion
+    concatenates into one conv1d weight: read as a stack of experts, the engine refused it ("the
+    checkpoint holds 1 experts where the model's config makes 192"). Its training forward equals
+    transformers' and its save has the family's file names."""
+    from transformers import AutoConfig
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model("olmo_hybrid", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128,
+                               max_position_embeddings=64, initializer_range=0.2, pad_token_id=0)
+    d = _save(AutoModelForCausalLM.from_config(cfg).float().eval(), tmp_path / "m", shard=None)
+    assert any("conv" in k for k in _keys(d))
+    ref = _hf_logits(d)
+    out, saved = _train_logits(d, tmp_path, save=tmp_path / "saved")
+    assert torch.equal(out, ref)
+    assert set(_keys(saved)) == set(_keys(d))
+    assert torch.equal(_hf_logits(saved), ref)
+
+
 # ---- 5. several EOS ids (generation_config.json's list), or none ---------------------------------
 class _Tok:
     """Just enough of a tokenizer for the batcher when the test speaks in ids (and no eos of its own)."""

@@ -49,8 +49,19 @@ class Stacked:
         """Expert `e`'s slice of the parameter, made from its own file tensors: [1, ...]."""
         return self._convert({pat: [read(names[e])] for pat, names in self.sources.items()})
 
+    def whole(self) -> bool:
+        """A conversion of single tensors into one (OLMo-Hybrid's q, k and v convolutions concatenated
+        into one conv1d weight), not of experts: made in one piece."""
+        return self.experts == 1
+
     def read_into(self, read: Callable[[str], torch.Tensor], out: torch.Tensor) -> torch.Tensor:
         """The whole parameter into `out` ([experts, ...]), an expert at a time (cast to out's dtype)."""
+        if self.whole() and out.shape[0] != 1:
+            t = self._convert({pat: [read(names[0])] for pat, names in self.sources.items()})
+            if tuple(t.shape) != tuple(out.shape):
+                raise ValueError(f"{self.name}: the checkpoint's tensors make shape {tuple(t.shape)} where the "
+                                 f"model's config makes {tuple(out.shape)}; does config.json belong to these weights?")
+            return out.copy_(t)
         if out.shape[0] != self.experts:
             raise ValueError(f"{self.name}: the checkpoint holds {self.experts} experts where the model's config "
                              f"makes {out.shape[0]}; does config.json belong to these weights?")
@@ -73,7 +84,7 @@ def read_param(st, entry: str | Stacked, out: torch.Tensor | None = None) -> tor
             info = {p: st.info(names[0]) for p, names in entry.sources.items()}
             dt = next(iter(info.values()))[0]
             shape = entry._convert({p: [torch.empty(sh, dtype=d, device="meta")] for p, (d, sh) in info.items()}).shape
-            out = torch.empty((entry.experts, *shape[1:]), dtype=dt)
+            out = torch.empty(shape if entry.whole() else (entry.experts, *shape[1:]), dtype=dt)
         return entry.read_into(st.read, out)
     if out is None:
         return st.read(entry)
