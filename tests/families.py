@@ -64,6 +64,17 @@ FAMILIES = {
     # biases on q/k/v and on the output projection; dropout off (its config's default is 0.1)
     "seed_oss": dict(_BASE, head_dim=16, attention_out_bias=True, residual_dropout=0.0, **_NO_DROP),
     "helium": dict(_BASE, head_dim=16),
+    "internlm3": dict(_BASE, head_dim=16, pad_token_id=0),
+    "bitnet": dict(_BASE, head_dim=16),                                   # ternary-trained layers, sub-norms
+    # one key/value head for all (multi-query) in a fused c_attn, learned positions
+    "gpt_bigcode": dict(_BASE, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    "nanochat": dict(_BASE, head_dim=16, pad_token_id=0),                 # ReLU² MLP, parameter-free norms
+    "apertus1p5_text": dict(_BASE, head_dim=16, pad_token_id=0),
+    "jais2": dict(_BASE, head_dim=16),                                    # biases, LayerNorms
+    "hyperclovax": dict(_BASE, head_dim=16),                              # norms after blocks too
+    "iquestcoder": dict(_BASE, head_dim=16),
+    # full attention beside sliding layers
+    "cwm": dict(_BASE, head_dim=16, sliding_window=6, layer_types=["full_attention", "sliding_attention"]),
     # mixtures of experts: stacked expert weights (one file tensor per expert), top-k routing, the
     # router's load-balancing loss added to the loss (output_router_logits)
     "mixtral": dict(_BASE, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
@@ -120,6 +131,9 @@ FAMILIES = {
     "dbrx": dict(d_model=64, n_heads=4, n_layers=2, vocab_size=128, max_seq_len=64, resid_pdrop=0.0, emb_pdrop=0.0,
                  attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
                  ffn_config=dict(ffn_hidden_size=96, moe_num_experts=4, moe_top_k=2)),
+    # a dense first layer, sparse ones with a shared expert, the combine in fp32
+    "hy_v3": dict(_BASE, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                  num_shared_experts=1),
 }
 
 

@@ -168,7 +168,7 @@ def test_many_rows_take_the_modules_path_and_agree(tmp_path):
     torch.testing.assert_close(out[True], out[False], rtol=0.05, atol=0.05 * out[False].abs().max().item())
 
 
-NATIVE_FAMILIES = {"llama", "mistral", "qwen2", "qwen3", "gemma", "ministral", "seed_oss"}
+NATIVE_FAMILIES = {"llama", "mistral", "qwen2", "qwen3", "gemma", "ministral", "seed_oss", "internlm3", "iquestcoder", "cwm"}
 
 
 def test_each_family_runs_lean_or_says_why_not():
