@@ -1,14 +1,8 @@
 """CPU seconds by component: a named thread's work is its component's, the main thread's is main's."""
 import threading
-import time
 
+from tests.cpu_spin import spin as _spin
 from tierlm.bench.cpu_time import MAIN, OTHER, CpuClock, component
-
-
-def _spin(seconds: float) -> None:
-    end = time.thread_time() + seconds
-    while time.thread_time() < end:
-        pass
 
 
 def test_each_threads_cpu_time_goes_to_its_component():

@@ -1,11 +1,11 @@
 """tierlm.finetune(...) from Python: the same options as the CLI, chat data through the template."""
 import json
-import time
 
 import pytest
 import torch
 
 import tierlm
+from tests.cpu_spin import after_spinning
 from tierlm.config import ConfigError
 from tierlm.hf.init import init_model
 from tierlm.hf.presets import make_config
@@ -21,15 +21,7 @@ def model_dir(tmp_path_factory):
 def test_finetune_on_chat_messages(model_dir, tmp_path, monkeypatch):
     # the model's loss (computed by transformers on the main thread) also spends a known 40 ms of CPU:
     # a tiny step's own main-thread work can be under the kernel's 10 ms tick on a fast CPU
-    xent = torch.nn.functional.cross_entropy
-
-    def xent_after_spinning(*a, **k):
-        end = time.thread_time() + 0.04
-        while time.thread_time() < end:
-            pass
-        return xent(*a, **k)
-
-    monkeypatch.setattr(torch.nn.functional, "cross_entropy", xent_after_spinning)
+    monkeypatch.setattr(torch.nn.functional, "cross_entropy", after_spinning(torch.nn.functional.cross_entropy, 0.04))
     data = tmp_path / "chat.jsonl"
     data.write_text("\n".join(json.dumps({"messages": [
         {"role": "user", "content": f"What is {i} plus {i}?"},

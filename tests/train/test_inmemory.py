@@ -1,9 +1,9 @@
 """The in-memory reference's per-step record: the same CPU counters as the out-of-core run's."""
 import json
-import time
 
 import torch
 
+from tests.cpu_spin import after_spinning
 from tierlm.train import inmemory
 
 
@@ -11,15 +11,7 @@ def test_each_step_records_its_cpu_seconds_by_thread(tiny, tmp_path, monkeypatch
     # Each step spends a known 60 ms of main-thread CPU (in the clip, which the step runs on the main
     # thread): a tiny model's own step can take under the kernel's 10 ms tick, so it alone cannot show
     # that a row counts the main thread's work.
-    clip = torch.nn.utils.clip_grad_norm_
-
-    def clip_after_spinning(*a, **k):
-        end = time.thread_time() + 0.06
-        while time.thread_time() < end:
-            pass
-        return clip(*a, **k)
-
-    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip_after_spinning)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", after_spinning(torch.nn.utils.clip_grad_norm_, 0.06))
     data = tmp_path / "data.txt"
     data.write_text("the quick brown fox jumps over the lazy dog. " * 200)
     out = tmp_path / "mem.json"
