@@ -192,9 +192,9 @@ def device_weight(q, dtype: torch.dtype) -> torch.Tensor:
 def _expert_counts(layer: nn.Module) -> set[int]:
     """The expert counts of a layer's mixtures (of MLP or attention experts). A linear map of the
     layer's width onto that many outputs is a router, kept in the compute dtype as llama.cpp keeps
-    its routers: its logits choose experts, and a rounding there swaps whole experts (int8 routers
-    moved a tiny JetMoE's logits 0.31 from fp32's), for a matrix of a few thousandths of the layer.
-    Some families also read the router's `.weight` themselves (Hunyuan's dtype check)."""
+    its routers: its logits choose experts, and a rounding there can swap whole experts, for a
+    matrix of a few thousandths of the layer. Some families also read the router's `.weight`
+    themselves (Hunyuan's dtype check, which a QLinear failed)."""
     counts = set()
     for m in layer.modules():
         for attr in ("num_experts", "num_local_experts", "n_routed_experts"):
