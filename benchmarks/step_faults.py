@@ -4,7 +4,7 @@
         --cpu-mem 4GiB --seq-len 448 --batch-size 4 --steps 3
 
 Per step: wall time, minor faults (getrusage), 2 MiB pages faulted in (/proc/vmstat's
-thp_fault_alloc, machine-wide: run nothing beside it), the heap guard's trims (engine/heap.py) and
+thp_fault_alloc, machine-wide: run nothing beside it), the heap guard's trims (tierlm/heap.py) and
 the peak RSS so far. Run it from another checkout (PYTHONPATH=...) to compare code side by side.
 """
 import argparse

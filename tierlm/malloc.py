@@ -1,5 +1,5 @@
 """glibc's allocator set for budgets, once, when tierlm is imported (tierlm/__init__.py imports this
-first): the engines' heap guard (engine/heap.py) reads and restores these settings."""
+first): the engines' heap guard (tierlm/heap.py) reads and restores these settings."""
 import os as _os
 
 TAME_MMAP_THRESHOLD = 64 * 1024

@@ -18,7 +18,7 @@ import torch
 
 from ..engine.engine import Engine, EngineConfig
 from ..engine.head_loss import causal_lm_loss
-from ..engine.heap import MIN_COMPUTE_SHARE, HeapGuard
+from ..heap import MIN_COMPUTE_SHARE, HeapGuard
 from ..engine.optim_types import AdamWConfig
 from ..hf.fields import put
 from ..hf.structure import find_layers

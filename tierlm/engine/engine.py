@@ -46,7 +46,7 @@ from .export import Exports
 from .options import EngineConfig, train_settings  # noqa: F401  (EngineConfig: callers import it here)
 from .residency import BlockResidency
 from .head_loss import adds_router_loss, chunked_forward
-from .heap import HeapGuard
+from ..heap import HeapGuard
 from .next_rows import NextRows
 from .optimizer import AdamWConfig, OptimizerDeps, OutOfCoreAdamW, OutOfCoreOptions, StepResult
 from .tied import TiedHeadGrad

@@ -23,6 +23,7 @@ import torch
 
 from .. import rss
 from ..dist.tp import TensorParallel, init
+from ..heap import HeapGuard
 from ..hf import checks  # called through the module: tests replace its checks
 from ..hf.baseline import library_baseline
 from ..hf.device import move_buffers, resolve_device
@@ -47,6 +48,7 @@ from .experts import (ExpertCache, RoutedCount, StreamedExperts, expert_key, exp
 from .weights import LayerStream, PieceStore, fingerprint, install_resident, plan_pieces
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+HEAP_MIN_SHARE = 32 << 20
 
 
 def _check_kv_attention(model, layers: int) -> None:
@@ -97,6 +99,27 @@ class InferenceEngine:
         # tierlm's native kernels are CPU code; the device schedule runs transformers' modules
         self.lean = LeanDecoder.build(self) if cfg.lean and not self.dev else None
         rss.trim()
+        self.heap = self._heap_guard()
+
+    def _heap_guard(self) -> HeapGuard:
+        """Freed heap blocks kept for reuse by the next layer's tensors (tierlm/heap.py), checked before
+        each decoder layer: past the budget less the compute share (what one layer's forward may add
+        before the next check) they go back to the OS. tierlm's import settings give every tensor
+        over 64 KiB fresh pages, zeroed by the kernel on first touch: a 512-token prefill of
+        TinyLlama-1.1B faulted its every activation, products' outputs included, in again at each of
+        its 22 layers. On a GPU the host keeps only the step's inputs and logits: no guard."""
+        scratch = self.placement.scratch
+        if self.dev:
+            return HeapGuard(0, 0, min_share=1)  # closed
+        guard = HeapGuard(self.library_rss + self.cfg.cpu_mem - scratch, scratch, min_share=HEAP_MIN_SHARE, keep_top=True)
+        if guard.open:
+            for b in self.blocks:
+                if b.kind == "layer":
+                    b.module.register_forward_pre_hook(self._check_heap)
+        return guard
+
+    def _check_heap(self, module, args) -> None:
+        self.heap.check()  # a pre-hook's result would replace the layer's arguments: none
 
     def _build_model(self, model_dir):
         """The model on `meta`, checked for what the engine can run, and this process's share of it
@@ -371,6 +394,7 @@ class InferenceEngine:
         return f"{self.config.model_type}, weights {w}: {tp}{where}; {self.decode_path()}"
 
     def close(self) -> None:
+        self.heap.close()
         if self.tp:
             self.tp.lead_stop()
             self.tp.shutdown()

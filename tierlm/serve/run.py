@@ -92,6 +92,8 @@ def generate_cmd(args: GenerateConfig, out=None, err=None) -> dict:
     rep.update({"placement": eng.placement.__dict__, "decode_path": eng.decode_path(), "completion_tokens": [len(r.out_ids) for r in reqs],
                 "text": reqs[0].text, "token_ids": reqs[0].out_ids, "rates": rates, "config": to_dict(args)})
     rep["peak_rss_bytes"], rep["library_rss_bytes"] = peak_rss(), eng.library_rss
+    # freed memory kept for reuse between layers (tierlm/heap.py), and how often it went back
+    rep["heap_kept"], rep["heap_trims"] = eng.heap.active, eng.heap.trims
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rep, f, indent=1, default=str)

@@ -100,7 +100,7 @@ class Progress:
                 "mean_s_per_step": sum(r["s_per_step"] for r in rows) / max(len(rows), 1),
                 "peak_rss_bytes": rss.peak_rss(), "library_rss_bytes": self.engine.library_rss,
                 "budget_bytes": self.budget, "peak_gpu_bytes": self.engine.stats()["peak_gpu"],
-                # freed memory kept for reuse between blocks (engine/heap.py), and how often it went back
+                # freed memory kept for reuse between blocks (tierlm/heap.py), and how often it went back
                 "heap_kept": self.engine.heap.active, "heap_trims": self.engine.heap.trims,
                 # forwards whose embedding lookup took its rows from the step before (next_rows)
                 "lookups_from_update": self.engine.next_rows.used if self.engine.next_rows is not None else 0,

@@ -17,7 +17,7 @@ import ctypes
 import os
 import threading
 
-from .. import malloc
+from . import malloc
 
 # glibc mallopt parameters
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
@@ -33,6 +33,7 @@ KEEP_BELOW = 32 << 20
 # waited on the optimizer, where no check runs, and peaked 4.06-4.14 GiB beyond the libraries of
 # its 4 GiB; with the guard off, 3.90-3.92.
 MIN_COMPUTE_SHARE = 256 << 20
+KEEP_TOP = (1 << 31) - 1  # M_TRIM_THRESHOLD is a C int: the largest, 2 GiB free at the top before free() trims
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _lock = threading.Lock()
@@ -56,12 +57,12 @@ class HeapGuard:
     """While open: heap blocks under KEEP_BELOW are reused, not returned; `check()` returns them
     when RSS passes `limit`. A no-op where tierlm's malloc settings are off (TIERLM_MALLOC=glibc,
     or no glibc: glibc's defaults keep freed memory already) and where the budget's compute share
-    (one block's transient tensors) is under MIN_COMPUTE_SHARE."""
+    (one block's transient tensors) is under `min_share` (MIN_COMPUTE_SHARE for training)."""
 
-    def __init__(self, limit: int, compute_share: int):
+    def __init__(self, limit: int, compute_share: int, min_share: int = MIN_COMPUTE_SHARE, keep_top: bool = False):
         self.limit = limit
         self.trims = 0
-        self.libc = _libc() if malloc.MALLOC_TAMED and compute_share >= MIN_COMPUTE_SHARE else None
+        self.libc = _libc() if malloc.MALLOC_TAMED and compute_share >= min_share else None
         self.open = self.active = self.libc is not None  # active: whether it ever kept anything
         if self.open:
             global _open_guards
@@ -71,7 +72,9 @@ class HeapGuard:
                 # 0: free() still returns the top of the heap; the holes below it wait for check().
                 # (This read 1 << 40, which ctypes masks to a C int: 0. Every measurement of the
                 # guard ran so; keeping the top as well is untested against the budgets.)
-                self.libc.mallopt(M_TRIM_THRESHOLD, 0)
+                # keep_top: the top of the heap is kept too (free() returns nothing; check() does),
+                # for steps whose every layer frees and asks again for the same sizes (inference)
+                self.libc.mallopt(M_TRIM_THRESHOLD, KEEP_TOP if keep_top else 0)
 
     def check(self) -> bool:
         """Hand the free heap back if RSS is past the limit; True if it did."""
