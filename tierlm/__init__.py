@@ -34,7 +34,7 @@ def torch_rss() -> int:
     return _torch_rss
 
 
-# glibc's thresholds under _tame_malloc (tierlm.heap relaxes them while an Engine trains)
+# glibc's thresholds under _tame_malloc (tierlm.heap relaxes them while an engine trains or infers)
 from .malloc import MALLOC_TAMED, TAME_MMAP_THRESHOLD, TAME_TRIM_THRESHOLD  # noqa: E402,F401  (at import: budgets)
 
 __version__ = "0.1.0"
