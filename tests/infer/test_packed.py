@@ -3,6 +3,7 @@ row's own forward computes."""
 import pytest
 import torch
 
+from tierlm.infer import packed
 from tierlm.infer.engine import InferConfig, InferenceEngine
 
 SPREAD = {"initializer_range": 0.3}
@@ -44,8 +45,13 @@ def _run(eng):
     return out, seen
 
 
+@pytest.mark.parametrize("chunk", [None, 2])
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "gpt2"])
-def test_packed_steps_equal_each_rows_own_forward(arch, make_model_dir, tmp_path):
+def test_packed_steps_equal_each_rows_own_forward(arch, chunk, make_model_dir, tmp_path, monkeypatch):
+    """chunk 2: every prompt chunk of 4 tokens or more attends in query chunks of 2 (as a long
+    prompt does in chunks of packed.CHUNK), sliding windows and rows beside it included."""
+    if chunk:
+        monkeypatch.setattr(packed, "CHUNK", chunk)
     d, model = make_model_dir(arch, **SPREAD, **OVER[arch])
     eng = _engine(d, tmp_path, packed=True, resident=1)
     try:
@@ -67,17 +73,69 @@ def test_packed_steps_equal_each_rows_own_forward(arch, make_model_dir, tmp_path
     assert seen == want[:len(seen)] and len(seen) == len(STEPS), (seen, want)
 
 
-def test_padded_steps_still_run_and_agree(make_model_dir, tmp_path):
+@pytest.mark.parametrize("chunk", [None, 2])
+def test_padded_steps_still_run_and_agree(chunk, make_model_dir, tmp_path, monkeypatch):
     """`packed=False` pads every row to the longest (the old step): same logits, more tokens."""
+    if chunk:
+        monkeypatch.setattr(packed, "CHUNK", chunk)
     d, _ = make_model_dir("qwen2", **SPREAD, **OVER["qwen2"])
     out = {}
-    for packed in (True, False):
-        eng = _engine(d, tmp_path, packed)
+    for pack in (True, False):
+        eng = _engine(d, tmp_path, pack)
         try:
-            out[packed] = _run(eng)
+            out[pack] = _run(eng)
         finally:
             eng.close()
     for a, b in zip(out[True][0], out[False][0]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert out[False][1] == [len(s) * max(map(len, s)) for s in STEPS]
     assert sum(out[True][1]) < sum(out[False][1])
+
+
+def _masks(rows: int, q: int, keys: int) -> dict:
+    """Boolean [rows, 1, q, keys] masks as the KV cache makes them: row b's queries at the end of its
+    keys (a prefix already cached), causal, a sliding window, and a short row padded (its padding
+    repeats its last position)."""
+    k = torch.arange(keys)
+    out = {}
+    pos = torch.arange(keys - q, keys)[None].expand(rows, q)
+    out["causal after a prefix"] = k[None, None] <= pos[..., None]
+    out["sliding window 37"] = out["causal after a prefix"] & (k[None, None] > pos[..., None] - 37)
+    short = pos.clone()
+    short[1, 50:] = short[1, 49]
+    out["a padded row"] = k[None, None] <= short[..., None]
+    return {name: m[:, None] for name, m in out.items()}
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(8, 8), (8, 2)])
+def test_chunked_attention_is_sdpa_over_the_keys_each_chunk_sees(heads, kv_heads):
+    g = torch.Generator().manual_seed(0)
+    rows, q, keys, d = 2, 150, 170, 16
+    query = torch.randn(rows, heads, q, d, generator=g)
+    key, value = (torch.randn(rows, kv_heads, keys, d, generator=g) for _ in range(2))
+    full_k, full_v = (t.repeat_interleave(heads // kv_heads, 1) for t in (key, value))
+    for name, mask in _masks(rows, q, keys).items():
+        assert packed._chunks(query, key, value, mask, {"scaling": 0.3})
+        ref = torch.nn.functional.scaled_dot_product_attention(query, full_k, full_v, attn_mask=mask, scale=0.3)
+        got = packed._chunked(query, key, value, mask, 0.3)
+        torch.testing.assert_close(got, ref.transpose(1, 2), rtol=1e-5, atol=1e-5, msg=name)
+        bounds = packed._bounds(mask)
+        assert [(s, e) for s, e, _, _ in bounds] == [(0, 64), (64, 128), (128, 150)]
+        # the first chunk sees the prefix and its own 64 positions, not the 86 keys after them
+        assert bounds[0][3] == keys - q + 64, name
+        if "sliding" in name:
+            assert bounds[-1][2] == keys - q + 128 - 36  # keys before the window are left out too
+
+
+def test_short_steps_and_decode_are_not_chunked():
+    q = torch.zeros(1, 4, 100, 8)
+    kv = torch.zeros(1, 4, 100, 8)
+    mask = torch.ones(1, 1, 100, 100, dtype=torch.bool)
+    assert not packed._chunks(q, kv, kv, mask, {})             # fewer than 2 x CHUNK queries
+    assert not packed._chunks(q[:, :, :1], kv, kv, mask[:, :, :1], {})
+    q2 = torch.zeros(1, 4, 200, 8)
+    m2 = torch.ones(1, 1, 200, 100, dtype=torch.bool)
+    assert packed._chunks(q2, kv, kv, m2, {})
+    assert not packed._chunks(q2, kv, kv, None, {})             # no mask: SDPA's own causal path
+    assert not packed._chunks(q2, kv, kv, m2.float(), {})       # an additive mask
+    assert not packed._chunks(q2, kv, kv, m2, {"dropout": 0.1})

@@ -25,6 +25,7 @@ from __future__ import annotations
 import sys
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -78,7 +79,51 @@ def _attend(module, query, key, value, mask, **kwargs):
     if eager is not None and (getattr(module, "_tierlm_no_sdpa", False) or
                               any(kwargs.get(k) is not None for k in SDPA_CANNOT)):
         return eager(module, query, key, value, _additive(mask, query, key.shape[2]), **kwargs)
+    if _chunks(query, key, value, mask, kwargs):
+        return _chunked(query, key, value, mask, kwargs.get("scaling")), None
     return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
+
+
+# Prompt rows attend in chunks of this many queries, each to the keys its mask lets it see
+CHUNK = 64
+_bounds_memo: list = [None, None]  # (boolean mask, [(start, end, first key, last key + 1)]): a step's layers share one
+
+
+def _chunks(query, key, value, mask, kwargs) -> bool:
+    """Whether this call runs in query chunks: many queries (a prompt) on the CPU, a boolean mask,
+    and nothing SDPA is told besides the mask and the scale. PyTorch's CPU SDPA computes every
+    query against every key it is given and masks afterwards: a 512-token prompt's causal half was
+    computed and thrown away (18 ms a layer of TinyLlama-1.1B's against 11 in chunks, 2 threads)."""
+    return (query.device.type == "cpu" and query.shape[2] >= 2 * CHUNK and mask is not None
+            and mask.dtype == torch.bool and mask.dim() == 4 and not kwargs.get("dropout")
+            and kwargs.get("position_bias") is None and query.shape[-1] == key.shape[-1] == value.shape[-1])
+
+
+def _bounds(mask: torch.Tensor) -> list[tuple[int, int, int, int]]:
+    """Each chunk of queries' rows and the range of keys any of them attends to."""
+    if _bounds_memo[0] is mask:
+        return _bounds_memo[1]
+    q, keys = mask.shape[-2], mask.shape[-1]
+    seen = mask.reshape(-1, q, keys).any(0)  # [q, keys]: attended by this query in some row or head
+    out = []
+    for s in range(0, q, CHUNK):
+        e = min(q, s + CHUNK)
+        cols = seen[s:e].any(0).nonzero()
+        lo, hi = (int(cols[0]), int(cols[-1]) + 1) if len(cols) else (0, keys)  # none: as unchunked
+        out.append((s, e, lo, hi))
+    _bounds_memo[:] = [mask, out]
+    return out
+
+
+def _chunked(query, key, value, mask, scaling) -> torch.Tensor:
+    """SDPA over chunks of queries, each against its keys only; [B, q, heads, d] as
+    transformers' SDPA function returns it. Keys no query of a chunk attends to are left out, so
+    the result is the same maths, rounded in another order."""
+    gqa = query.shape[1] != key.shape[1]
+    outs = [F.scaled_dot_product_attention(query[:, :, s:e], key[:, :, lo:hi], value[:, :, lo:hi],
+                                           attn_mask=mask[..., s:e, lo:hi], scale=scaling, enable_gqa=gqa)
+            for s, e, lo, hi in _bounds(mask)]
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
 
 
 def rows_attention(module, query, key, value, attention_mask, **kwargs):
