@@ -108,10 +108,11 @@ class InferenceEngine:
         over 64 KiB fresh pages, zeroed by the kernel on first touch: a 512-token prefill of
         TinyLlama-1.1B faulted its every activation, products' outputs included, in again at each of
         its 22 layers. On a GPU the host keeps only the step's inputs and logits: no guard."""
-        scratch = self.placement.scratch
         if self.dev:
             return HeapGuard(0, 0, min_share=1)  # closed
-        guard = HeapGuard(self.library_rss + self.cfg.cpu_mem - scratch, scratch, min_share=HEAP_MIN_SHARE, keep_top=True)
+        scratch = self.placement.scratch
+        guard = HeapGuard(self.library_rss + self.cfg.cpu_mem - scratch, scratch, min_share=HEAP_MIN_SHARE,
+                          keep_top=True)
         if guard.open:
             for b in self.blocks:
                 if b.kind == "layer":
