@@ -48,8 +48,18 @@ def put(config, role: str, value) -> bool:
     setattr(config, f, value)
     if role == "layers":
         types = getattr(config, "layer_types", None)
-        if types:  # transformers checks its length; lists indexed by layer (no_rope_layers) may be longer
-            config.layer_types = [types[i % len(types)] for i in range(value)]
+        # transformers checks its length; lists indexed by layer (no_rope_layers) may be longer
+        # and the other per-layer type lists it checks the same way (Kimi's mlp_layer_types)
+        lists = {k: v for k, v in vars(config).items() if k.endswith("layer_types") and isinstance(v, (list, tuple))}
+        if types:
+            lists["layer_types"] = types
+        for k, v in lists.items():
+            if not v:
+                continue
+            try:
+                setattr(config, k, [v[i % len(v)] for i in range(value)])
+            except AttributeError:  # derived from the layer count (Jamba's, Bamba's: a property without setter)
+                pass
     return True
 
 
