@@ -7,12 +7,13 @@ import sys
 PEAK = "int([l for l in open('/proc/self/status') if l.startswith('VmHWM:')][0].split()[1]) * 1024"
 
 
-def library_peak(family: str | None = None, tokenizer=None) -> int:
+def library_peak(family: str | None = None, tokenizer=None, config: dict | None = None) -> int:
     """Peak RSS of a fresh process with torch, transformers and the model family's code (llama, or
     `family` of tests/families.py: a mixture of experts loads more of transformers), after one tiny
     bf16 forward and backward: the libraries' own footprint, which `--cpu-mem` does not count.
     tokenizer: a model directory whose tokenizer the CLI loads (tokenizers and the chat template's
-    jinja2 add ~5 MiB of their own)."""
+    jinja2 add ~5 MiB of their own). config: the family's tiny config fields, for a family not in
+    tests/families.py."""
     import json
 
     if family is None:
@@ -21,8 +22,9 @@ def library_peak(family: str | None = None, tokenizer=None) -> int:
                  "num_key_value_heads=2, vocab_size=512)\n")
     else:
         from .families import FAMILIES
+        kw = FAMILIES[family] if config is None else config
         build = ("import json\nfrom transformers import AutoConfig\n"
-                 f"cfg = AutoConfig.for_model({family!r}, **json.loads({json.dumps(FAMILIES[family])!r}))\n")
+                 f"cfg = AutoConfig.for_model({family!r}, **json.loads({json.dumps(kw)!r}))\n")
     if tokenizer is not None:
         build += f"transformers.AutoTokenizer.from_pretrained({str(tokenizer)!r})\n"
     code = ("import torch, transformers\n" + build +

@@ -98,3 +98,35 @@ def test_a_long_prompt_keeps_freed_blocks_and_stays_under_budget(tmp_path):
     peak = rep["peak_rss_bytes"]
     print(f"peak libraries + {(peak - libraries) / 2**20:.0f} MiB of 110 MiB, {rep['heap_trims']} trims")
     assert peak <= libraries + (110 << 20)
+
+
+@pytest.mark.slow
+def test_a_hybrid_of_linear_attention_streams_under_budget(tmp_path):
+    """Qwen3.5's layers, three of Gated DeltaNet to one of attention: the recurrent states are
+    planned beside the KV cache (attention layers only), the layers stream, the promise holds and
+    the tokens are the resident model's. Measured: 47 MiB beyond the libraries of 60 MiB."""
+    from transformers import AutoConfig
+
+    tiny = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                intermediate_size=96, vocab_size=512, linear_num_key_heads=2, linear_num_value_heads=4,
+                linear_key_head_dim=16, linear_value_head_dim=16)
+    shape = dict(tiny, hidden_size=512, num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=4,
+                 head_dim=64, intermediate_size=1408, vocab_size=4096, linear_num_key_heads=4,
+                 linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64)
+    config = AutoConfig.for_model("qwen3_5_text", max_position_embeddings=2048, initializer_range=0.2,
+                                  tie_word_embeddings=False, **shape)
+    budget = parse_bytes("60MiB")
+    assert 2 * param_count(config) >= 2.5 * budget
+    model = init_model(tmp_path / "model", config, dtype="bfloat16")
+    libraries = library_peak("qwen3_5_text", tokenizer=model, config=tiny)
+    streamed, log = _generate(model, tmp_path / "s.json", "60MiB", "--nvme", str(tmp_path / "nvme"),
+                              "--step-tokens", "32")
+    place = streamed["placement"]
+    assert place["resident"] < place["layers"] and "streamed" in log
+    peak = streamed["peak_rss_bytes"]
+    print(f"peak {peak / 2**20:.0f} MiB = libraries + {(peak - libraries) / 2**20:.0f} MiB of 60 MiB; "
+          f"{place['resident']}/{place['layers']} layers resident")
+    assert peak <= libraries + budget
+    resident, _ = _generate(model, tmp_path / "r.json", "1GiB")
+    assert resident["placement"]["resident"] == resident["placement"]["layers"]
+    assert streamed["token_ids"] == resident["token_ids"] and len(set(resident["token_ids"])) > 1

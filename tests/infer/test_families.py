@@ -100,14 +100,15 @@ def test_bf16_int8_int4_run(fam, family_dir, tmp_path):
 
 
 @pytest.mark.parametrize("arch,kw", [
-    ("mamba", dict(hidden_size=32, num_hidden_layers=2, vocab_size=64, state_size=4)),
     ("rwkv", dict(hidden_size=32, num_hidden_layers=2, vocab_size=64, attention_hidden_size=32,
                   intermediate_size=64, context_length=32)),
 ])
 def test_models_without_a_kv_cache_are_refused(arch, kw, tmp_path):
+    """RWKV carries a state object of its own, not transformers' conv and recurrent states (which
+    tests/infer/test_states.py runs)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **kw)).save_pretrained(tmp_path / "m")
-    with pytest.raises(ValueError, match="keep no KV cache .*state-space or recurrent"):
+    with pytest.raises(ValueError, match="keep no KV cache .*and no state through transformers' cache .*RWKV"):
         InferenceEngine(tmp_path / "m", InferConfig(dtype="fp32", nvme_dir=str(tmp_path / "n")), library_rss=0)
 
 

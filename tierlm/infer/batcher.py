@@ -70,6 +70,9 @@ class Batcher:
         self.engine, self.tok, self.eos_ids = engine, tokenizer, list(eos_ids)
         self.slots = engine.cfg.max_batch
         self.step_tokens = engine.cfg.step_tokens
+        # a model whose recurrent layers cannot continue a prompt from their kept state (Mamba's
+        # restart from zero) takes each prompt in one step (engine.whole_prompts)
+        self.whole_prompts = getattr(engine, "whole_prompts", False)
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []   # active[b] is in KV slot b
         self.cv = threading.Condition()
@@ -83,6 +86,12 @@ class Batcher:
         req.params.check()
         if not req.prompt_ids:
             raise ValueError("the prompt is empty; give at least one token of text")
+        if self.whole_prompts and len(req.prompt_ids) > self.step_tokens:
+            raise BudgetError(
+                f"a prompt of {len(req.prompt_ids)} tokens: {self.engine.config.model_type}'s recurrent layers "
+                f"cannot continue a prompt fed in chunks, so a prompt is one step, and steps were planned for "
+                f"{self.step_tokens} tokens (--step-tokens); raise --step-tokens to {len(req.prompt_ids)} "
+                f"(more compute memory inside --cpu-mem) or shorten the prompt")
         self.engine.cache.check_fits(len(req.prompt_ids) + req.params.max_tokens,
                                      f"a prompt of {len(req.prompt_ids)} tokens with max_tokens "
                                      f"{req.params.max_tokens}")
@@ -135,7 +144,7 @@ class Batcher:
         tokens, starts = [], []
         for r in rows:
             if r.fed < len(r.prompt_ids):
-                tokens.append(r.prompt_ids[r.fed: r.fed + share])
+                tokens.append(r.prompt_ids[r.fed:] if self.whole_prompts else r.prompt_ids[r.fed: r.fed + share])
             else:
                 tokens.append([r.out_ids[-1]])
             starts.append(r.fed)

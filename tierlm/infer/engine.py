@@ -37,9 +37,11 @@ from ..storage import BudgetError, HostBufferPool
 from ..storage.aligned import round_up
 from . import packed as packed_attention
 from .gemv import use_gemv
-from .generic import GenericStep, check as generic_check
+from . import states
+from .generic import GenericStep, check as generic_check, continues_prompts, row_groups
 from .device_run import DeviceRun, refusal as device_refusal
 from .kvcache import SlotKVCache, kv_bytes
+from .states import StateShape, StateSlots
 from .lean import LeanDecoder
 from .quant import int4_layout
 from .expert_rows import use_expert_rows
@@ -51,21 +53,27 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 HEAP_MIN_SHARE = 32 << 20
 
 
-def _check_kv_attention(model, layers: int) -> None:
-    """Refuse a model whose decoder layers do not all attend over a KV cache: the engine keeps one
-    cache slot per layer and sequence, and nothing else (a state-space layer's recurrent state, an
-    RNN's, has no place in it). A layer attends where it holds one of transformers' attention
-    modules that knows its layer index (what it hands the cache's `update`)."""
+def _check_kv_attention(model, layers: int, shapes: list[StateShape] | None) -> None:
+    """Refuse a model with a decoder layer that keeps neither a KV cache nor states the cache holds
+    (states.py): the engine keeps a cache slot per layer and sequence for keys and values, and for
+    the conv and recurrent states transformers' state-space and linear-attention layers store
+    through the cache; an RNN that carries its own state object (RWKV) has no place in it. A layer
+    attends where it holds one of transformers' attention modules that knows its layer index (what
+    it hands the cache's `update`). Where some layers keep states, others may keep nothing at all
+    (an MLP-only layer); the load-time check on a small copy (generic.check) sees the rest."""
 
+    if shapes:  # beside layers that keep states, a layer may keep nothing (Nemotron-H's MLP-only layers)
+        return
     _, mods = find_layers(model)
     without = [i for i, layer in enumerate(mods) if not packed_attention.attention_modules(layer)]
     if without:
         which = "its layers" if len(without) == layers else \
             f"its layers {', '.join(map(str, without[:8]))}{' ...' if len(without) > 8 else ''}"
         raise ValueError(
-            f"{type(model).__name__}: {which} keep no KV cache (no attention module that knows its layer: "
-            f"a state-space or recurrent model, such as Mamba or RWKV, or a hybrid of them); tierlm's "
-            f"inference runs models whose every decoder layer is attention over a KV cache")
+            f"{type(model).__name__}: {which} keep no KV cache (no attention module that knows its layer) and no "
+            f"state through transformers' cache (a recurrent model with a state of its own, such as RWKV); "
+            f"tierlm's inference runs models whose layers attend over a KV cache or keep transformers' "
+            f"conv and recurrent states (Mamba, Qwen3-Next and the other hybrids)")
 
 
 class InferenceEngine:
@@ -92,7 +100,8 @@ class InferenceEngine:
             use_gemv(self.model)  # after plan_pieces: the quantised linears are QLinear already
         resident, streamed = self._place(cache_config, library_rss)
         self._load_weights(model_dir, resident, streamed)
-        self.cache = SlotKVCache(cache_config, cfg.max_batch, self.max_len, self.dtype, device=self.device)
+        self.cache = SlotKVCache(cache_config, cfg.max_batch, self.max_len, self.dtype, device=self.device,
+                                 states=self.state_shapes, kv_layers=self.kv_layers)
         self.generic = GenericStep(self.model, config, self.cache, packed=cfg.packed)
         self.base, self.head = self.generic.base, self.generic.head
         self._window, self._sliding = self.generic.window, self.generic.sliding
@@ -148,16 +157,27 @@ class InferenceEngine:
         config._attn_implementation = "sdpa" if getattr(self.model, "_supports_sdpa", False) else "eager"
         self.blocks, _ = discover_blocks(self.model)
         self.moe = find_moe(self.model, self.blocks)
-        _check_kv_attention(self.model, sum(b.kind == "layer" for b in self.blocks))
+        # recurrent layers' states, sized by the model's own forward on meta (states.py)
+        self.state_shapes = states.probe(config, bool(packed_attention.attention_modules(self.model))) \
+            if states.keeps_states(self.model) else None
+        _check_kv_attention(self.model, sum(b.kind == "layer" for b in self.blocks), self.state_shapes)
+        # beside recurrent layers, keys and values only for the layers that attend (Qwen3-Next: 1 in 4)
+        self.kv_layers = states.kv_layers(packed_attention.attention_modules(self.model)) \
+            if self.state_shapes else None
         why = generic_check(self.model)
         if why:
             raise ValueError(f"{config.model_type} ({type(self.model).__name__}): tierlm's inference cannot run "
                              f"this model: {why}")
+        # where a recurrent layer cannot continue a prompt from its kept state, each prompt is one step
+        self.whole_prompts = bool(self.state_shapes) and not continues_prompts(self.model)
         self.tp = None
         if cfg.tp > 1:  # this process keeps 1/tp of every layer's heads and MLP width
             if self.moe:
                 raise ValueError(f"{config.model_type}: --tp does not split a mixture of experts' experts; "
                                  "run it with --tp 1 (its experts stream through the expert cache)")
+            if self.state_shapes:
+                raise ValueError(f"{config.model_type}: --tp does not split the recurrent layers' states; "
+                                 "run it with --tp 1")
             self.tp = TensorParallel(*init(cfg.tp))
             self.tp.shard(self.model, [b.module for b in self.blocks if b.kind == "layer"], config)
         return config
@@ -174,10 +194,15 @@ class InferenceEngine:
         rss.trim()
         self.library_rss = library_rss if library_rss is not None else library_baseline(config, self.dtype)
         baseline = max(rss.current_rss() - self.library_rss, 0)
-        kv = kv_bytes(cache_config, cfg.max_batch, self.max_len, self.dtype)
+        kv = kv_bytes(cache_config, cfg.max_batch, self.max_len, self.dtype, self.kv_layers)
+        if self.state_shapes:
+            kv += StateSlots.bytes_for(self.state_shapes, cfg.max_batch, self.dtype)
         scratch = scratch_bytes(config, cfg, self.max_len, self.dtype,
                                 eager=not getattr(self.model, "_supports_sdpa", True),
                                 packs=packed_attention.packs(self.model))
+        if self.state_shapes:
+            tokens = cfg.step_tokens * cfg.max_batch  # state models' steps are padded, never packed
+            scratch += StateSlots.transient_bytes(self.state_shapes, tokens, cfg.max_batch)
         self.experts = self.expert_placement = None
         if self.dev:  # the device under --gpu-mem, then the host under --cpu-mem
             self.placement, resident, streamed = self.dev.place(baseline, fixed, lbytes, layer_idx, kv, scratch)
@@ -304,7 +329,14 @@ class InferenceEngine:
         fp32 logits of each row's last token, [rows, vocab]."""
         if self.tp:
             self.tp.lead_step(tokens, starts)  # rank 0 tells the other shards what to compute
-        ids, pos, mask, packed = self.generic.prepare(tokens, starts)
+        groups = row_groups([len(t) for t in tokens], self.generic.states)
+        out = [self._step(tokens[a:b], starts[a:b], a) for a, b in groups]
+        return torch.cat(out) if len(out) > 1 else out[0]
+
+    def _step(self, tokens: list[list[int]], starts: list[int], first: int) -> torch.Tensor:
+        """One forward of rows in slots first, first + 1, ... (all of a step's, except where
+        recurrent layers need rows of one length: generic.row_groups)."""
+        ids, pos, mask, packed = self.generic.prepare(tokens, starts, first)
         if self.stream:
             self.stream.prefetch_after(None)
         if ids.shape[1] == 1 and self.lean is not None:
@@ -411,5 +443,5 @@ class InferenceEngine:
 def _to(x, device: torch.device):
     """A step's tensor (or dict of masks) on the compute device."""
     if isinstance(x, dict):
-        return {k: v.to(device) for k, v in x.items()}
-    return x.to(device)
+        return {k: None if v is None else v.to(device) for k, v in x.items()}
+    return None if x is None else x.to(device)

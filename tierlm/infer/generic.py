@@ -21,6 +21,7 @@ import torch
 
 from ..hf.fields import shrunk
 from . import packed as packed_attention
+from . import states
 from .expert_rows import use_expert_rows
 from .gemv import use_gemv
 from .kvcache import SlotKVCache, cache_kwarg
@@ -36,7 +37,10 @@ def sliding_window(config) -> tuple[int | None, bool]:
     c = config.get_text_config()
     types = getattr(c, "layer_types", None)
     if types is not None:
-        other = set(types) - {"full_attention", "sliding_attention"}
+        # attention of another kind (chunked, compressed) needs its own masks; the recurrent layers'
+        # types (linear_attention, mamba, conv, hybrid) take none from the engine (see masks_for)
+        other = {t for t in set(types) - {"full_attention", "sliding_attention", "linear_attention"}
+                 if t.endswith("attention")}
         if other:
             raise ValueError(f"{c.model_type}: layers of type {', '.join(sorted(other))} need attention masks "
                              f"tierlm's inference does not make (it makes full and sliding-window ones)")
@@ -51,11 +55,32 @@ def sliding_window(config) -> tuple[int | None, bool]:
     return None, False
 
 
+def row_groups(lens: list[int], states: bool) -> list[tuple[int, int]]:
+    """The (first, end) row ranges a step runs as separate forwards: all rows at once, except where
+    layers keep recurrent states: a recurrence runs a row's every position, so a padded position
+    would enter its state, and a packed row would run into the next. There, runs of consecutive
+    rows of one length (decoding rows together; a prompt beside them on its own)."""
+    if not states:
+        return [(0, len(lens))]
+    out, a = [], 0
+    for b in range(1, len(lens) + 1):
+        if b == len(lens) or lens[b] != lens[a]:
+            out.append((a, b))
+            a = b
+    return out
+
+
 class GenericStep:
     def __init__(self, model, config, cache: SlotKVCache, packed: bool = True):
         self.model, self.cache = model, cache
-        # packed rows only where the model's attention runs packed.rows_attention
-        self.packs = packed_attention.install(model, config, cache) and packed
+        self.states = cache.states is not None
+        # packed rows only where the model's attention runs packed.rows_attention (and no layer
+        # keeps a recurrent state: row_groups)
+        self.packs = packed_attention.install(model, config, cache) and packed and not self.states
+        # a model without attention (Mamba) takes no mask: its layers would apply a 4-D one as padding
+        self.attends = bool(packed_attention.attention_modules(model))
+        types = getattr(config.get_text_config(), "layer_types", None) or []
+        self.maskless_types = {t for t in types if t not in ("full_attention", "sliding_attention")}
         self.base = model.base_model
         self.head = model.get_output_embeddings()
         self.cache_kw = cache_kwarg(self.base)
@@ -63,8 +88,9 @@ class GenericStep:
         self.keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.window, self.sliding = sliding_window(config)
 
-    def prepare(self, tokens: list[list[int]], starts: list[int]):
-        """(ids, position ids, masks, packed) of a step; the cache is told where each row writes."""
+    def prepare(self, tokens: list[list[int]], starts: list[int], first: int = 0):
+        """(ids, position ids, masks, packed) of a step of rows in slots first, first + 1, ...; the
+        cache is told where each row writes."""
         lens = [len(t) for t in tokens]
         q = max(lens)
         # rows of different lengths run packed (tierlm.infer.packed): padding them would compute
@@ -74,7 +100,11 @@ class GenericStep:
             ids = torch.tensor([sum(tokens, [])], dtype=torch.long)
         else:
             ids = torch.tensor([t + [t[-1]] * (q - len(t)) for t in tokens], dtype=torch.long)
-        pos, mask = self.cache.begin_step(starts, lens, self.window, self.sliding, packed=packed)
+        pos, mask = self.cache.begin_step(starts, lens, self.window, self.sliding, packed=packed, first=first)
+        if not self.attends:
+            mask = None
+        elif isinstance(mask, dict):  # a mask for every layer type the model looks up
+            mask.update(dict.fromkeys(self.maskless_types))
         return ids, pos, mask, packed
 
     def logits(self, ids, pos, mask, packed: bool, lens: list[int]) -> torch.Tensor:
@@ -98,8 +128,11 @@ class GenericStep:
 
     @torch.no_grad()
     def __call__(self, tokens: list[list[int]], starts: list[int]) -> torch.Tensor:
-        ids, pos, mask, packed = self.prepare(tokens, starts)
-        return self.logits(ids, pos, mask, packed, [len(t) for t in tokens])
+        out = []
+        for a, b in row_groups([len(t) for t in tokens], self.states):
+            ids, pos, mask, packed = self.prepare(tokens[a:b], starts[a:b], first=a)
+            out.append(self.logits(ids, pos, mask, packed, [len(t) for t in tokens[a:b]]))
+        return torch.cat(out) if len(out) > 1 else out[0]
 
     @torch.no_grad()
     def logits_all(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -119,10 +152,27 @@ def check(model) -> str | None:
         return None
     if key not in _CHECKS:
         _CHECKS[key] = _check(type(model), cfg)
-    return _CHECKS[key]
+    return _CHECKS[key][0]
 
 
-def _check(cls, cfg) -> str | None:
+def continues_prompts(model) -> bool:
+    """Whether a prompt fed in chunks (a step's `step_tokens` at a time) computes what it computes
+    fed whole: true of attention, and of the recurrent layers whose prompt path starts from the
+    state kept (Gated DeltaNet's); Mamba's restarts from zero, so its prompts must go in one step.
+    Checked on the tiny copy (`check` runs first); False where no copy could be checked."""
+    try:
+        cfg = shrunk(model.config, layers=2, every_kind=True)
+        key = (type(model), json.dumps(cfg.to_dict(), sort_keys=True, default=str))
+    except Exception:  # noqa: BLE001 -- as in check
+        return False
+    if key not in _CHECKS:
+        _CHECKS[key] = _check(type(model), cfg)
+    return bool(_CHECKS[key][1])
+
+
+def _check(cls, cfg) -> tuple[str | None, bool]:
+    """(why the step differs from transformers' or None, whether prompts may go in chunks: None
+    where the copy could not be run)."""
     from transformers import AutoModelForCausalLM
     cfg._attn_implementation = "eager"  # transformers' reference attention (soft-capping and all)
     # two rows of different lengths (a packed prefill), then a decode step of both; past the
@@ -140,18 +190,32 @@ def _check(cls, cfg) -> str | None:
             with torch.no_grad():
                 ref = [tiny(torch.tensor([t])).logits[0, -2:].float() for t in ids]
         except Exception:  # noqa: BLE001 -- a class transformers cannot run small is not checked
-            return None
+            return None, None
     ref = torch.stack(ref)  # [rows, 2 (after the prompt, after one more token), vocab]
     use_gemv(tiny)  # the engine's linear modules, as it runs them (gemv.use_gemv swaps some subclasses)
     use_expert_rows(tiny)  # ... and its experts' implementation
-    step = GenericStep(tiny, cfg, SlotKVCache(cfg, len(seqs), n + 1, torch.float32))
     try:
+        attn = packed_attention.attention_modules(tiny)
+        shapes = states.probe(cfg, bool(attn)) if states.keeps_states(tiny) else None
+        kv_layers = states.kv_layers(attn) if shapes else None  # as the engine makes it
+        step = GenericStep(tiny, cfg, SlotKVCache(cfg, len(seqs), n + 1, torch.float32, states=shapes,
+                                                  kv_layers=kv_layers))
         first = step([t[:-1] for t in ids], [0] * len(seqs))
         second = step([t[-1:] for t in ids], seqs)
     except Exception as e:  # noqa: BLE001 -- transformers ran it; ours did not
-        return f"its forward fails on tierlm's KV cache and masks ({type(e).__name__}: {e})"
-    err = (torch.stack([first, second], 1) - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6)
+        return f"its forward fails on tierlm's KV cache and masks ({type(e).__name__}: {e})", True
+    scale = max(ref.abs().max().item(), 1e-6)
+    err = (torch.stack([first, second], 1) - ref).abs().max().item() / scale
     if not err <= CHECK_TOL:
         return (f"on a small copy of the model its logits through tierlm's KV cache and masks differ from "
-                f"transformers' by {err:.1e} of the largest")
-    return None
+                f"transformers' by {err:.1e} of the largest"), True
+    if not shapes:
+        return None, True
+    # the first row's prompt again, in two chunks (its slot's states start from zero again)
+    t, h = ids[0], n // 2
+    try:
+        step([t[:h]], [0])
+        chunked = step([t[h:-1]], [h])[0]
+    except Exception:  # noqa: BLE001 -- the layer cannot continue a prompt: whole prompts only
+        return None, False
+    return None, bool((chunked - ref[0, 0]).abs().max().item() / scale <= CHECK_TOL)

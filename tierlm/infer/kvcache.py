@@ -10,6 +10,11 @@ Each row writes its new keys at its own positions (continuous batching: the sequ
 have different lengths), and the step's 4-D mask (built here too) hides what a row must not see.
 A packed step (`tierlm.infer.packed`) feeds the rows' tokens as one row: each token's keys go to
 its own slot and `segments` tells the attention which tokens are whose.
+
+Layers that keep recurrent states instead of keys and values (state-space, linear attention, short
+convolutions) read and write them here too, from per-slot tensors (`states.StateSlots`). Such a layer
+runs every row's tokens in one recurrence, so a step gives it rows of one length only (no padding,
+no packing: generic.py runs a step's rows in groups of equal lengths), starting at slot `first`.
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import torch
 from ..hf.fields import kv_geometry
 from ..storage import BudgetError
 from ..units import fmt_bytes
+from .states import StateSlots
 
 
 def cache_kwarg(model) -> str:
@@ -28,19 +34,31 @@ def cache_kwarg(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def kv_bytes(config, slots: int, max_len: int, dtype: torch.dtype) -> int:
+def kv_bytes(config, slots: int, max_len: int, dtype: torch.dtype, kv_layers: set[int] | None = None) -> int:
+    """Bytes of the KV cache; with `kv_layers`, of those layers' only (a hybrid's recurrent layers
+    keep none)."""
+    if kv_layers is not None and not kv_layers:
+        return 0
     layers, (kh, kd), (vh, vd) = kv_geometry(config)
-    return layers * slots * (kh * kd + vh * vd) * (max_len + 1) * torch.empty((), dtype=dtype).element_size()
+    n = layers if kv_layers is None else len(kv_layers)
+    return n * slots * (kh * kd + vh * vd) * (max_len + 1) * torch.empty((), dtype=dtype).element_size()
 
 
 class SlotKVCache:
-    def __init__(self, config, slots: int, max_len: int, dtype: torch.dtype, device=None):
-        layers, (kh, kd), (vh, vd) = kv_geometry(config)
+    def __init__(self, config, slots: int, max_len: int, dtype: torch.dtype, device=None, states=None,
+                 kv_layers: set[int] | None = None):
+        layers = config.num_hidden_layers
         self.slots, self.max_len, self.dtype = slots, max_len, dtype
-        # One spare position per slot: queries that only pad a row write there, never over real keys.
-        self.k = [torch.zeros((slots, kh, max_len + 1, kd), dtype=dtype, device=device) for _ in range(layers)]
-        self.v = [torch.zeros((slots, vh, max_len + 1, vd), dtype=dtype, device=device) for _ in range(layers)]
-        self.nbytes = kv_bytes(config, slots, max_len, dtype)
+        self.device = torch.device(device or "cpu")
+        self.k: list[torch.Tensor | None] = [None] * layers
+        self.v: list[torch.Tensor | None] = [None] * layers
+        if kv_layers is None or kv_layers:
+            _, (kh, kd), (vh, vd) = kv_geometry(config)
+            for i in range(layers) if kv_layers is None else sorted(kv_layers):
+                # One spare position per slot: queries that only pad a row write there, never over real keys.
+                self.k[i] = torch.zeros((slots, kh, max_len + 1, kd), dtype=dtype, device=device)
+                self.v[i] = torch.zeros((slots, vh, max_len + 1, vd), dtype=dtype, device=device)
+        self.nbytes = kv_bytes(config, slots, max_len, dtype, kv_layers)
         self._rows = 0
         self._write_pos: torch.Tensor | None = None
         self._single: int | None = None
@@ -48,16 +66,28 @@ class SlotKVCache:
         self._write_slot: torch.Tensor | None = None
         self.segments: list[tuple[int, int, int]] | None = None  # packed: (offset, tokens, keys) a row
         self.bytes_read = 0  # KV bytes the attention read, for the bandwidth report
+        # recurrent layers' states (a list of states.StateShape from states.probe), or None
+        self.states = StateSlots(states, slots, dtype, device) if states else None
+        if self.states:
+            self.nbytes += self.states.nbytes
+        self._first = 0          # the step's rows are slots first .. first + rows - 1
+        self._fresh = True       # every row of the step starts a sequence (no state to continue)
 
     # ---- the step's geometry ------------------------------------------------------------
     def begin_step(self, starts: list[int], lengths: list[int], window: int | None = None,
-                   sliding_layers: bool = False, packed: bool = False):
-        """Row b (slot b) holds `starts[b]` positions and appends `lengths[b]` new tokens this
-        step. Returns (position_ids [B, Q], attention mask [B, 1, Q, L] or a dict of them); packed,
-        the rows' tokens side by side as one row: position_ids [1, T] and masks [1, 1, T, L]."""
+                   sliding_layers: bool = False, packed: bool = False, first: int = 0):
+        """Row b (slot first + b) holds `starts[b]` positions and appends `lengths[b]` new tokens
+        this step. Returns (position_ids [B, Q], attention mask [B, 1, Q, L] or a dict of them);
+        packed, the rows' tokens side by side as one row: position_ids [1, T] and masks [1, 1, T, L]."""
         rows, q = len(starts), max(lengths)
-        if rows > self.slots:
-            raise BudgetError(f"{rows} sequences in a step but the KV cache has {self.slots} slots")
+        if first + rows > self.slots:
+            raise BudgetError(f"{first + rows} sequences in a step but the KV cache has {self.slots} slots")
+        if first and packed:
+            raise ValueError("a packed step starts at slot 0")
+        self._first = first
+        if self.states:  # a sequence starting in a slot starts from zero states, whatever was there
+            self.states.zero([first + b for b, s in enumerate(starts) if s == 0])
+            self._fresh = not any(starts)
         ends = [s + n for s, n in zip(starts, lengths)]
         if max(ends) > self.max_len:
             raise BudgetError(f"a sequence reached {max(ends)} positions; the KV cache holds {self.max_len}")
@@ -83,7 +113,8 @@ class SlotKVCache:
             self._write_pos = torch.where(real, start + j, torch.full_like(j, self.max_len))
             # one row has no padding: its keys go to a contiguous range, a slice copy, not index_put
             self._single = starts[0] if rows == 1 else None
-        dev = self.k[0].device
+
+        dev = self.device
         if dev.type != "cpu":  # a GPU's cache: the step's write indices copied there once, not once a layer
             self._write_pos = self._write_pos.to(dev)
             self._write_slot = None if self._write_slot is None else self._write_slot.to(dev)
@@ -102,6 +133,9 @@ class SlotKVCache:
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         b, h, q, d = key.shape
         kc, vc = self.k[layer_idx], self.v[layer_idx]
+        if kc is None:
+            raise RuntimeError(f"layer {layer_idx} attends, but the model's modules showed no attention there when "
+                               f"the KV cache was made (a tierlm bug: please report it with the model's config.json)")
         if h != kc.shape[1]:
             kc, vc = self._fit_heads(layer_idx, h)
         if self._write_slot is not None:  # packed: token t goes to its row's slot
@@ -110,18 +144,19 @@ class SlotKVCache:
             vc[slot, :, pos] = value[0].transpose(0, 1).to(vc.dtype)
             b = self._rows
         elif self._single is not None and b == 1:
-            s = self._single
-            kc[0, :, s:s + q].copy_(key[0])
-            vc[0, :, s:s + q].copy_(value[0])
+            s, f = self._single, self._first
+            kc[f, :, s:s + q].copy_(key[0])
+            vc[f, :, s:s + q].copy_(value[0])
         else:
-            slot = torch.arange(b, device=kc.device)[:, None, None]
+            f = self._first
+            slot = torch.arange(f, f + b, device=kc.device)[:, None, None]
             head = torch.arange(h, device=kc.device)[None, :, None]
             pos = self._write_pos[:, None, :]
             kc[slot, head, pos] = key.to(kc.dtype)
             vc[slot, head, pos] = value.to(vc.dtype)
-        L = self._kv_len
+        L, f = self._kv_len, self._first
         self.note_read(b, layer_idx)
-        return kc[:b, :, :L], vc[:b, :, :L]
+        return kc[f:f + b, :, :L], vc[f:f + b, :, :L]
 
     def _fit_heads(self, layer_idx: int, heads: int):
         """The config's KV head count is not always what the attention writes: Falcon's multi-query
@@ -151,12 +186,66 @@ class SlotKVCache:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._kv_len
 
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self._kv_len
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        """(keys, offset) of a mask transformers makes itself: only where the engine gives none, a
+        model with no attention layer (whose masks no layer reads)."""
+        return self._kv_len, 0
+
+    # ---- what recurrent layers call (states.py) --------------------------------------------
+    # The calls and their meaning are transformers' (cache_utils.LinearAttentionLayer): None where
+    # no row has a state to continue (the layer takes its first-prompt path), else the step's rows'
+    # slots, a view the layer may update in place (its one-token path does).
+    def _state(self, layer: int, index: int, kind: str) -> torch.Tensor:
+        if self.states is None:
+            raise RuntimeError(f"layer {layer} keeps a {kind} state but the cache was made without state slots "
+                               f"(a tierlm bug: please report it with the model's config.json)")
+        t = self.states.get(layer, index, kind)
+        return t[self._first:self._first + self._rows]
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        return not self._fresh
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0):
+        return None if self._fresh else self._state(layer_idx, state_idx, "conv")
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0):
+        return None if self._fresh else self._state(layer_idx, state_idx, "recurrent")
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
+        """Keep each row's last `kernel` inputs; return them with the new ones, the left context the
+        layer's causal convolution runs over (zeros before a sequence's first token)."""
+        kept = self._state(layer_idx, state_idx, "conv")
+        k = kept.shape[-1]
+        if self._fresh:
+            full = conv_states
+            if full.shape[-1] < k:
+                full = torch.nn.functional.pad(full, (k - full.shape[-1], 0))
+        else:
+            full = torch.cat([kept.to(conv_states.dtype), conv_states], dim=-1)
+        kept.copy_(full[..., -k:])
+        return full
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
+        kept = self._state(layer_idx, state_idx, "recurrent")
+        kept.copy_(recurrent_states)
+        return kept
+
     # ---- slots --------------------------------------------------------------------------
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy slot src's first `length` positions into slot dst (compaction after a finish)."""
         for kc, vc in zip(self.k, self.v):
+            if kc is None:
+                continue
             kc[dst, :, :length].copy_(kc[src, :, :length])
             vc[dst, :, :length].copy_(vc[src, :, :length])
+        if self.states:
+            self.states.move(src, dst)
 
     def check_fits(self, positions: int, what: str = "the request") -> None:
         if positions > self.max_len:

@@ -97,7 +97,7 @@ def scratch_bytes(config, cfg: InferConfig, max_len: int, dtype=None, eager: boo
     and the fused decode layer's buffers."""
     h = config.hidden_size
     inter = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * h
-    heads = config.num_attention_heads
+    heads = getattr(config, "num_attention_heads", None) or 0  # none in a state-space model (Mamba)
     # a step feeds at most step_tokens of prompts beside one token of every other row; padded
     # (packed=False, or a model whose attention runs padded rows: packed.install), every row is as
     # long as the longest prompt chunk

@@ -1,0 +1,147 @@
+"""Models whose layers keep recurrent states (state-space, linear attention, short convolutions,
+and hybrids of them with attention) through tierlm's inference engine: greedy decoding equals
+transformers' generate, resident and streamed, with rows joining, leaving and moving between
+slots, prompts fed in chunks where the family's layers continue a prompt from their state, and
+whole where they cannot (Mamba)."""
+import pytest
+import torch
+
+from tests.infer.test_generate import PROMPTS, _Tok, _engine, _reference
+from tierlm.hf.fields import shrunk
+from tierlm.infer.batcher import Batcher, Request
+from tierlm.infer.sampling import SamplingParams
+from tierlm.storage import BudgetError
+
+# what sets each apart: Gated DeltaNet beside gated attention (and experts), OLMo's linear
+# attention, LFM2's short convolutions, Mamba (prompts whole), Mamba-2, Jamba's Mamba + attention +
+# experts, Falcon-H1's attention and Mamba side by side in one layer, Kimi's three convolutions a layer,
+# Nemotron-H's layers that keep nothing
+STATE_FAMILIES = {
+    "qwen3_next": {},
+    "qwen3_5_text": {},
+    "olmo_hybrid": {},
+    "lfm2": dict(num_hidden_layers=2, layer_types=["conv", "full_attention"]),
+    "mamba": {},
+    "mamba2": dict(hidden_size=64, num_heads=4, head_dim=16, expand=1, n_groups=2, state_size=16),
+    "jamba": dict(attn_layer_offset=1, attn_layer_period=2, expert_layer_offset=1, expert_layer_period=2),
+    "falcon_h1": {},
+    "kimi_linear": {},
+    "nemotron_h": {},  # Mamba-2, attention, MLP-only and expert layers, each a layer of its own
+}
+WHOLE_PROMPTS = {"mamba", "jamba"}  # their Mamba layers restart a prompt from zero
+
+
+def state_config(fam):
+    from transformers import AutoConfig
+    cfg = shrunk(AutoConfig.for_model(fam, **STATE_FAMILIES[fam]), layers=2, every_kind=True)
+    cfg.initializer_range = 0.3  # peaked, varied next tokens, so a mismatch changes tokens
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def state_dir(tmp_path_factory):
+    made = {}
+
+    def get(fam):
+        if fam not in made:
+            from transformers import AutoModelForCausalLM
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(state_config(fam)).float().eval()
+            d = tmp_path_factory.mktemp(fam) / "model"
+            model.save_pretrained(d)
+            made[fam] = (d, model)
+        return made[fam]
+    return get
+
+
+def _run(eng, prompts, max_tokens, step_tokens=None):
+    b = Batcher(eng, _Tok(), [])
+    if step_tokens:
+        b.step_tokens = step_tokens
+    reqs = [b.submit(Request(list(p), SamplingParams(max_tokens=n))) for p, n in zip(prompts, max_tokens)]
+    b.run_until_idle()
+    return [r.out_ids for r in reqs]
+
+
+@pytest.mark.parametrize("fam", list(STATE_FAMILIES))
+def test_greedy_equals_transformers(fam, state_dir, tmp_path):
+    d, model = state_dir(fam)
+    # the first finishes first: the second moves into its slot, states and all, and the third
+    # takes the second's; prompts of 5, 2 and 11 tokens
+    new = [2, 6, 6]
+    refs = [_reference(model, p, n) for p, n in zip(PROMPTS, new)]
+    assert len({tuple(r) for r in refs}) > 1
+    with torch.no_grad():
+        ref_next = model(torch.tensor([PROMPTS[2]])).logits[0, -1]
+    for resident in (None, 0):
+        eng = _engine(d, tmp_path, max_batch=2, max_seq_len=40, resident_layers=resident)
+        try:
+            assert eng.cache.states is not None and eng.generic.states
+            assert eng.whole_prompts == (fam in WHOLE_PROMPTS)
+            if resident == 0:
+                assert eng.stream is not None and eng.placement.streamed == eng.placement.layers
+            # keys and values only where a layer attends
+            assert sum(k is not None for k in eng.cache.k) == len(eng.kv_layers) < len(eng.cache.k) or \
+                fam in ("falcon_h1",)
+            torch.testing.assert_close(eng.step([PROMPTS[2]], [0])[0], ref_next, atol=1e-3, rtol=1e-4)
+            # prompts in chunks of 2 tokens a step (one step each where the family cannot continue one)
+            assert _run(eng, PROMPTS, new, step_tokens=None if fam in WHOLE_PROMPTS else 2) == refs, \
+                f"{fam}, resident_layers={resident}"
+            assert _run(eng, PROMPTS[::-1], new) == [_reference(model, p, n) for p, n in zip(PROMPTS[::-1], new)]
+        finally:
+            eng.close()
+
+
+def test_a_prompt_longer_than_a_step_is_refused_where_it_cannot_go_in_chunks(state_dir, tmp_path):
+    d, _ = state_dir("mamba")
+    eng = _engine(d, tmp_path, max_batch=2, max_seq_len=40, step_tokens=8)
+    try:
+        with pytest.raises(BudgetError, match=r"prompt of 11 tokens: mamba's recurrent layers cannot continue .*"
+                                              r"--step-tokens to 11"):
+            Batcher(eng, _Tok(), []).submit(Request(PROMPTS[2], SamplingParams(max_tokens=2)))
+    finally:
+        eng.close()
+
+
+def test_the_states_are_in_the_budget(state_dir, tmp_path):
+    """The states' bytes are planned beside the KV cache (which hybrids keep for their attention
+    layers only)."""
+    from tierlm.infer.kvcache import kv_bytes
+    from tierlm.infer.states import StateSlots
+    d, model = state_dir("qwen3_next")
+    eng = _engine(d, tmp_path, max_batch=3, max_seq_len=40)
+    try:
+        st = eng.cache.states
+        assert st.nbytes == StateSlots.bytes_for(eng.state_shapes, 3, torch.float32) > 0
+        assert eng.cache.nbytes == st.nbytes + kv_bytes(model.config, 3, 40, torch.float32, eng.kv_layers)
+        assert {s.layer for s in eng.state_shapes} | eng.kv_layers == set(range(model.config.num_hidden_layers))
+    finally:
+        eng.close()
+
+
+def test_the_check_sees_a_state_not_continued(monkeypatch, state_dir):
+    """A cache that dropped the kept conv state between steps is caught by the load-time check."""
+    from tierlm.infer import generic
+    from tierlm.infer.kvcache import SlotKVCache
+    _, model = state_dir("qwen3_next")
+    monkeypatch.setattr(generic, "_CHECKS", {})
+    assert generic.check(model) is None
+    monkeypatch.setattr(generic, "_CHECKS", {})
+    monkeypatch.setattr(SlotKVCache, "get_recurrent_state", lambda self, layer_idx, state_idx=0: None)
+    assert "differ from transformers'" in generic.check(model)
+
+
+@pytest.mark.parametrize("fam", ["qwen3_5_text", "mamba"])
+def test_the_device_schedule_keeps_states_on_its_device(fam, state_dir, tmp_path):
+    """The GPU's schedule (run on the CPU here): states live beside the KV cache on the device, and
+    greedy decoding is transformers' still."""
+    d, model = state_dir(fam)
+    new = [4, 6, 5]
+    refs = [_reference(model, p, n) for p, n in zip(PROMPTS, new)]
+    eng = _engine(d, tmp_path, max_batch=2, max_seq_len=40, device_schedule=True, gpu_mem="1GiB",
+                  resident_layers=1, host_resident_layers=1)
+    try:
+        assert eng.dev is not None and eng.cache.states is not None
+        assert _run(eng, PROMPTS, new) == refs
+    finally:
+        eng.close()
