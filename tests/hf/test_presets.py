@@ -214,3 +214,11 @@ def test_a_head_dim_the_family_leaves_none_is_filled():
         c = make_config(arch, None, {"layers": 2, "hidden": 128, "heads": 4})
         assert c.head_dim == 32
         AutoModelForCausalLM.from_config(c)
+
+
+def test_a_tiny_model_of_a_family_without_attention():
+    """`tierlm init --arch mamba`: the shape's keys without heads (it has none to set)."""
+    cfg = make_config("mamba", None, {"layers": 3, "hidden": 96})
+    assert cfg.num_hidden_layers == 3 and cfg.hidden_size == 96
+    with pytest.raises(ValueError, match="mamba has no attention heads"):
+        make_config("mamba", None, {"heads": 2})

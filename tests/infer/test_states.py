@@ -145,3 +145,31 @@ def test_the_device_schedule_keeps_states_on_its_device(fam, state_dir, tmp_path
         assert _run(eng, PROMPTS, new) == refs
     finally:
         eng.close()
+
+
+def _whole_forwards(model, prompt, new):
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(new):
+            ids.append(int(model(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def test_a_hybrids_copy_without_attention_layers_generates(tmp_path):
+    """`tierlm init --arch qwen3_5_text` keeps the first two layers of the pattern: both linear
+    attention. transformers then makes the (unread) full-attention mask from the cache itself; its
+    own generate fails there (its cache has no attention layer to count positions by), so the
+    reference is greedy over whole forwards."""
+    from transformers import AutoModelForCausalLM
+    from tierlm.hf.presets import make_config
+    torch.manual_seed(0)
+    cfg = make_config("qwen3_5_text", None, {"initializer_range": 0.3})
+    assert set(cfg.layer_types) == {"linear_attention"}
+    model = AutoModelForCausalLM.from_config(cfg).float().eval()
+    model.save_pretrained(tmp_path / "m")
+    eng = _engine(tmp_path / "m", tmp_path, max_batch=2, max_seq_len=40)
+    try:
+        assert eng.kv_layers == set() and eng.cache.nbytes == eng.cache.states.nbytes
+        assert _run(eng, PROMPTS, [3, 4, 3]) == [_whole_forwards(model, p, n) for p, n in zip(PROMPTS, [3, 4, 3])]
+    finally:
+        eng.close()

@@ -7,6 +7,8 @@ model (on `meta`, nothing allocated) and `init_model` can build a random one of 
 """
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from typing import TYPE_CHECKING
 
@@ -208,10 +210,16 @@ def _native(config, overrides: dict | None, what: str):
                   dtype_name(getattr(config, "dtype", None) or "float32"))
     if get(config, "kv_heads") is None and o.get("kv_heads") not in (None, heads, o.get("heads")):
         raise ValueError(f"{config.model_type} has no grouped-query attention: kv_heads must equal heads")
-    r = _resolve(view, o)
+    if heads is None:  # no attention at all (Mamba): the shapes without heads
+        if "heads" in o or "kv_heads" in o:
+            raise ValueError(f"{config.model_type} has no attention heads; drop heads / kv_heads")
+        view = dataclasses.replace(view, shape=dataclasses.replace(view.shape, heads=1, kv_heads=1))
+    r = _resolve(view, dict(o, heads=1) if heads is None else o)
     explicit_hd = get(config, "head_dim")
     for role, key in (("layers", "layers"), ("hidden", "hidden"), ("heads", "heads"), ("kv_heads", "kv"),
                       ("vocab", "vocab"), ("max_positions", "max_pos")):
+        if heads is None and role in ("heads", "kv_heads"):
+            continue
         put(config, role, r[key])
     if get(config, "intermediate") is not None or "intermediate" in o:
         put(config, "intermediate", r["inter"])
