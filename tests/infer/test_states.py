@@ -28,6 +28,8 @@ STATE_FAMILIES = {
     "kimi_linear": {},
     "nemotron_h": {},  # Mamba-2, attention, MLP-only and expert layers, each a layer of its own
 }
+# The engines here get cpu_mem 4GiB: with library_rss=0, the pytest process's own RSS (near 1 GiB
+# late in a full run) counts as their baseline, and 1 GiB left no room for the planned compute.
 WHOLE_PROMPTS = {"mamba", "jamba"}  # their Mamba layers restart a prompt from zero
 
 
@@ -74,7 +76,7 @@ def test_greedy_equals_transformers(fam, state_dir, tmp_path):
     with torch.no_grad():
         ref_next = model(torch.tensor([PROMPTS[2]])).logits[0, -1]
     for resident in (None, 0):
-        eng = _engine(d, tmp_path, max_batch=2, max_seq_len=40, resident_layers=resident)
+        eng = _engine(d, tmp_path, cpu_mem="4GiB", max_batch=2, max_seq_len=40, resident_layers=resident)
         try:
             assert eng.cache.states is not None and eng.generic.states
             assert eng.whole_prompts == (fam in WHOLE_PROMPTS)
@@ -94,7 +96,7 @@ def test_greedy_equals_transformers(fam, state_dir, tmp_path):
 
 def test_a_prompt_longer_than_a_step_is_refused_where_it_cannot_go_in_chunks(state_dir, tmp_path):
     d, _ = state_dir("mamba")
-    eng = _engine(d, tmp_path, max_batch=2, max_seq_len=40, step_tokens=8)
+    eng = _engine(d, tmp_path, cpu_mem="4GiB", max_batch=2, max_seq_len=40, step_tokens=8)
     try:
         with pytest.raises(BudgetError, match=r"prompt of 11 tokens: mamba's recurrent layers cannot continue .*"
                                               r"--step-tokens to 11"):
@@ -109,7 +111,7 @@ def test_the_states_are_in_the_budget(state_dir, tmp_path):
     from tierlm.infer.kvcache import kv_bytes
     from tierlm.infer.states import StateSlots
     d, model = state_dir("qwen3_next")
-    eng = _engine(d, tmp_path, max_batch=3, max_seq_len=40)
+    eng = _engine(d, tmp_path, cpu_mem="4GiB", max_batch=3, max_seq_len=40)
     try:
         st = eng.cache.states
         assert st.nbytes == StateSlots.bytes_for(eng.state_shapes, 3, torch.float32) > 0
@@ -138,7 +140,7 @@ def test_the_device_schedule_keeps_states_on_its_device(fam, state_dir, tmp_path
     d, model = state_dir(fam)
     new = [4, 6, 5]
     refs = [_reference(model, p, n) for p, n in zip(PROMPTS, new)]
-    eng = _engine(d, tmp_path, max_batch=2, max_seq_len=40, device_schedule=True, gpu_mem="1GiB",
+    eng = _engine(d, tmp_path, cpu_mem="4GiB", max_batch=2, max_seq_len=40, device_schedule=True, gpu_mem="1GiB",
                   resident_layers=1, host_resident_layers=1)
     try:
         assert eng.dev is not None and eng.cache.states is not None
@@ -167,7 +169,7 @@ def test_a_hybrids_copy_without_attention_layers_generates(tmp_path):
     assert set(cfg.layer_types) == {"linear_attention"}
     model = AutoModelForCausalLM.from_config(cfg).float().eval()
     model.save_pretrained(tmp_path / "m")
-    eng = _engine(tmp_path / "m", tmp_path, max_batch=2, max_seq_len=40)
+    eng = _engine(tmp_path / "m", tmp_path, cpu_mem="4GiB", max_batch=2, max_seq_len=40)
     try:
         assert eng.kv_layers == set() and eng.cache.nbytes == eng.cache.states.nbytes
         assert _run(eng, PROMPTS, [3, 4, 3]) == [_whole_forwards(model, p, n) for p, n in zip(PROMPTS, [3, 4, 3])]

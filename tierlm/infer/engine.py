@@ -197,11 +197,14 @@ class InferenceEngine:
         kv = kv_bytes(cache_config, cfg.max_batch, self.max_len, self.dtype, self.kv_layers)
         if self.state_shapes:
             kv += StateSlots.bytes_for(self.state_shapes, cfg.max_batch, self.dtype)
+        # a recurrent model's step runs its rows in groups of one length (generic.row_groups): a
+        # forward holds at most one prompt chunk's tokens, or the decoding rows' - as a packed one
+        # does - except where prompts go whole (then several of one length may share a forward)
+        packs = not self.whole_prompts if self.state_shapes else packed_attention.packs(self.model)
         scratch = scratch_bytes(config, cfg, self.max_len, self.dtype,
-                                eager=not getattr(self.model, "_supports_sdpa", True),
-                                packs=packed_attention.packs(self.model))
+                                eager=not getattr(self.model, "_supports_sdpa", True), packs=packs)
         if self.state_shapes:
-            tokens = cfg.step_tokens * cfg.max_batch  # state models' steps are padded, never packed
+            tokens = cfg.step_tokens * (cfg.max_batch if self.whole_prompts else 1)
             scratch += StateSlots.transient_bytes(self.state_shapes, tokens, cfg.max_batch)
         self.experts = self.expert_placement = None
         if self.dev:  # the device under --gpu-mem, then the host under --cpu-mem
