@@ -134,6 +134,18 @@ FAMILIES = {
     # a dense first layer, sparse ones with a shared expert, the combine in fp32
     "hy_v3": dict(_BASE, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                   num_shared_experts=1),
+    # routers whose score-correction bias the modules keep fixed (requires_grad=False): fine-tuning
+    # leaves it as the checkpoint has it. Ernie: a dense first layer, shared experts
+    "ernie4_5_moe": dict(_BASE, moe_num_experts=4, moe_k=2, moe_intermediate_size=32, moe_num_shared_experts=1,
+                         moe_layer_start_index=1, moe_layer_end_index=1, moe_layer_interval=1),
+    # per-layer head counts, a dense layer then a sparse one with a shared expert, sliding layers
+    "laguna": dict(_BASE, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                   shared_expert_intermediate_size=32, sliding_window=6, layer_types=["sliding_attention", "full_attention"],
+                   num_attention_heads_per_layer=[4, 4], mlp_layer_types=["dense", "sparse"]),
+    # a dense first layer, shared experts, sliding layers beside global ones
+    "afmoe": dict(_BASE, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                  num_shared_experts=1, num_dense_layers=1, sliding_window=6,
+                  layer_types=["sliding_attention", "full_attention"]),
 }
 
 

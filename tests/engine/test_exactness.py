@@ -21,13 +21,15 @@ def reference_loop(model, data, *, clip, accum, precision, make_step):
     step (called with the step index after clipping; it zeroes the gradients).
     bf16: bf16 model, fp32 master copies hold the optimizer state, gradients upcast and accumulated in fp32."""
     model = copy.deepcopy(model)
+    # parameters the modules keep fixed (requires_grad=False) get no gradient and no update
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if precision == "fp32":
-        params = list(model.parameters())
+        params = [p for _, p in trained]
     else:
         # fp32 masters from the fp32 checkpoint; bf16 copies for compute (weights only: buffers
         # such as the rotary frequencies stay fp32)
-        params = [p.detach().clone().requires_grad_(True) for p in model.parameters()]
-        for p in model.parameters():
+        params = [p.detach().clone().requires_grad_(True) for _, p in trained]
+        for _, p in trained:
             p.data = p.data.to(torch.bfloat16)
     step = make_step(params)
     losses, norms = [], []
@@ -37,7 +39,7 @@ def reference_loop(model, data, *, clip, accum, precision, make_step):
             (loss / accum).backward()
             losses.append(loss.item())
             if precision == "bf16":
-                for p, m in zip(model.parameters(), params):
+                for (_, p), m in zip(trained, params):
                     m.grad = p.grad.float() if m.grad is None else m.grad + p.grad.float()
                     p.grad = None
         if clip is not None:
@@ -45,9 +47,9 @@ def reference_loop(model, data, *, clip, accum, precision, make_step):
         step(s)
         if precision == "bf16":
             with torch.no_grad():
-                for p, m in zip(model.parameters(), params):
+                for (_, p), m in zip(trained, params):
                     p.copy_(m)
-    masters = dict(zip([n for n, _ in model.named_parameters()], [p.detach() for p in params]))
+    masters = dict(zip([n for n, _ in trained], [p.detach() for p in params]))
     return model, masters, losses, norms
 
 

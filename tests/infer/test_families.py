@@ -150,3 +150,29 @@ def test_the_check_sees_a_wrong_mask(monkeypatch):
     monkeypatch.setattr(generic, "_CHECKS", {})
     monkeypatch.setattr(generic, "sliding_window", lambda config: (None, False))
     assert "differ from transformers'" in generic.check(model)
+
+
+def test_chunked_attention_and_position_scaled_queries(tmp_path):
+    """Llama 4's text model: chunked attention layers (a query sees its own chunk of 4 positions)
+    beside full ones, and queries of its no-rotary layers scaled by position, from the cache's
+    length (floor_scale 2: every position changes the scale). Greedy decoding equals transformers'
+    generate, batched (rows at different positions run as separate forwards) and streamed."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    cfg = AutoConfig.for_model("llama4_text", hidden_size=64, intermediate_size=96, intermediate_size_mlp=96,
+                               num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                               vocab_size=128, num_local_experts=4, attention_chunk_size=4, floor_scale=2,
+                               initializer_range=0.3, max_position_embeddings=64)
+    assert set(cfg.layer_types) == {"chunked_attention", "full_attention"} and cfg.attn_temperature_tuning
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).float().eval()
+    model.save_pretrained(tmp_path / "m")
+    refs = [_reference(model, p, NEW) for p in PROMPTS]
+    assert len({tuple(r) for r in refs}) > 1
+    for resident in (None, 0):
+        eng = _engine(tmp_path / "m", tmp_path, cpu_mem="4GiB", max_batch=3, max_seq_len=40,
+                      resident_layers=resident)
+        try:
+            assert eng.generic.offsets and eng.generic.chunk == 4
+            assert _greedy(eng, PROMPTS, NEW) == refs, f"resident_layers={resident}"
+        finally:
+            eng.close()

@@ -29,8 +29,8 @@ from ..hf.baseline import library_baseline
 from ..hf.names import load_buffers, model_to_checkpoint
 from ..hf.stacked import read_param
 from ..hf.safetensors_io import SafetensorsDir
-from ..hf.structure import (discover_blocks, empty_model, module_param_slots, stacked_experts,
-                            weights_before_layers)
+from ..hf.structure import (discover_blocks, empty_model, fixed_params_to_buffers, module_param_slots,
+                            stacked_experts, weights_before_layers)
 from ..plan.budget import chunk_tokens
 from ..plan.settings import Measured, TrainSettings
 from ..storage import HostBufferPool, TensorStore
@@ -107,14 +107,16 @@ class Engine(DurableState, Exports, BlockResidency):
         if early:
             raise ValueError(f"{model.config.model_type}: {', '.join(early)} run before the decoder layers and are "
                              "not embeddings; the fine-tuning engine does not stream such weights yet")
+        # parameters the modules keep fixed get no gradient, and the step would wait for one: they
+        # become buffers, kept as they are (from_pretrained has done so before reading buffers)
+        unread = [n for n, p in model.named_parameters() if not p.requires_grad and p.device.type == "meta"]
+        if unread:
+            raise ValueError(f"{model.config.model_type}: its modules keep {', '.join(unread[:3])} fixed "
+                             "(requires_grad=False) and the model given holds no value for them; load it with "
+                             "Engine.from_pretrained, which reads them from the checkpoint")
+        fixed_params_to_buffers(model)
         move_buffers(model, self.device)
         self.blocks, params = discover_blocks(model)
-        frozen = [n for n, p in params.items() if not p.requires_grad]
-        if frozen:  # they get no gradient: the step would wait for one (torch's AdamW skips them)
-            shown = ", ".join(frozen[:3]) + (f" and {len(frozen) - 3} more" if len(frozen) > 3 else "")
-            raise ValueError(f"{model.config.model_type}: its modules keep {shown} fixed (requires_grad=False); "
-                             "the fine-tuning engine trains every parameter and cannot keep some fixed yet "
-                             "(generate and serve run this model)")
         self.names = list(params)  # canonical order: model.parameters()
         self.settings = settings
         self.shard_elems, self.shard_why = settings.shard_elems.value, settings.shard_elems.why
@@ -214,6 +216,7 @@ class Engine(DurableState, Exports, BlockResidency):
 
         config = AutoConfig.from_pretrained(model_dir)
         model = empty_model(config)
+        fixed_params_to_buffers(model)  # read and saved as they are (hf.structure)
         st = SafetensorsDir(model_dir)
         in_file = model_to_checkpoint(model, st.names(), dict(model.named_parameters()), where=str(model_dir))
         load_buffers(model, st, str(model_dir))

@@ -119,6 +119,8 @@ def shrunk(config, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: 
                 setattr(c, key, 0)
     if getattr(c, "sliding_window", None):
         c.sliding_window = min(c.sliding_window, 64)
+    if getattr(c, "attention_chunk_size", None):  # a check's few positions cross a chunk's end
+        c.attention_chunk_size = min(c.attention_chunk_size, 6)
     return c
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from .fields import shrunk
@@ -41,6 +42,23 @@ def causal_lm(model: nn.Module) -> nn.Module:
     if getattr(model, "loss_type", "") is None:
         model.loss_type = "ForCausalLM"
     return model
+
+
+def fixed_params_to_buffers(model: nn.Module) -> list[str]:
+    """Make the parameters the model's modules keep fixed (`requires_grad=False`: Ernie 4.5 MoE's,
+    Laguna's and AFMoE's router score-correction biases) persistent buffers under the same names:
+    fine-tuning never updates them (torch's AdamW skips a parameter without a gradient), and as
+    buffers they are read from the checkpoint and saved back as they are (hf.names.load_buffers,
+    saved_buffers), beside the trained parameters. A parameter on `meta` becomes zeros, for
+    load_buffers to fill. Returns their names."""
+    fixed = [n for n, p in model.named_parameters() if not p.requires_grad]
+    for name in fixed:
+        owner, _, attr = name.rpartition(".")
+        mod = model.get_submodule(owner) if owner else model
+        p = mod._parameters.pop(attr)
+        value = torch.zeros(p.shape, dtype=p.dtype) if p.device.type == "meta" else p.detach()
+        mod.register_buffer(attr, value, persistent=True)
+    return fixed
 
 
 def empty_model(config) -> nn.Module:

@@ -38,7 +38,7 @@ from ..storage.aligned import round_up
 from . import packed as packed_attention
 from .gemv import use_gemv
 from . import states
-from .generic import GenericStep, check as generic_check, continues_prompts, row_groups
+from .generic import GenericStep, check as generic_check, continues_prompts, reads_offset
 from .device_run import DeviceRun, refusal as device_refusal
 from .kvcache import SlotKVCache, kv_bytes
 from .states import StateShape, StateSlots
@@ -200,7 +200,8 @@ class InferenceEngine:
         # a recurrent model's step runs its rows in groups of one length (generic.row_groups): a
         # forward holds at most one prompt chunk's tokens, or the decoding rows' - as a packed one
         # does - except where prompts go whole (then several of one length may share a forward)
-        packs = not self.whole_prompts if self.state_shapes else packed_attention.packs(self.model)
+        packs = not self.whole_prompts if self.state_shapes else \
+            packed_attention.packs(self.model) and not reads_offset(self.model)
         scratch = scratch_bytes(config, cfg, self.max_len, self.dtype,
                                 eager=not getattr(self.model, "_supports_sdpa", True), packs=packs)
         if self.state_shapes:
@@ -332,13 +333,12 @@ class InferenceEngine:
         fp32 logits of each row's last token, [rows, vocab]."""
         if self.tp:
             self.tp.lead_step(tokens, starts)  # rank 0 tells the other shards what to compute
-        groups = row_groups([len(t) for t in tokens], self.generic.states)
-        out = [self._step(tokens[a:b], starts[a:b], a) for a, b in groups]
+        out = [self._step(tokens[a:b], starts[a:b], a) for a, b in self.generic.groups(tokens, starts)]
         return torch.cat(out) if len(out) > 1 else out[0]
 
     def _step(self, tokens: list[list[int]], starts: list[int], first: int) -> torch.Tensor:
         """One forward of rows in slots first, first + 1, ... (all of a step's, except where
-        recurrent layers need rows of one length: generic.row_groups)."""
+        recurrent layers need rows of one length, or the attention one start: generic.row_groups)."""
         ids, pos, mask, packed = self.generic.prepare(tokens, starts, first)
         if self.stream:
             self.stream.prefetch_after(None)

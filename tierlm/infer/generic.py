@@ -37,56 +37,86 @@ def sliding_window(config) -> tuple[int | None, bool]:
     c = config.get_text_config()
     types = getattr(c, "layer_types", None)
     if types is not None:
-        # attention of another kind (chunked, compressed) needs its own masks; the recurrent layers'
-        # types (linear_attention, mamba, conv, hybrid) take none from the engine (see masks_for)
-        other = {t for t in set(types) - {"full_attention", "sliding_attention", "linear_attention"}
-                 if t.endswith("attention")}
+        # attention of another kind (compressed, sparse) needs its own masks; the recurrent layers'
+        # types (linear_attention, mamba, conv, hybrid) take none from the engine
+        # (GenericStep.maskless_types); chunked ones are chunked_attention's
+        made = {"full_attention", "sliding_attention", "chunked_attention", "linear_attention"}
+        other = {t for t in set(types) - made if t.endswith("attention")}
         if other:
             raise ValueError(f"{c.model_type}: layers of type {', '.join(sorted(other))} need attention masks "
-                             f"tierlm's inference does not make (it makes full and sliding-window ones)")
+                             f"tierlm's inference does not make (it makes full, sliding-window and chunked ones)")
         if "sliding_attention" in types:
             return c.sliding_window, True
         return None, False
     if getattr(c, "sliding_window", None) is not None:
         return c.sliding_window, False
-    if getattr(c, "attention_chunk_size", None) is not None:
-        raise ValueError(f"{c.model_type}: chunked attention (attention_chunk_size) needs attention masks "
-                         f"tierlm's inference does not make")
     return None, False
 
 
-def row_groups(lens: list[int], states: bool) -> list[tuple[int, int]]:
-    """The (first, end) row ranges a step runs as separate forwards: all rows at once, except where
-    layers keep recurrent states: a recurrence runs a row's every position, so a padded position
-    would enter its state, and a packed row would run into the next. There, runs of consecutive
-    rows of one length (decoding rows together; a prompt beside them on its own)."""
-    if not states:
+def chunked_attention(config) -> tuple[int | None, bool]:
+    """(chunk size, per-layer masks) of chunked attention (Llama 4's: a query sees the keys of its
+    own chunk of `attention_chunk_size` positions, up to itself), as transformers' mask creation
+    decides: the layers whose type is chunked_attention, or every layer without `layer_types`."""
+    c = config.get_text_config()
+    size = getattr(c, "attention_chunk_size", None)
+    types = getattr(c, "layer_types", None)
+    if size is None or (types is not None and "chunked_attention" not in types):
+        return None, False
+    return size, types is not None
+
+
+def row_groups(lens: list[int], states: bool, starts: list[int] | None = None) -> list[tuple[int, int]]:
+    """The (first, end) row ranges a step runs as separate forwards: all rows at once, except
+    - where layers keep recurrent states: a recurrence runs a row's every position, so a padded
+      position would enter its state, and a packed row would run into the next. There, runs of
+      consecutive rows of one length (decoding rows together; a prompt beside them on its own);
+    - with `starts`, where the attention reads one offset for all rows from the cache (Llama 4's
+      position-scaled queries): runs of rows that start at one position."""
+    if not states and starts is None:
         return [(0, len(lens))]
     out, a = [], 0
     for b in range(1, len(lens) + 1):
-        if b == len(lens) or lens[b] != lens[a]:
+        if b == len(lens) or (states and lens[b] != lens[a]) or (starts is not None and starts[b] != starts[a]):
             out.append((a, b))
             a = b
     return out
+
+
+def reads_offset(model) -> bool:
+    """Whether an attention module computes from the cache's length (one number for every row)."""
+    seen = set()
+    for m in packed_attention.attention_modules(model):
+        if type(m) in seen:
+            continue
+        seen.add(type(m))
+        try:
+            if "get_seq_length(" in inspect.getsource(type(m).forward):
+                return True
+        except (OSError, TypeError):
+            pass
+    return False
 
 
 class GenericStep:
     def __init__(self, model, config, cache: SlotKVCache, packed: bool = True):
         self.model, self.cache = model, cache
         self.states = cache.states is not None
+        self.offsets = reads_offset(model)
         # packed rows only where the model's attention runs packed.rows_attention (and no layer
         # keeps a recurrent state: row_groups)
-        self.packs = packed_attention.install(model, config, cache) and packed and not self.states
+        self.packs = packed_attention.install(model, config, cache) and packed and not self.states \
+            and not self.offsets
         # a model without attention (Mamba) takes no mask: its layers would apply a 4-D one as padding
         self.attends = bool(packed_attention.attention_modules(model))
         types = getattr(config.get_text_config(), "layer_types", None) or []
-        self.maskless_types = {t for t in types if t not in ("full_attention", "sliding_attention")}
+        self.maskless_types = {t for t in types if t not in ("full_attention", "sliding_attention", "chunked_attention")}
         self.base = model.base_model
         self.head = model.get_output_embeddings()
         self.cache_kw = cache_kwarg(self.base)
         self.lm_cache_kw = cache_kwarg(model)
         self.keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.window, self.sliding = sliding_window(config)
+        self.chunk, self.chunk_layers = chunked_attention(config)
 
     def prepare(self, tokens: list[list[int]], starts: list[int], first: int = 0):
         """(ids, position ids, masks, packed) of a step of rows in slots first, first + 1, ...; the
@@ -100,7 +130,8 @@ class GenericStep:
             ids = torch.tensor([sum(tokens, [])], dtype=torch.long)
         else:
             ids = torch.tensor([t + [t[-1]] * (q - len(t)) for t in tokens], dtype=torch.long)
-        pos, mask = self.cache.begin_step(starts, lens, self.window, self.sliding, packed=packed, first=first)
+        pos, mask = self.cache.begin_step(starts, lens, self.window, self.sliding, packed=packed, first=first,
+                                          chunk=self.chunk, chunk_layers=self.chunk_layers)
         if not self.attends:
             mask = None
         elif isinstance(mask, dict):  # a mask for every layer type the model looks up
@@ -126,10 +157,14 @@ class GenericStep:
         h = out.last_hidden_state
         return self.head(h[0, at] if packed else h[torch.arange(rows), at]).float()
 
+    def groups(self, tokens: list[list[int]], starts: list[int]) -> list[tuple[int, int]]:
+        """The row ranges this step runs as separate forwards (row_groups)."""
+        return row_groups([len(t) for t in tokens], self.states, starts if self.offsets else None)
+
     @torch.no_grad()
     def __call__(self, tokens: list[list[int]], starts: list[int]) -> torch.Tensor:
         out = []
-        for a, b in row_groups([len(t) for t in tokens], self.states):
+        for a, b in self.groups(tokens, starts):
             ids, pos, mask, packed = self.prepare(tokens[a:b], starts[a:b], first=a)
             out.append(self.logits(ids, pos, mask, packed, [len(t) for t in tokens[a:b]]))
         return torch.cat(out) if len(out) > 1 else out[0]
@@ -177,7 +212,7 @@ def _check(cls, cfg) -> tuple[str | None, bool]:
     cfg._attn_implementation = "eager"  # transformers' reference attention (soft-capping and all)
     # two rows of different lengths (a packed prefill), then a decode step of both; past the
     # sliding windows that shrunk keeps small
-    n = max(8, min(2 * (getattr(cfg, "sliding_window", None) or 0), 24))
+    n = max(8, min(2 * (getattr(cfg, "sliding_window", None) or getattr(cfg, "attention_chunk_size", None) or 0), 24))
     seqs = [n, n // 2]
     with torch.random.fork_rng():
         torch.manual_seed(0)

@@ -72,10 +72,12 @@ class SlotKVCache:
             self.nbytes += self.states.nbytes
         self._first = 0          # the step's rows are slots first .. first + rows - 1
         self._fresh = True       # every row of the step starts a sequence (no state to continue)
+        self._past = 0           # positions the step's rows held before it (one value where they agree)
 
     # ---- the step's geometry ------------------------------------------------------------
     def begin_step(self, starts: list[int], lengths: list[int], window: int | None = None,
-                   sliding_layers: bool = False, packed: bool = False, first: int = 0):
+                   sliding_layers: bool = False, packed: bool = False, first: int = 0,
+                   chunk: int | None = None, chunk_layers: bool = False):
         """Row b (slot first + b) holds `starts[b]` positions and appends `lengths[b]` new tokens
         this step. Returns (position_ids [B, Q], attention mask [B, 1, Q, L] or a dict of them);
         packed, the rows' tokens side by side as one row: position_ids [1, T] and masks [1, 1, T, L]."""
@@ -85,6 +87,7 @@ class SlotKVCache:
         if first and packed:
             raise ValueError("a packed step starts at slot 0")
         self._first = first
+        self._past = min(starts)
         if self.states:  # a sequence starting in a slot starts from zero states, whatever was there
             self.states.zero([first + b for b, s in enumerate(starts) if s == 0])
             self._fresh = not any(starts)
@@ -125,6 +128,14 @@ class SlotKVCache:
             slide = full & (k > pos[:, :, None] - window)
             masks = {"full_attention": full[:, None], "sliding_attention": slide[:, None]} if sliding_layers \
                 else slide
+        if chunk is not None:  # a query sees its own chunk's keys, up to itself
+            chunked = full & (k // chunk == pos[:, :, None] // chunk)
+            if not chunk_layers:
+                masks = chunked
+            else:
+                if not isinstance(masks, dict):
+                    masks = {"full_attention": masks[:, None]}
+                masks["chunked_attention"] = chunked[:, None]
         if not isinstance(masks, dict):
             masks = masks[:, None]
         return pos, masks
@@ -184,10 +195,14 @@ class SlotKVCache:
         self.bytes_read += keys * (kc.shape[1] * kc.shape[3] + vc.shape[1] * vc.shape[3]) * kc.element_size() * layers
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self._kv_len
+        """The positions held before this step, as transformers' caches answer before their update:
+        Llama 4's attention scales its no-rotary layers' queries by position from it. One number for
+        all rows, so where a model's attention reads it, a step's rows run in groups of one start
+        (GenericStep.groups)."""
+        return self._past
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
-        return self._kv_len
+        return self._past
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         """(keys, offset) of a mask transformers makes itself: only where the engine gives none, a
