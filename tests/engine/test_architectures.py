@@ -68,19 +68,19 @@ def test_weights_used_before_the_layers_are_refused_before_anything_is_written(f
     assert not (tmp_path / "nvme").exists()
 
 
-def test_parameters_the_family_keeps_fixed_are_refused_before_anything_is_written(tmp_path):
+def test_fixed_parameters_without_a_value_are_refused_before_anything_is_written(tmp_path):
     """Ernie 4.5 MoE's router holds its score-correction bias as a Parameter with
-    requires_grad=False: it never gets a gradient, and the step failed reading the gradient it waited
-    for. Refused at construction, the parameters named, no store created."""
+    requires_grad=False: it gets no gradient, so the engine keeps it as a buffer read from the
+    checkpoint (Engine.from_pretrained; tests/engine/test_fixed_params.py). A model handed to the
+    engine directly with that parameter still on `meta` has no value for it: refused at
+    construction, the parameter named, no store created."""
     from transformers import AutoConfig
-    torch.manual_seed(0)
+    from tierlm.hf.structure import empty_model
     cfg = AutoConfig.for_model("ernie4_5_moe", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128,
                                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
-    model = AutoModelForCausalLM.from_config(cfg)
-    d = tmp_path / "m"
-    model.save_pretrained(d)
-    fixed = r"keep model\.layers\.1\.mlp\.gate\.moe_statics\.e_score_correction_bias fixed \(requires_grad=False\)"
+    fixed = r"keep model\.layers\.1\.mlp\.gate\.moe_statics\.e_score_correction_bias fixed .*from_pretrained"
     with pytest.raises(ValueError, match=fixed):
-        Engine.from_pretrained(d, EngineConfig(nvme_dir=str(tmp_path / "nvme"), cpu_mem="1GiB", precision="fp32"))
+        Engine(empty_model(cfg), lambda name, out: None,
+               EngineConfig(nvme_dir=str(tmp_path / "nvme"), cpu_mem="1GiB", precision="fp32"))
     assert not (tmp_path / "nvme").exists()
