@@ -160,8 +160,13 @@ def test_native_presets_build_with_published_sizes(name):
 
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_every_family_has_a_tiny_model_and_takes_overrides(arch):
+    from transformers import CONFIG_MAPPING
     c = make_config(arch)
-    assert c.model_type == arch and get(c, "hidden") == 64 and get(c, "layers") == 2
+    assert c.model_type == arch and get(c, "hidden") == 64 and 2 <= get(c, "layers") <= 8
+    types = getattr(CONFIG_MAPPING[arch](), "layer_types", None)
+    if get(c, "layers") > 2 or isinstance(types, list) and max(types.index(t) for t in set(types)) < 8:
+        # a layer of every type the family's pattern has (Qwen3.5's attention after three linear ones)
+        assert set(c.layer_types) == set(types)
     assert param_count(c) == _meta_count(c)
     big = make_config(arch, overrides={"layers": 3, "hidden": 128, "heads": 8})
     assert (get(big, "layers"), get(big, "hidden"), get(big, "heads")) == (3, 128, 8)

@@ -158,15 +158,16 @@ def _whole_forwards(model, prompt, new):
 
 
 def test_a_hybrids_copy_without_attention_layers_generates(tmp_path):
-    """`tierlm init --arch qwen3_5_text` keeps the first two layers of the pattern: both linear
+    """Qwen3.5's first two layers alone (`tierlm init --arch qwen3_5_text --layers 2`): both linear
     attention. transformers then makes the (unread) full-attention mask from the cache itself; its
     own generate fails there (its cache has no attention layer to count positions by), so the
     reference is greedy over whole forwards."""
     from transformers import AutoModelForCausalLM
     from tierlm.hf.presets import make_config
     torch.manual_seed(0)
-    cfg = make_config("qwen3_5_text", None, {"initializer_range": 0.3})
+    cfg = make_config("qwen3_5_text", None, {"layers": 2, "initializer_range": 0.3})
     assert set(cfg.layer_types) == {"linear_attention"}
+    assert "full_attention" in make_config("qwen3_5_text").layer_types  # init's own tiny copy attends
     model = AutoModelForCausalLM.from_config(cfg).float().eval()
     model.save_pretrained(tmp_path / "m")
     eng = _engine(tmp_path / "m", tmp_path, cpu_mem="4GiB", max_batch=2, max_seq_len=40)

@@ -183,7 +183,19 @@ def _tiny_family(arch: str):
     if problem:
         raise ValueError(f"arch {arch!r}: {problem}")
     from .fields import shrunk
-    c = shrunk(CONFIG_MAPPING[arch](), layers=2, hidden=64, heads=4, kv_heads=2, intermediate=176, vocab=512)
+    default = CONFIG_MAPPING[arch]()
+    c = shrunk(default, layers=2, hidden=64, heads=4, kv_heads=2, intermediate=176, vocab=512)
+    # layers of every type the family's pattern has (Qwen3.5's fourth layer is its first attention
+    # one; Gemma 3's sixth its first global one), so `--layers N` repeats the family's own pattern
+    types = getattr(default, "layer_types", None)
+    if isinstance(types, list) and types:
+        need = max(types.index(t) for t in set(types)) + 1
+        if 2 < need <= 8:
+            put(c, "layers", need)
+            try:
+                c.layer_types = list(types[:need])
+            except AttributeError:  # derived from other fields (Jamba's attention period and offset)
+                pass
     put(c, "max_positions", 256)
     for k, v in c.to_dict().items():
         if isinstance(v, float) and ("dropout" in k or k.endswith("pdrop")):
