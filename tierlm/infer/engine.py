@@ -342,7 +342,7 @@ class InferenceEngine:
         ids, pos, mask, packed = self.generic.prepare(tokens, starts, first)
         if self.stream:
             self.stream.prefetch_after(None)
-        if ids.shape[1] == 1 and self.lean is not None:
+        if ids.shape[1] == 1 and self.lean is not None and first == 0:  # the lean path reads slots from 0
             return self.lean.logits(ids, pos, mask, self.cache)
         if self.dev:
             self.dev.start_step()

@@ -62,10 +62,8 @@ class _Recorder:
 
     def __init__(self):
         self.shapes: dict[tuple[int, int, str], StateShape] = {}
-        self._len = 0
 
     def update(self, key, value, layer_idx, *args, **kwargs):
-        self._len = key.shape[-2]
         return key, value
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
