@@ -15,8 +15,8 @@ STEPS = 5
 
 
 @pytest.mark.parametrize("precision,clip,state_cache", [
-    ("fp32", 0.5, True), ("fp32", None, False), ("bf16", 1.0, True), ("bf16", 100.0, False)],
-    ids=["fp32-clip-cached", "fp32-noclip-disk", "bf16-clip-cached", "bf16-clip-never-disk"])
+    ("fp32", 0.5, True), ("fp32", None, False), ("bf16", 1.0, True), ("bf16", 100.0, False), ("fp32", 0.5, False)],
+    ids=["fp32-clip-cached", "fp32-noclip-disk", "bf16-clip-cached", "bf16-clip-never-disk", "fp32-clip-disk"])
 def test_steps_between_commits_equal_torch_adamw(make_model_dir, tmp_path, precision, clip, state_cache):
     model_dir, model = make_model_dir("llama")
     data = batches(STEPS)

@@ -78,9 +78,9 @@ class _Counted:
     def __getattr__(self, attr):
         return getattr(self._store, attr)
 
-    def read_into(self, key: str, out, owns_padding: bool = False):
+    def read_into(self, key: str, out, owns_padding: bool = False, writer: bool = False):
         self._io.note(key, out.numel() * out.element_size(), False)
-        return self._store.read_into(key, out, owns_padding)
+        return self._store.read_into(key, out, owns_padding, writer=writer)
 
     def write(self, key: str, tensor, durable: bool = False):
         self._io.note(key, tensor.numel() * tensor.element_size(), True)

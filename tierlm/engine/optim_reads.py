@@ -100,7 +100,10 @@ class ShardReader:
         slot = self.slot_of(it.name, it.shard)
         view = lambda tag: self.fmt.view(it.bufs, tag, n)
         if mode in ("update", "redo", "apply") and not cached:
-            it.reads.append(self.store.read_into(key("master", it.name, it.shard, slot), view("master"), True))
+            # a held step's deferred update reads the master its own promised write replaces (fp32
+            # weights are the master; between commits the slot is rewritten in place)
+            it.reads.append(self.store.read_into(key("master", it.name, it.shard, slot), view("master"), True,
+                                                 writer=mode == "apply"))
             if self.steps[it.name] > 0 and not it.fresh:
                 m, v = ("qm", "qv") if self.fmt.quant else ("m", "v")
                 it.reads.append(self.store.read_into(key("m", it.name, it.shard, slot), view(m), True))

@@ -279,13 +279,24 @@ class TensorStore:
         inner.add_done_callback(done)
         return fut
 
-    def read_into(self, key: str, out: torch.Tensor, owns_padding: bool = False) -> "Future[torch.Tensor]":
+    def read_into(self, key: str, out: torch.Tensor, owns_padding: bool = False,
+                  writer: bool = False) -> "Future[torch.Tensor]":
         """Read `key` into `out` (same dtype and element count), e.g. a slice of a larger buffer.
 
         owns_padding: the memory after `out` up to the next 4 KiB is the caller's to overwrite
         (true for a pool buffer's start), which lets an unaligned length use direct I/O.
+        writer: the caller is the work whose write of `key` was reserved (a held step's update,
+        which reads a master it rewrites in place between commits): it reads the bytes there now,
+        after what was in flight before the reservation, and the promised write waits for this read.
+        Waiting for the promise instead would wait for itself.
         """
         with self._rec_lock:
+            promised = self._reserved.get(key) if writer else None
+            if promised is not None:
+                fut = self._after(key, [f for f in promised[1] if not f.done()], self._read_latest, key, out,
+                                  owns_padding)
+                promised[1].append(fut)
+                return self._track_read(key, fut)
             if key in self._inflight:  # the record is the write's, known once it lands
                 return self._track_read(key, self._after_write(key, self._read_latest, key, out, owns_padding))
         rec = self._check_into(key, out)
