@@ -146,6 +146,14 @@ FAMILIES = {
     "afmoe": dict(_BASE, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                   num_shared_experts=1, num_dense_layers=1, sliding_window=6,
                   layer_types=["sliding_attention", "full_attention"]),
+    # Gemma 4 (the 26B-A4B and 31B shapes): per-layer head dims and KV heads (global layers wider,
+    # one KV head), keys as values on the global layers, a dense MLP beside routed experts in every
+    # layer, norms after blocks, soft-capped logits; the per-layer embeddings and shared KV of the
+    # small E2B/E4B shapes are off (refused: tests/hf/test_checks.py)
+    "gemma4_text": dict(_BASE, head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+                        sliding_window=6, layer_types=["sliding_attention", "full_attention"],
+                        hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4, top_k_experts=2,
+                        moe_intermediate_size=32, final_logit_softcapping=30.0, pad_token_id=0),
 }
 
 
@@ -157,8 +165,8 @@ def family_config(family: str, **over):
 
 
 # initializer_range at which each tiny random model's greedy continuation varies (so a wrong token
-# shows): wide for most; Gemma 2/3's scaled embeddings and soft-capping repeat the last token there.
-GREEDY_INIT = {"gemma2": 0.02, "gemma3_text": 0.02}
+# shows): wide for most; Gemma 2/3/4's scaled embeddings and soft-capping repeat the last token there.
+GREEDY_INIT = {"gemma2": 0.02, "gemma3_text": 0.02, "gemma4_text": 0.02}
 
 
 def greedy_init(family: str) -> float:

@@ -84,3 +84,24 @@ def test_fixed_parameters_without_a_value_are_refused_before_anything_is_written
         Engine(empty_model(cfg), lambda name, out: None,
                EngineConfig(nvme_dir=str(tmp_path / "nvme"), cpu_mem="1GiB", precision="fp32"))
     assert not (tmp_path / "nvme").exists()
+
+
+@pytest.mark.parametrize("over, why", [
+    (dict(hidden_size_per_layer_input=16, vocab_size_per_layer_input=128),
+     r"per_layer_model_projection, model\.per_layer_projection_norm run before the decoder layers"),
+    (dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2),
+     r"its last 2 layers attend with an earlier layer's keys and values \(num_kv_shared_layers\)"),
+])
+def test_gemma4_small_shapes_are_refused_before_anything_is_written(over, why, tmp_path):
+    """Gemma 4's E2B/E4B shapes: the per-layer embeddings' projection runs before the layers, and
+    layers that reuse an earlier layer's keys and values send it gradients across the layer
+    boundary the engine's backward runs at; each is refused with its reason (the KV-sharing copy
+    once failed inside transformers while the engine sized its baseline), and no store is created.
+    The 26B-A4B and 31B shapes fine-tune (tests/test_families.py)."""
+    from tests.families import family_config
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(family_config("gemma4_text", **over)).save_pretrained(tmp_path / "m")
+    with pytest.raises(ValueError, match=why):
+        Engine.from_pretrained(tmp_path / "m", EngineConfig(nvme_dir=str(tmp_path / "nvme"), cpu_mem="1GiB",
+                                                            precision="fp32"))
+    assert not (tmp_path / "nvme").exists()

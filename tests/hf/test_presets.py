@@ -227,3 +227,23 @@ def test_a_tiny_model_of_a_family_without_attention():
     assert cfg.num_hidden_layers == 3 and cfg.hidden_size == 96
     with pytest.raises(ValueError, match="mamba has no attention heads"):
         make_config("mamba", None, {"heads": 2})
+
+
+def test_layers_with_values_of_their_own_keep_them_in_tiny_copies():
+    """Gemma 4's config gives its global layers their own head dim (and KV heads) through
+    transformers' per-layer config, where reading `config.head_dim` raises: `tierlm init --arch
+    gemma4_text` failed with that traceback. The tiny model keeps the global layer twice as wide as
+    the sliding ones, `--layers` and `--hidden` carry that along the family's pattern, and its side
+    tables (the per-layer embeddings' vocabulary and width) shrink with the rest."""
+    from transformers import AutoModelForCausalLM
+    from tierlm.hf.fields import head_dim, kv_token_bytes, layer_get, overrides
+    c = make_config("gemma4_text", None, {})
+    assert c.num_hidden_layers == 6 and c.layer_types[5] == "full_attention"
+    assert overrides(c) == {5: {"head_dim": 32}} and head_dim(c) == 32
+    assert c.vocab_size_per_layer_input == 512 and c.hidden_size_per_layer_input == 16
+    c = make_config("gemma4_text", None, {"layers": 12, "hidden": 128, "heads": 4, "kv_heads": 2})
+    assert [layer_get(c, "head_dim", i) for i in range(12)] == [32] * 5 + [64] + [32] * 5 + [64]
+    assert kv_token_bytes(c) == 12 * 2 * 2 * 32 + 2 * 2 * 2 * 32  # the two global layers twice as wide
+    m = AutoModelForCausalLM.from_config(c)
+    assert m.model.layers[11].self_attn.q_proj.out_features == 4 * 64
+    assert m.model.layers[10].self_attn.q_proj.out_features == 4 * 32

@@ -71,6 +71,20 @@ def test_streamed_experts_compute_what_resident_ones_do_reading_only_routed_expe
     assert stats.miss_bytes == len(routed) * eng.streamed_experts.cache.slot_bytes
 
 
+def test_gemma4s_experts_beside_its_dense_mlp_stream_as_resident_ones_compute(tmp_path):
+    """Gemma 4 (26B-A4B shape): every layer runs a dense MLP and routed experts side by side, the
+    router on the layer's input, its layers of two head dims. Streamed through the expert cache,
+    the same logits bit for bit as resident, the same experts routed."""
+    cfg = family_config("gemma4_text", vocab_size=300, initializer_range=0.02, num_hidden_layers=4,
+                        layer_types=["sliding_attention", "full_attention"] * 2, num_experts=16, top_k_experts=4)
+    d = init_model(tmp_path / "m", cfg, seed=3)
+    ref, _, _, routed_ref, _ = _decode(d, tmp_path, None, "resident")
+    got, stats, _, routed, eng = _decode(d, tmp_path, 0, "streamed")
+    assert eng.expert_placement is not None and len(eng.moe) == 4
+    assert torch.equal(got, ref) and routed == routed_ref
+    assert stats.hits < stats.requests
+
+
 @pytest.mark.parametrize("policy", ["lfu", "lru"])
 def test_a_cache_of_one_layers_experts_evicts_and_computes_the_same(moe_dir, tmp_path, monkeypatch, policy):
     ref, _, _, _, _ = _decode(moe_dir, tmp_path, None, "resident")

@@ -64,6 +64,30 @@ def test_greedy_and_logits_equal_transformers(fam, family_dir, tmp_path):
             eng.close()
 
 
+def test_gemma4_per_layer_embeddings_and_shared_keys_generate_like_transformers(tmp_path):
+    """Gemma 4's small shapes (E2B, E4B): per-layer embeddings looked up and projected before the
+    layers and fed to each one, its last layers attending with an earlier layer's keys and values
+    (they cache none of their own) and a doubled MLP there. Generating runs the model's own forward,
+    so greedy tokens equal transformers', resident and streamed, batched rows of different lengths.
+    (Fine-tuning such a model is refused: tests/engine/test_architectures.py.)"""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    cfg = family_config("gemma4_text", initializer_range=0.02, num_hidden_layers=4, num_kv_shared_layers=2,
+                        layer_types=["sliding_attention", "full_attention"] * 2, hidden_size_per_layer_input=16,
+                        vocab_size_per_layer_input=128, use_double_wide_mlp=True, enable_moe_block=False)
+    model = AutoModelForCausalLM.from_config(cfg).float().eval()
+    assert model.model.layers[3].self_attn.is_kv_shared_layer and model.model.embed_tokens_per_layer is not None
+    model.save_pretrained(tmp_path / "model")
+    refs = [_reference(model, p, NEW) for p in PROMPTS]
+    assert len({tuple(r) for r in refs}) > 1
+    for resident in (None, 0):
+        eng = _engine(tmp_path / "model", tmp_path, max_batch=3, max_seq_len=40, resident_layers=resident)
+        try:
+            assert _greedy(eng, PROMPTS, NEW) == refs, f"resident_layers={resident}"
+        finally:
+            eng.close()
+
+
 # JetMoE's int8 holds only its kv_proj in int8 (its experts are stacked tensors, its routers stay
 # in bf16), yet moves the logits 0.31: that one rounding changes which attention and MLP experts
 # the next tokens route to, a discrete jump of the tiny model (its bf16 distance: 0.05)

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..hf.fields import overrides
 from .group import _attempt_store
 
 ATTN_COLS, ATTN_ROWS = ("q_proj", "k_proj", "v_proj"), "o_proj"
@@ -59,6 +60,10 @@ class TensorParallel:
         """Shrink the (meta) linear maps of every decoder layer to this rank's shard, remember which
         slice of each checkpoint tensor it holds, and add the all_reduce after attention and MLP."""
         names = {id(m): n for n, m in model.named_modules()}
+        if overrides(config):
+            raise ValueError(f"--tp splits layers of one shape; {config.model_type}'s layers differ "
+                             f"({sorted({f for v in overrides(config).values() for f in v})} per layer): "
+                             f"run it without --tp")
         heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         inter = config.intermediate_size
         for what, n in (("attention heads", heads), ("key-value heads", kv), ("MLP width", inter)):

@@ -107,6 +107,12 @@ class Engine(DurableState, Exports, BlockResidency):
         if early:
             raise ValueError(f"{model.config.model_type}: {', '.join(early)} run before the decoder layers and are "
                              "not embeddings; the fine-tuning engine does not stream such weights yet")
+        shared = getattr(model.config, "num_kv_shared_layers", 0)
+        if shared:
+            raise ValueError(f"{model.config.model_type}: its last {shared} layers attend with an earlier layer's keys "
+                             "and values (num_kv_shared_layers), so their gradients reach that layer; the "
+                             "fine-tuning engine runs each layer's backward on its own and does not carry them yet "
+                             "(generating runs it)")
         # parameters the modules keep fixed get no gradient, and the step would wait for one: they
         # become buffers, kept as they are (from_pretrained has done so before reading buffers)
         unread = [n for n, p in model.named_parameters() if not p.requires_grad and p.device.type == "meta"]

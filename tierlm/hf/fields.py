@@ -21,7 +21,7 @@ ROLES = {
     # mixtures of experts
     "expert_intermediate": ("moe_intermediate_size",),
     "shared_intermediate": ("shared_expert_intermediate_size",),
-    "experts_per_token": ("num_experts_per_tok", "moe_topk", "top_k"),
+    "experts_per_token": ("num_experts_per_tok", "moe_topk", "top_k", "top_k_experts"),
     "dense_first": ("first_k_dense_replace",),      # leading layers with a dense MLP
     "rope_head_dim": ("qk_rope_head_dim",),          # latent attention: the rotary part of each head
     "latent_kv": ("kv_lora_rank",),                  # latent attention: the compressed KV's width
@@ -33,10 +33,38 @@ def _field(config, role: str) -> str | None:
     return next((f for f in ROLES[role] if f in own), None)
 
 
+def _read(config, f: str):
+    """A config field; on a config with per-layer values (transformers' heterogeneous configs: Gemma
+    4's wider global layers), the global value, which the layers without an override have."""
+    plain = getattr(config, "_getattr_without_heterogeneous_validation", None)
+    return plain(f, None) if plain is not None else getattr(config, f, None)
+
+
 def get(config, role: str, default=None):
     f = _field(config, role)
-    v = getattr(config, f, None) if f else None
+    v = _read(config, f) if f else None
     return default if v is None else v
+
+
+def overrides(config) -> dict[int, dict]:
+    """Per-layer values that differ from the global ones ({layer: {field: value}}); {} for the usual
+    config whose layers all share its fields."""
+    if not getattr(config, "is_heterogeneous", False):
+        return {}
+    return {int(i): dict(v) for i, v in config._heterogeneity_spec.per_layer_overrides.items()}
+
+
+def layer_config(config, i: int):
+    """Layer i's config: the config itself, or where layers differ, its view with the layer's own values."""
+    return config.per_layer_config[i] if overrides(config) else config
+
+
+def layer_get(config, role: str, i: int, default=None):
+    return get(layer_config(config, i), role, default)
+
+
+def _set_overrides(config, table: dict[int, dict]) -> None:
+    config.per_layer_config = {i: v for i, v in table.items() if v} or None
 
 
 def put(config, role: str, value) -> bool:
@@ -60,6 +88,9 @@ def put(config, role: str, value) -> bool:
                 setattr(config, k, [v[i % len(v)] for i in range(value)])
             except AttributeError:  # derived from the layer count (Jamba's, Bamba's: a property without setter)
                 pass
+        table, old = overrides(config), len(types) if types else None
+        if table and old:  # per-layer values follow the layer pattern as layer_types does
+            _set_overrides(config, {i: table[i % old] for i in range(value) if i % old in table})
     return True
 
 
@@ -75,7 +106,10 @@ def per_layer_lists(config) -> dict[str, list]:
 
 
 def head_dim(config) -> int:
-    return get(config, "head_dim") or get(config, "hidden") // get(config, "heads")
+    """The widest head of any layer (what sizes attention's scratch)."""
+    dims = [get(layer_config(config, i), "head_dim") for i in sorted(overrides(config))]
+    return max([get(config, "head_dim") or get(config, "hidden") // get(config, "heads")]
+               + [d for d in dims if d])
 
 
 def shrunk(config, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
@@ -109,6 +143,17 @@ def shrunk(config, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: 
     if getattr(c, "rotary_dim", None):  # GPT-J, CodeGen: rotary on the first rotary_dim of each head
         c.rotary_dim = min(c.rotary_dim, hidden // heads)
     put(c, "vocab", vocab)
+    n_layers = get(c, "layers")  # (None where the config derives it: Nemotron-H's pattern)
+    for k, v in c.to_dict().items():  # side tables (Gemma 4's per-layer embeddings: their vocabulary, width)
+        if isinstance(v, int) and not isinstance(v, bool):
+            if k.startswith("vocab_size_") and v > vocab:
+                setattr(c, k, vocab)
+            elif k.startswith("hidden_size_") and v > hidden:
+                setattr(c, k, hidden // 4)
+            elif k.startswith("num_") and k.endswith("_layers") and k != _field(c, "layers") \
+                    and isinstance(n_layers, int) and v >= n_layers:
+                setattr(c, k, 0)  # as many layers of a kind as the copy has (Gemma 4's that share KV: a
+                #                   valid copy needs a producer of each type): none
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # published ids fall outside a small vocab
         v = getattr(c, key, None)
         ids = v if isinstance(v, list) else [v]
@@ -121,19 +166,55 @@ def shrunk(config, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: 
         c.sliding_window = min(c.sliding_window, 64)
     if getattr(c, "attention_chunk_size", None):  # a check's few positions cross a chunk's end
         c.attention_chunk_size = min(c.attention_chunk_size, 6)
+    rescale_overrides(config, c)
     return c
+
+
+def rescale_overrides(config, c) -> None:
+    """After `c`'s shapes were changed from `config`'s: a layer's own values keep their ratio to the
+    global value (Gemma 4's global layers: twice the head dim, fewer KV heads), KV heads still
+    dividing the heads."""
+    table = overrides(c)
+    if not table:
+        return
+    roles = {f: r for r in ("heads", "kv_heads", "head_dim", "intermediate", "expert_intermediate")
+             for f in ROLES[r]}
+    heads = get(c, "heads")
+    for ov in table.values():
+        for f, v in list(ov.items()):
+            if f not in roles or not isinstance(v, int) or not _read(config, f):
+                continue
+            new = max(1, v * get(c, roles[f]) // _read(config, f))
+            if roles[f] == "kv_heads" and heads % new:
+                new = 1
+            ov[f] = new
+    _set_overrides(c, table)
 
 
 def kv_geometry(config) -> tuple[int, tuple[int, int], tuple[int, int]]:
     """(layers, (heads, dim) of what a layer caches as keys, the same of its values) of an HF
-    config. Latent attention (DeepSeek-V3) caches its compressed KV (kv_lora_rank wide) as the
-    "keys" and the rotary part of its keys as the "values", each one head, and expands them after
-    reading the cache."""
+    config, for the layers without values of their own (`layer_kv_geometry` for one layer). Latent
+    attention (DeepSeek-V3) caches its compressed KV (kv_lora_rank wide) as the "keys" and the
+    rotary part of its keys as the "values", each one head, and expands them after reading the cache."""
     layers = config.num_hidden_layers
     latent = get(config, "latent_kv")
     if latent:
         return layers, (1, latent), (1, get(config, "rope_head_dim"))
     heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    hd = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv = _read(config, "num_key_value_heads") or heads
+    hd = _read(config, "head_dim") or config.hidden_size // heads
     return layers, (kv, hd), (kv, hd)
+
+
+def layer_kv_geometry(config, i: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((heads, dim) of layer i's cached keys, the same of its values)."""
+    return kv_geometry(layer_config(config, i))[1:]
+
+
+def kv_token_bytes(config, layers=None, element: int = 1) -> int:
+    """Elements (times `element` bytes) one token's keys and values take over `layers` (all)."""
+    total = 0
+    for i in range(config.num_hidden_layers) if layers is None else layers:
+        (kh, kd), (vh, vd) = layer_kv_geometry(config, i)
+        total += kh * kd + vh * vd
+    return total * element

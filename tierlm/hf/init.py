@@ -50,6 +50,12 @@ class _ConstantsOnCPU(torch.overrides.TorchFunctionMode):
                 kwargs["device"] = "cpu"
             elif func is torch.full and _size_numel(args[:1]) <= SMALL:
                 kwargs["device"] = "cpu"
+        if func in (torch.cat, torch.stack) and args and isinstance(args[0], (list, tuple)):
+            # a constant kept real joined to a computed one left on meta (Gemma 4's proportional
+            # rotary: arange's frequencies beside zeros): the result is meta, as the module's would be
+            parts = args[0]
+            if any(isinstance(t, torch.Tensor) and t.is_meta for t in parts):
+                args = ([t.to("meta") if isinstance(t, torch.Tensor) else t for t in parts], *args[1:])
         return func(*args, **kwargs)
 
 

@@ -7,12 +7,13 @@ model (on `meta`, nothing allocated) and `init_model` can build a random one of 
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import math
 from typing import TYPE_CHECKING
 
-from .fields import get, put
+from .fields import get, put, rescale_overrides
 from .preset_tables import (ARCH_CLASSES, ARCH_CONFIGS, FAMILIES, NATIVE_PRESETS, PRESETS, TINY, NativePreset,
                             Preset, Shape)
 
@@ -184,18 +185,17 @@ def _tiny_family(arch: str):
         raise ValueError(f"arch {arch!r}: {problem}")
     from .fields import shrunk
     default = CONFIG_MAPPING[arch]()
-    c = shrunk(default, layers=2, hidden=64, heads=4, kv_heads=2, intermediate=176, vocab=512)
     # layers of every type the family's pattern has (Qwen3.5's fourth layer is its first attention
     # one; Gemma 3's sixth its first global one), so `--layers N` repeats the family's own pattern
     types = getattr(default, "layer_types", None)
-    if isinstance(types, list) and types:
-        need = max(types.index(t) for t in set(types)) + 1
-        if 2 < need <= 8:
-            put(c, "layers", need)
-            try:
-                c.layer_types = list(types[:need])
-            except AttributeError:  # derived from other fields (Jamba's attention period and offset)
-                pass
+    need = max(types.index(t) for t in set(types)) + 1 if isinstance(types, list) and types else 2
+    c = shrunk(default, layers=need if 2 < need <= 8 else 2, hidden=64, heads=4, kv_heads=2, intermediate=176,
+               vocab=512)
+    if 2 < need <= 8 and getattr(c, "layer_types", None) != list(types[:need]):
+        try:
+            c.layer_types = list(types[:need])
+        except AttributeError:  # derived from other fields (Jamba's attention period and offset)
+            pass
     put(c, "max_positions", 256)
     for k, v in c.to_dict().items():
         if isinstance(v, float) and ("dropout" in k or k.endswith("pdrop")):
@@ -208,6 +208,7 @@ def _native(config, overrides: dict | None, what: str):
     """Apply short overrides (layers, hidden, heads, ...) by role, keeping dependent shapes consistent,
     and native fields as given."""
     o = {str(k).replace("-", "_"): v for k, v in (overrides or {}).items()}
+    before = copy.deepcopy(config)
     native_fields = set(config.to_dict()) | set(getattr(type(config), "attribute_map", {}))
     bad = [k for k in o if k not in SHORT_KEYS and k not in native_fields]
     if bad:
@@ -237,9 +238,10 @@ def _native(config, overrides: dict | None, what: str):
         put(config, "intermediate", r["inter"])
     if explicit_hd is not None and (r["hidden"] != view.shape.hidden or r["heads"] != view.shape.heads):
         put(config, "head_dim", r["hidden"] // r["heads"])  # a family whose head_dim is its own field
-    elif "head_dim" in config.to_dict() and getattr(config, "head_dim", None) is None:
+    elif "head_dim" in config.to_dict() and get(config, "head_dim") is None:
         # a field left None by the family's defaults that its modules read as a number (Hunyuan's)
         config.head_dim = r["hidden"] // r["heads"]
+    rescale_overrides(before, config)
     config.tie_word_embeddings = r["tie"]
     if "rope_theta" in o:
         rope = getattr(config, "rope_parameters", None)

@@ -18,6 +18,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
+from ..hf.fields import layer_config
 from . import native
 from .gemv import UPCAST_MIN_ROWS, bf16_matmul_is_slow
 from .quant import NATIVE_MAX_ROWS, QLinear
@@ -213,7 +214,8 @@ class FusedLayer:
         self.qk_norms = (norm_of(getattr(a, "q_norm", None), a.head_dim),
                          norm_of(getattr(a, "k_norm", None), a.head_dim)) if has_qk else None
         self.act = activation(m.act_fn)
-        kvh = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        own = layer_config(config, a.layer_idx) if hasattr(a, "layer_idx") else config  # (Gemma 4's layers differ)
+        kvh = getattr(own, "num_key_value_heads", None) or config.num_attention_heads
         self.why = self._why()  # None where kernels/layer.c computes this layer
         self.w = LayerW(hidden=config.hidden_size, heads=config.num_attention_heads, kv_heads=kvh,
                         head_dim=a.head_dim, inter=m.gate_proj.out_features,

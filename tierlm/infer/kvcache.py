@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ..hf.fields import kv_geometry
+from ..hf.fields import kv_token_bytes, layer_kv_geometry
 from ..storage import BudgetError
 from ..units import fmt_bytes
 from .states import StateSlots
@@ -39,9 +39,9 @@ def kv_bytes(config, slots: int, max_len: int, dtype: torch.dtype, kv_layers: se
     keep none)."""
     if kv_layers is not None and not kv_layers:
         return 0
-    layers, (kh, kd), (vh, vd) = kv_geometry(config)
-    n = layers if kv_layers is None else len(kv_layers)
-    return n * slots * (kh * kd + vh * vd) * (max_len + 1) * torch.empty((), dtype=dtype).element_size()
+    width = kv_token_bytes(config, None if kv_layers is None else sorted(kv_layers),
+                           torch.empty((), dtype=dtype).element_size())
+    return slots * width * (max_len + 1)
 
 
 class SlotKVCache:
@@ -53,8 +53,8 @@ class SlotKVCache:
         self.k: list[torch.Tensor | None] = [None] * layers
         self.v: list[torch.Tensor | None] = [None] * layers
         if kv_layers is None or kv_layers:
-            _, (kh, kd), (vh, vd) = kv_geometry(config)
             for i in range(layers) if kv_layers is None else sorted(kv_layers):
+                (kh, kd), (vh, vd) = layer_kv_geometry(config, i)  # layers may differ (Gemma 4's global ones)
                 # One spare position per slot: queries that only pad a row write there, never over real keys.
                 self.k[i] = torch.zeros((slots, kh, max_len + 1, kd), dtype=dtype, device=device)
                 self.v[i] = torch.zeros((slots, vh, max_len + 1, vd), dtype=dtype, device=device)

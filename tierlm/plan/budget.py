@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..hf.fields import layer_kv_geometry, overrides
 from ..kernel_cache import KERNEL_CACHE_BYTES
 from ..storage import BudgetError
 from ..storage.layout import DEFAULT_SHARD_ELEMS
@@ -124,8 +125,10 @@ def layer_activation_bytes(config, tokens: int, dtype: torch.dtype, seq: int | N
     h = config.hidden_size
     inter = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * h
     heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    kv_dim = h // heads * kv
+    if overrides(config):  # the widest layer's keys (Gemma 4's global layers are wider than the rest)
+        kv_dim = max(kh * kd for (kh, kd), _ in (layer_kv_geometry(config, i) for i in range(config.num_hidden_layers)))
+    else:  # (a planning shape's config, a SimpleNamespace, has no per-layer values)
+        kv_dim = h // heads * (getattr(config, "num_key_value_heads", None) or heads)
     per_token = 10 * h + 4 * inter + 4 * kv_dim + _routed_bytes_per_token(config, inter)
     out = tokens * per_token * dtype.itemsize
     if flash_attention(config):

@@ -94,14 +94,14 @@ def _room(p: Plan, s: ModelShape, hw: Hardware, task: Task, r: C.Rates) -> _Room
     lay = layout(task)
     act = C.layer_activation_bytes(s, T, fused_kernels=gpu, dtype=lay.dtype)
     working = C.compute_working_bytes(s, T, lay.w)
-    lw = s.layer_params * lay.w
+    lw = s.block_params * lay.w
     # The compute device's floor: the layer computing and the one prefetched, one layer's gradients,
     # one layer's saved activations (rebuilt or reloaded for its backward) and the transients.
-    floor = 2 * lw + s.layer_params * lay.grad + act + working
+    floor = 2 * lw + s.block_params * lay.grad + act + working
     ram = usable_ram(hw, task)
     # Host staging: with a GPU, pinned buffers for three layers of weights and two of gradients;
     # without one, RAM is the compute device and its floor is the window itself.
-    staging = (3 * lw + 2 * s.layer_params * lay.grad) if gpu else floor
+    staging = (3 * lw + 2 * s.block_params * lay.grad) if gpu else floor
     inputs = s.layers * C.layer_input_bytes(s, T, lay.w)  # recompute checkpoints, kept on the host
     dev_spare = 0
     if gpu:
@@ -232,12 +232,12 @@ def _record_step(p: Plan, s: ModelShape, task: Task, T: int, times: StepTimes, r
 
 def _engine_split(s: ModelShape, task: Task, T: int, act: int, p: Plan, hw: Hardware) -> budget.Split | None:
     """The engine's budget split (`tierlm.plan.budget.plan_split`) for this model and --cpu-mem."""
-    block = max(s.layer_params, s.embed_params, s.head_params)
+    block = max(s.block_params, s.embed_params, s.head_params)
     tied = s.head_params < s.vocab * s.hidden
     lay = layout(task)
     tok = s.vocab * s.hidden * lay.w  # a tied head uses the token embedding's matrix
     blocks = ([{"tok": tok, "pos": s.embed_params * lay.w - tok}]
-              + [{f"layer{i}": s.layer_params * lay.w} for i in range(s.layers)]
+              + [{f"layer{i}": s.block_params * lay.w} for i in range(s.layers)]
               + [{"tok": tok, "head": s.head_params * lay.w} if tied else {"head": s.head_params * lay.w}])
     run = _run_settings(s, task, T, hw)
     p.settings = run.to_dict()
@@ -249,7 +249,7 @@ def _engine_split(s: ModelShape, task: Task, T: int, act: int, p: Plan, hw: Hard
             budget.head_loss_bytes(C.hf_like_config(s), T, lay.dtype, tied=tied),
             # a tied head (no matrix of its own) holds its gradient through backward
             s.vocab * s.hidden * lay.grad if tied else 0,
-            max_layer_grad=s.layer_params * lay.grad,
+            max_layer_grad=s.block_params * lay.grad,
             state_total=s.params * lay.state if task.state_cache else None,
             weights_total=s.params * lay.w)
         return budget.plan_split(task.cpu_mem, ENGINE_BASELINE, needs)

@@ -16,7 +16,7 @@ from typing import NamedTuple
 # The config fields naming the routed experts a token goes through, and the experts of a layer, in
 # the families transformers builds (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3, gpt-oss: the first;
 # Hunyuan: moe_topk; ...).
-TOP_K_FIELDS = ("num_experts_per_tok", "moe_topk", "top_k")
+TOP_K_FIELDS = ("num_experts_per_tok", "moe_topk", "top_k", "top_k_experts")
 EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 

@@ -235,7 +235,7 @@ def _infer_resident_layers(s: ModelShape, task: Task, p: Plan) -> int | None:
     kv = task.batch * (max_len + 1) * C.kv_bytes_per_token(s)
     try:
         return plan_placement(cfg, INFER_BASELINE, (s.embed_params + s.head_params) * C.W_BYTES,
-                              int(s.layer_params * C.weight_bytes_per_param(task.weights, s.hidden)), s.layers, kv,
+                              int(s.block_params * C.weight_bytes_per_param(task.weights, s.hidden)), s.layers, kv,
                               scratch_bytes(C.hf_like_config(s), cfg, max_len)).resident
     except BudgetError as e:
         p.problems.append(str(e))

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers import AutoModelForCausalLM
 
-from ..hf.fields import get, head_dim as head_dim_of, kv_geometry
+from ..hf.fields import get, head_dim as head_dim_of, kv_geometry, kv_token_bytes, overrides
 from .moe import EXPERT_FIELDS, TOP_K_FIELDS, MoeShape, experts_in_config, experts_per_token, moe_shape
 
 # Shapes of models the planner is asked about that tierlm has no `init` preset for (planning only).
@@ -53,6 +53,12 @@ class ModelShape:
     gated_mlp: bool          # SwiGLU-style (three matrices) rather than two
     moe: MoeShape | None = None  # a mixture of experts' routed experts (moe.py); None for a dense model
     kv_width: int | None = None  # elements a layer caches a token (keys and values); None: 2 x kv_dim
+    largest_layer_params: int = 0  # the largest decoder layer where they differ (Gemma 4's global ones)
+
+    @property
+    def block_params(self) -> int:
+        """One decoder layer's parameters as a block of the window or a resident layer: the largest."""
+        return max(self.layer_params, self.largest_layer_params)
 
     @property
     def active_params(self) -> int:
@@ -125,22 +131,24 @@ def shape_of(config, model_name: str, source: str) -> ModelShape:
     gated = any("gate" in name for name, _ in m.get_submodule(layers_name)[0].named_modules())
     del m
     moe = _moe(config, model_name, per_layer, embed + head, routed, stacked)
-    if len(set(per_layer)) != 1 and moe is None:
-        raise ValueError(f"{model_name}: decoder layers of different sizes are not planned yet ({sorted(set(per_layer))})")
     hidden, heads = get(config, "hidden"), get(config, "heads")
     inter = get(config, "intermediate") or 4 * hidden
     return ModelShape(
         name=model_name, model_type=config.model_type,
         source=source, params=sum(per_layer) + embed + head, embed_params=embed, head_params=head,
-        layer_params=per_layer[0] if moe is None else round(sum(per_layer) / n), layers=n, hidden=hidden,
+        # layers that differ (a mixture's dense first layers, Gemma 4's wider global ones): their mean
+        layer_params=per_layer[0] if len(set(per_layer)) == 1 else round(sum(per_layer) / n), layers=n, hidden=hidden,
         intermediate=inter, heads=heads,
         kv_heads=get(config, "kv_heads") or heads, head_dim=head_dim_of(config),
-        vocab=config.vocab_size, gated_mlp=gated, moe=moe, kv_width=_kv_width(config))
+        vocab=config.vocab_size, gated_mlp=gated, moe=moe, kv_width=_kv_width(config),
+        largest_layer_params=max(per_layer))
 
 
 def _kv_width(config) -> int | None:
     """What a layer's KV cache holds a token where it is not 2 x kv heads x head_dim (latent
-    attention), else None."""
+    attention, layers of different widths), else None."""
+    if overrides(config):  # layers of their own widths (Gemma 4's global ones): the mean, rounded up
+        return -(-kv_token_bytes(config) // config.num_hidden_layers)
     if not get(config, "latent_kv"):
         return None
     _, (kh, kd), (vh, vd) = kv_geometry(config)
