@@ -69,7 +69,8 @@ def _set_overrides(config, table: dict[int, dict]) -> None:
 
 def put(config, role: str, value) -> bool:
     """Set `role` where the config has a field for it; False where it has none (GPT-NeoX has no
-    separate KV heads). Layers also trims or extends `layer_types` (the pattern repeats)."""
+    separate KV heads). Layers also trims or extends `layer_types` and the layers' own values (the
+    pattern repeats)."""
     f = _field(config, role)
     if f is None:
         return False
