@@ -41,7 +41,9 @@ from tierlm.hf.init import init_model  # noqa: E402
 from tierlm.hf.presets import make_config  # noqa: E402
 from tierlm.infer.engine import InferConfig, InferenceEngine  # noqa: E402
 
-PRODUCTS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"}
+# oneDNN's inner product: tierlm.infer.fp32_product's many-row fp32 products (inputs [M, K], [N, K])
+LINEAR = "mkldnn::_linear_pointwise"
+PRODUCTS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", LINEAR}
 NORMS = {"aten::pow", "aten::mean", "aten::rsqrt", "aten::sum", "aten::var_mean", "aten::native_layer_norm",
          "aten::div_", "aten::_fused_rms_norm"}
 ACTIVATIONS = {"aten::silu", "aten::gelu", "aten::tanh", "aten::sigmoid"}
@@ -121,8 +123,9 @@ def _profiled(eng, prompt: list[int], cfg) -> tuple[dict, dict]:
         if s <= 0:
             continue
         kinds[kind(e.key, e.input_shapes, cfg)] += s
-        if e.key == "aten::mm" and len(e.input_shapes) >= 2:
-            key = json.dumps(e.input_shapes[:2])
+        if e.key in ("aten::mm", LINEAR) and len(e.input_shapes) >= 2:
+            x, w = e.input_shapes[:2]
+            key = json.dumps([x, w if e.key == "aten::mm" else w[::-1]])
             mms[key][0] += e.count
             mms[key][1] += s
     return dict(kinds), dict(mms)

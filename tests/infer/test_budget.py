@@ -13,8 +13,8 @@ from tierlm.units import parse_bytes
 
 from ..memory import library_peak
 
-BUDGET = "46MiB"
-SHAPE = {"layers": 24, "hidden": 512, "heads": 8, "kv_heads": 4, "intermediate": 1408, "vocab": 4096,
+BUDGET = "48MiB"
+SHAPE = {"layers": 26, "hidden": 512, "heads": 8, "kv_heads": 4, "intermediate": 1408, "vocab": 4096,
          "initializer_range": 0.2}
 
 

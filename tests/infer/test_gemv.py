@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tierlm.infer import native
+from tierlm.infer import fp32_product, native
 from tierlm.infer.engine import InferConfig
 from tierlm.infer.gemv import GemvLinear, bf16_matmul_is_slow, use_gemv
 
@@ -72,8 +72,8 @@ def test_many_rows_run_in_fp32_only_where_bf16_products_are_slow(monkeypatch, sl
     lin = nn.Linear(64, 48).to(torch.bfloat16)
     use_gemv(nn.Sequential(lin))
     x = torch.randn(2, gemv.UPCAST_MIN_ROWS, 64, dtype=torch.bfloat16)
-    want = (F.linear(x.float(), lin.weight.float(), lin.bias.float()).bfloat16() if slow
-            else F.linear(x, lin.weight, lin.bias))
+    want = (fp32_product.product(x.reshape(-1, 64).float(), lin.weight.float(), lin.bias.float()).bfloat16()
+            .reshape(2, -1, 48) if slow else F.linear(x, lin.weight, lin.bias))
     y = lin(x)
     assert y.dtype == torch.bfloat16 and torch.equal(y, want)
     few = x[:, : gemv.UPCAST_MIN_ROWS // 2 - 1]  # below the threshold: never converted to fp32
@@ -81,3 +81,35 @@ def test_many_rows_run_in_fp32_only_where_bf16_products_are_slow(monkeypatch, sl
         bf16_apart(lin(few), F.linear(few.float(), lin.weight.float(), lin.bias.float()).bfloat16(), lin, few)
     else:
         assert torch.equal(lin(few), F.linear(few, lin.weight, lin.bias))
+
+
+def test_the_fp32_product_keeps_its_buffer_and_sums_like_linear():
+    """Many-row products of converted weights (fp32_product): into one kept buffer (no fresh pages
+    a product), oneDNN's fp32 sums where it runs, within fp32 summation of F.linear's, and the same
+    bits every call."""
+    torch.manual_seed(0)
+    w = torch.randn(320, 1024, dtype=torch.bfloat16)
+    x = torch.randn(40, 1024, dtype=torch.bfloat16)
+    y = fp32_product.upcast_linear(x, w)
+    kept = fp32_product.scratch(w.numel()).data_ptr()
+    assert y.dtype == torch.bfloat16 and y.shape == (40, 320)
+    assert torch.equal(fp32_product.upcast_linear(x, w), y)
+    assert fp32_product.scratch(w.numel()).data_ptr() == kept  # the same buffer, not a new one
+    assert fp32_product.scratch(10).data_ptr() == kept  # a smaller matrix reuses it too
+    got = fp32_product.product(x.float(), w.float())
+    mag = x.double().abs() @ w.double().abs().T
+    assert ((got.double() - x.double() @ w.double().T).abs() <= fp32_sum_tol(1024, mag)).all()
+    assert torch.equal(y, got.bfloat16())
+
+
+def test_oneDNN_runs_the_fp32_products_on_x86_only(monkeypatch):
+    import platform
+    fp32_product.onednn_linear.cache_clear()
+    try:
+        monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+        assert not fp32_product.onednn_linear()
+        fp32_product.onednn_linear.cache_clear()
+        monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+        assert fp32_product.onednn_linear() == torch.backends.mkldnn.is_available()
+    finally:
+        fp32_product.onednn_linear.cache_clear()

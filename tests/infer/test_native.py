@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierlm.infer import native, qgemm
+from tierlm.infer import fp32_product, native, qgemm
 from tierlm.infer.quant import QLinear
 
 from .tolerances import STEP, check_products, check_rounded, fp32_sum_tol, x_step
@@ -368,13 +368,13 @@ def test_int4_qlinear_uses_ours_for_few_rows_and_integers_or_fp32_for_many():
     for name, t in lin.quantize(torch.randn(96, 256), None, torch.float32).items():
         setattr(lin, name, t)
     w = dequant_int4(lin.qweight, lin.scales, 64)
-    for rows in (1, 7, 33):  # 33: above NATIVE_MAX_ROWS, dequantised and F.linear
+    for rows in (1, 7, 33):  # 33: above NATIVE_MAX_ROWS, dequantised and multiplied in fp32
         x = torch.randn(rows, 256)
         y = lin(x)
         if rows == 33 and qgemm.fast():  # 8-bit x a group, integer sums (test_qgemm.py)
             assert torch.equal(y, qgemm.product(x, lin.qweight, lin.scales, 64))
         elif rows == 33:
-            assert torch.equal(y, torch.nn.functional.linear(x, native.dequant_int4(lin.qweight, lin.scales, 64)))
+            assert torch.equal(y, fp32_product.product(x, native.dequant_int4(lin.qweight, lin.scales, 64)))
             torch.testing.assert_close(y, x @ w.T, rtol=1e-5, atol=1e-4)
         else:
             assert torch.equal(y, native.gemv_int4(x, lin.qweight, lin.scales, 64))

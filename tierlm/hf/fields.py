@@ -29,7 +29,9 @@ ROLES = {
 
 
 def _field(config, role: str) -> str | None:
-    own = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    # a transformers config, a planning shape's namespace (plan.cost.hf_like_config) or a dict
+    own = config.to_dict() if hasattr(config, "to_dict") else vars(config) if hasattr(config, "__dict__") \
+        else dict(config)
     return next((f for f in ROLES[role] if f in own), None)
 
 

@@ -7,9 +7,10 @@ M=1 goes through the matrix-matrix path and reads the weights at 2.7-6.8 GB/s he
 decode speed. Several rows (prefill, batched decode) keep `F.linear`, which is the faster one there,
 except on a CPU without bf16 matrix instructions (AVX2 only): there a bf16 product of many rows runs
 on a fallback kernel far slower than fp32, so from UPCAST_MIN_ROWS rows the weight is converted to
-fp32 for that product (`benchmarks/infer_gemv.py`, a 5632 x 2048 weight at 64
-rows on a 2-vCPU AMD EPYC: 142.6 ms in bf16 against 65.8 ms converted on one thread, 70.0 against
-39.2 on two; at 8 rows the conversion loses, 19 against 142 ms in a loaded moment, hence the threshold).
+fp32 for that product (`fp32_product`: into a kept buffer, then oneDNN's fp32 product;
+`benchmarks/infer_gemv.py`, a 5632 x 2048 weight at 64 rows on a 2-vCPU AMD EPYC: 142.6 ms in bf16
+against 65.8 ms converted fresh on one thread, 70.0 against 39.2 on two; at 8 rows the conversion
+lost, 19 against 142 ms in a loaded moment, hence the threshold).
 
 Where our own kernel builds (`tierlm.infer.native`), one row runs on it rather than `torch.mv`, and
 so do 2..15 rows on those CPUs: it reads each bf16 weight row once for up to four rows of x
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..precision import cpu_has_bf16_matmul
-from . import native
+from . import fp32_product, native
 
 UPCAST_MIN_ROWS = 16  # converting the weight costs about as much as 13 bf16 rows on the fallback kernel
 
@@ -55,8 +56,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     rows = x.numel() // x.shape[-1]
     cpu = w.device.type == "cpu"
     if rows >= UPCAST_MIN_ROWS and cpu and bf16_matmul_is_slow():
-        b = None if bias is None else bias.float()
-        return F.linear(x.float(), w.float(), b).to(x.dtype)
+        return fp32_product.upcast_linear(x, w, bias)
     if cpu and (rows == 1 or bf16_matmul_is_slow()) and native.available() and w.is_contiguous():
         y = native.gemv_bf16(x, w)
         if bias is not None:

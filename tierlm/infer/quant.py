@@ -13,7 +13,7 @@ int4: asymmetric, one scale and offset per group of `group` input elements (w = 
 q in 0..15). Where our kernels build, in their own layout (`int4_layout()` "tierlm": nibbles in
 kernels/gemv.c's order, fp32 (scale, lo) pairs [N, K/group, 2]): up to NATIVE_MAX_ROWS rows on
 our kernel, more rows in integers as above or, without AVX2, dequantised to fp32 a matrix at a
-time and multiplied by `F.linear`.
+time and multiplied in fp32 (`fp32_product`).
 PyTorch's `aten._weight_int4pack_mm_for_cpu` reads int4 at ~5 GB/s at one row here, a quarter of
 our int8 kernel, so int4 was the slowest format to decode. Without a compiler, PyTorch's layout
 ("torch": `aten._convert_weight_to_int4pack_for_cpu`, the layout gpt-fast/torchao use:
@@ -24,13 +24,11 @@ compute dtype (the head is where most of the quality goes, and it is read once p
 """
 from __future__ import annotations
 
-import threading
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import native, qgemm
+from . import fp32_product, native, qgemm
 
 MODES = ("int8", "int4")
 NATIVE_MAX_ROWS = 32  # ours measured faster up to 16 rows (2.4 against 1.8 GB/s), level at 32
@@ -72,20 +70,6 @@ def dequant_int4(qweight: torch.Tensor, scale_lo: torch.Tensor, group: int) -> t
     b = qweight.view(n, k // 32, 1, 16)
     q = torch.cat([b & 15, b >> 4], 2).reshape(n, k // group, group).float()
     return (q * scale_lo[..., :1] + scale_lo[..., 1:]).reshape(n, k)
-
-
-_deq = threading.local()
-
-
-def _scratch(numel: int) -> torch.Tensor:
-    """fp32 room for one dequantised matrix, kept between calls: a fresh 46 MB buffer a matrix
-    made the kernel zero and fault in 4.4 GB of new pages for each prefill forward of a 1.1B model
-    (`scratch_bytes` counts the largest matrix)."""
-    buf = getattr(_deq, "buf", None)
-    if buf is None or buf.numel() < numel:
-        buf = _deq.buf = None  # the old one goes before the new one is made
-        buf = _deq.buf = torch.empty(numel, dtype=torch.float32)
-    return buf[:numel]
 
 
 def _int4(w: torch.Tensor, dtype: torch.dtype, group: int, layout: str) -> dict[str, torch.Tensor]:
@@ -167,10 +151,11 @@ def qproduct(q, x2: torch.Tensor) -> torch.Tensor:
         return native.gemv_int4(x2, q.qweight, q.scales, q.group).to(x2.dtype)
     if q.layout == "tierlm":  # a prefill: one matrix in fp32 at a time (scratch_bytes counts it)
         if native.available():
-            w = native.dequant_int4(q.qweight, q.scales, q.group, out=_scratch(q.out_features * q.in_features))
+            w = native.dequant_int4(q.qweight, q.scales, q.group,
+                                    out=fp32_product.scratch(q.out_features * q.in_features))
         else:
             w = dequant_int4(q.qweight, q.scales, q.group)
-        return F.linear(x2.float(), w).to(x2.dtype)
+        return fp32_product.product(x2.float(), w).to(x2.dtype)
     if q.mode == "int8":
         return torch.ops.aten._weight_int8pack_mm(x2, q.qweight, q.scales)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, q.qweight, q.group, q.scales)

@@ -6,6 +6,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import torch
+
+from ..precision import cpu_has_bf16_matmul
+from ..hf import fields
 from ..storage import BudgetError
 from ..units import fmt_bytes, parse_bytes
 from . import budget as B
@@ -103,8 +107,8 @@ def scratch_bytes(config, cfg: InferConfig, max_len: int, dtype=None, eager: boo
     # long as the longest prompt chunk
     tokens = cfg.step_tokens + cfg.max_batch if cfg.packed and packs else cfg.step_tokens * cfg.max_batch
     act = tokens * (12 * h + 4 * inter) * 4
-    if cfg.quant == "int4":  # a prefill dequantises one matrix to fp32 at a time
-        act += 4 * inter * h
+    if cfg.quant == "int4" or upcasts_bf16(cfg):  # a prefill multiplies one matrix at a time in fp32
+        act += 4 * largest_matrix(config, cfg.max_batch)
     scores = tokens * heads * (max_len + 1) * 4
     if eager:  # the model's eager attention (packed.py): the scores, soft-capped, their fp32 softmax, its cast
         scores *= 3
@@ -113,6 +117,23 @@ def scratch_bytes(config, cfg: InferConfig, max_len: int, dtype=None, eager: boo
     # attention, gate/up, silu and their integer roundings, and each thread's scores
     fused = cfg.max_batch * (7 * h + 4 * inter) * 4 + (os.cpu_count() or 1) * (max_len + 1) * 4
     return act + scores + logits + fused + B.RUNTIME_RESERVE
+
+
+def upcasts_bf16(cfg: InferConfig) -> bool:
+    """Whether many-row products convert bf16 weights to fp32 (`infer.fp32_product`): on a CPU
+    without bf16 matrix instructions, where the layers compute there."""
+    on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
+    return cfg.dtype == "bf16" and cfg.quant is None and on_cpu and not cpu_has_bf16_matmul()
+
+
+def largest_matrix(config, rows: int) -> int:
+    """Elements of the largest matrix a many-row product converts: a decoder layer's widest linear
+    map, and the head's where `rows` sequences decode together in one step (UPCAST_MIN_ROWS = 16)."""
+    h = config.hidden_size
+    inter = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * h
+    heads = fields.get(config, "heads") or 0  # none in a state-space model (Mamba)
+    widest = max(inter, h, heads * fields.head_dim(config) if heads else 0) * h
+    return max(widest, config.vocab_size * h) if rows >= 16 else widest
 
 
 def plan_placement(cfg: InferConfig, baseline: int, fixed: int, layer_bytes: int, layers: int,

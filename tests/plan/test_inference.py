@@ -1,0 +1,27 @@
+"""An inference run's compute scratch (plan.inference.scratch_bytes) counts the fp32 copy that a
+many-row product of converted weights keeps (infer.fp32_product)."""
+from types import SimpleNamespace
+
+import pytest
+
+from tierlm.plan import inference
+from tierlm.plan.inference import InferConfig, largest_matrix, scratch_bytes
+
+CONFIG = SimpleNamespace(hidden_size=256, intermediate_size=704, num_attention_heads=4, num_key_value_heads=2,
+                         vocab_size=4096)
+
+
+@pytest.mark.parametrize("fast_bf16", [True, False])
+def test_bf16_weights_count_a_converted_matrix_only_where_bf16_products_are_slow(monkeypatch, fast_bf16):
+    monkeypatch.setattr(inference, "cpu_has_bf16_matmul", lambda: fast_bf16)
+    base = scratch_bytes(CONFIG, InferConfig(dtype="fp32"), 64)
+    bf16 = scratch_bytes(CONFIG, InferConfig(dtype="bf16"), 64)
+    assert bf16 - base == (0 if fast_bf16 else 4 * 704 * 256)  # the MLP's widest matrix in fp32
+    # int4 converts its matrices to fp32 on any CPU (and its head, bf16, with the rest where slow)
+    assert scratch_bytes(CONFIG, InferConfig(dtype="bf16", weights="int4"), 64) - base == 4 * 704 * 256
+    assert scratch_bytes(CONFIG, InferConfig(dtype="bf16", device="cuda"), 64) == base  # the GPU computes
+
+
+def test_sixteen_rows_decoding_together_convert_the_head_too():
+    assert largest_matrix(CONFIG, 15) == 704 * 256
+    assert largest_matrix(CONFIG, 16) == 4096 * 256
