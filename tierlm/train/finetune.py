@@ -86,21 +86,22 @@ def _auto_precision(cfg: FinetuneConfig) -> str:
     return chosen
 
 
-def _save_timeline(tl, out: Path, step: int, end: float, progress) -> None:
+def _save_timeline(tl, out: Path, step: int, end: float, progress):
     """The step's timeline to [its start, `end`]: the window of its s/step (its log line and metrics
     row), so the picture's title, axis and lane shares are that step's numbers. Called after the
-    step, outside its time."""
+    step, outside its time; returns the process drawing the PNG, still running."""
     tl.stop(end)
     dt, stall = tl.span_s(), tl.stall_s()
     tl.save_chrome(out / "timeline.json")
     cpu = progress.rows[-1].get("cpu_s", {}) if progress.rows else {}
-    tl.save_png_in_child(out / "timeline.json", out / "timeline.png",
-                         title=f"step {step}: {dt:.2f} s, compute waited {stall:.2f} s on I/O"
-                         + (f"; CPU s: {describe_cpu(dict(list(cpu.items())[:5]))}" if cpu else ""))
+    drawing = tl.save_png_in_child(out / "timeline.json", out / "timeline.png",
+                                   title=f"step {step}: {dt:.2f} s, compute waited {stall:.2f} s on I/O"
+                                   + (f"; CPU s: {describe_cpu(dict(list(cpu.items())[:5]))}" if cpu else ""))
     progress.bar.write(f"timeline of step {step} ({dt:.2f} s): {out / 'timeline.json'} (Perfetto), "
                        f"{out / 'timeline.png'}; busy: "
                        + ", ".join(f"{k} {fmt_share(v)}" for k, v in tl.lane_shares().items())
                        + f"; compute stalled {fmt_share(stall / dt)} of the step")
+    return drawing
 
 
 class TrainingStopped(RuntimeError):
@@ -157,6 +158,7 @@ class _Run:
     start: int
     result_options: dict   # the options that change results, kept in each commit (resume checks them)
     bad_streak: int = 0
+    drawing: object = None  # the process drawing timeline.png (waited for when the run ends)
 
     @property
     def lead(self) -> bool:  # prints progress, writes the metrics, summary and final model
@@ -180,6 +182,14 @@ def _run(cfg: FinetuneConfig, out: Path, dist=None) -> dict:
         run.progress.close()
         run.engine.close()
         gc.unfreeze()  # a caller's objects (the Python API, the tests) are collected as before
+        _drawn(run)
+
+
+def _drawn(run: _Run) -> None:
+    """Wait for the timeline's picture (drawn beside the steps that followed its own)."""
+    if run.drawing is not None and run.drawing.wait() != 0:
+        print(f"warning: drawing {run.out / 'timeline.png'} failed (exit {run.drawing.returncode}); "
+              f"{run.out / 'timeline.json'} holds the same timeline (Perfetto)", file=sys.stderr)
 
 
 def _model_config(cfg: FinetuneConfig, dist):
@@ -342,7 +352,7 @@ def _steps(run: _Run) -> None:
             print(f"commit: {engine.commits.why}", file=sys.stderr)
         off = time.perf_counter()
         if engine.timeline.recording:
-            _save_timeline(engine.timeline, run.out, step + 1, now, run.progress)
+            run.drawing = _save_timeline(engine.timeline, run.out, step + 1, now, run.progress)
         _stop_if_stuck(run, step)
         if cfg.save_every and (step + 1) % cfg.save_every == 0:
             engine.checkpoint(f"step-{step + 1:08d}")
