@@ -23,5 +23,6 @@ def test_bf16_weights_count_a_converted_matrix_only_where_bf16_products_are_slow
 
 
 def test_sixteen_rows_decoding_together_convert_the_head_too():
-    assert largest_matrix(CONFIG, 15) == 704 * 256
-    assert largest_matrix(CONFIG, 16) == 4096 * 256
+    from tierlm.infer.gemv import UPCAST_MIN_ROWS
+    assert largest_matrix(CONFIG, UPCAST_MIN_ROWS - 1) == 704 * 256
+    assert largest_matrix(CONFIG, UPCAST_MIN_ROWS) == 4096 * 256

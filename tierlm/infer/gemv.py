@@ -25,10 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..plan.inference import UPCAST_MIN_ROWS
 from ..precision import cpu_has_bf16_matmul
 from . import fp32_product, native
 
-UPCAST_MIN_ROWS = 16  # converting the weight costs about as much as 13 bf16 rows on the fallback kernel
+# UPCAST_MIN_ROWS (16): converting the weight cost about as much as 13 bf16 rows on the fallback kernel
 
 
 @functools.lru_cache(maxsize=1)

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..precision import cpu_has_bf16_matmul
 from ..hf import fields
+from ..precision import cpu_has_bf16_matmul
 from ..storage import BudgetError
 from ..units import fmt_bytes, parse_bytes
 from . import budget as B
@@ -119,6 +119,11 @@ def scratch_bytes(config, cfg: InferConfig, max_len: int, dtype=None, eager: boo
     return act + scores + logits + fused + B.RUNTIME_RESERVE
 
 
+# From this many rows a bf16 product converts its weight to fp32 where the CPU has no bf16 units
+# (infer.gemv, which measured the threshold; infer.fp32_product converts)
+UPCAST_MIN_ROWS = 16
+
+
 def upcasts_bf16(cfg: InferConfig) -> bool:
     """Whether many-row products convert bf16 weights to fp32 (`infer.fp32_product`): on a CPU
     without bf16 matrix instructions, where the layers compute there."""
@@ -128,12 +133,12 @@ def upcasts_bf16(cfg: InferConfig) -> bool:
 
 def largest_matrix(config, rows: int) -> int:
     """Elements of the largest matrix a many-row product converts: a decoder layer's widest linear
-    map, and the head's where `rows` sequences decode together in one step (UPCAST_MIN_ROWS = 16)."""
+    map, and the head's where `rows` sequences decode together in one step."""
     h = config.hidden_size
     inter = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * h
     heads = fields.get(config, "heads") or 0  # none in a state-space model (Mamba)
     widest = max(inter, h, heads * fields.head_dim(config) if heads else 0) * h
-    return max(widest, config.vocab_size * h) if rows >= 16 else widest
+    return max(widest, config.vocab_size * h) if rows >= UPCAST_MIN_ROWS else widest
 
 
 def plan_placement(cfg: InferConfig, baseline: int, fixed: int, layer_bytes: int, layers: int,
