@@ -90,6 +90,12 @@ class OutOfCoreAdamW(NormsMixin, ExpertsMixin):
         self._exec = ThreadPoolExecutor(1, thread_name_prefix="tierlm-optim")
         self._run: Future | None = None
         self._norm_at_hand_over = False
+        # Shards whose accumulator this step has written, and the parameters a micro-batch has
+        # handed over: a parameter some micro-batches give no gradient (a module the data skips)
+        # accumulates only what arrives, as autograd's `.grad` does (begin_micro, end_micro)
+        self._acc_written: set[tuple[str, int]] = set()
+        self._arrived: set[str] = set()
+        self._last_of_several = False
         self._pieces: dict[str, dict] = {}  # norms of pieces of a gradient final before the rest
         self._norms: dict[str, torch.Tensor] = {}
         self._sq: dict[str, torch.Tensor] = {}
@@ -126,6 +132,9 @@ class OutOfCoreAdamW(NormsMixin, ExpertsMixin):
             self._early_done.clear()
             self._skip = set()
             self._zero_acc = set()
+            self._acc_written = set()
+        self._arrived = set()
+        self._last_of_several = n_micro > 1 and micro == n_micro - 1
         self.queue.open()
         self._run = self._exec.submit(self._consume, micro, n_micro)
 
@@ -150,6 +159,7 @@ class OutOfCoreAdamW(NormsMixin, ExpertsMixin):
             # recorded before the gradient is visible to the optimizer's thread, which takes the
             # norm itself where there is none
             self._norms[name] = grad_norm(grad, self._pieces.get(name))
+        self._arrived.add(name)
         self.queue.put(name, grad, size, self._run)
 
     def end_micro(self) -> None:
@@ -158,11 +168,23 @@ class OutOfCoreAdamW(NormsMixin, ExpertsMixin):
         run, self._run = self._run, None
         if run is None:
             return
+        if self._last_of_several:
+            self._hand_over_accumulated(run)
         self.queue.close()
         try:
             run.result()
         finally:
             self.queue.clear()
+
+    def _hand_over_accumulated(self, run: Future) -> None:
+        """The last micro-batch gave no gradient to parameters that earlier ones did: torch's
+        `.grad` holds what they accumulated and AdamW applies it, so they arrive now with a zero
+        gradient (a broadcast scalar: no memory) that adds nothing to their accumulators."""
+        accumulated = {n for n, _ in self._acc_written}
+        for name in self.canonical:
+            if name in accumulated and name not in self._arrived:
+                zero = torch.zeros((), dtype=torch.float32).expand(self.infos[name].numel)
+                self.queue.put(name, zero, 0, run)
 
     def commit(self, durable: bool = True) -> list[Future]:
         """The step's updates become the newest state; durable: the committed one (make_durable).
@@ -328,6 +350,9 @@ class OutOfCoreAdamW(NormsMixin, ExpertsMixin):
     def _prepared(self, name: str, k: int, mode: str, micro: int, blocking: bool) -> ShardItem | None:
         a, b = self.infos[name].shards[k]
         it = ShardItem(name, k, a, b)
+        # no earlier micro-batch of this step gave it a gradient: its accumulator is zero, not the
+        # one an earlier step left in the store
+        it.acc_zero = micro > 0 and mode in ("update", "accumulate", "hold") and (name, k) not in self._acc_written
         it.fresh = self.experts.is_fresh(name, k)
         if it.fresh and self.skip_ok and mode in ("update", "accumulate", "hold") \
                 and (micro == 0 or (name, k) in self._zero_acc):
@@ -387,6 +412,7 @@ class OutOfCoreAdamW(NormsMixin, ExpertsMixin):
         g, raw = self._gradient(it, mode, micro, clip)
         if mode == "accumulate":
             writes, written = [self.store.write(key("gacc", it.name, it.shard), g)], {"g"}
+            self._acc_written.add((it.name, it.shard))
         elif mode == "hold":
             writes, written = self._save_grad(it, mode, micro, g, raw)
             self._held.add(it.name)
