@@ -33,6 +33,14 @@ def _converted(key: str, converters):
     return None
 
 
+def _with_prefix(name: str, known: set[str], prefix: str) -> str:
+    """`name`, or under the base model's prefix where only that is the model's (a checkpoint saved
+    from the base model alone)."""
+    if name not in known and prefix and f"{prefix}.{name}" in known:
+        return f"{prefix}.{name}"
+    return name
+
+
 def model_to_checkpoint(model, checkpoint: Iterable[str], wanted: Iterable[str],
                         where="the checkpoint") -> dict[str, str | Stacked]:
     """{parameter name: checkpoint tensor name, or the `Stacked` experts it is made from} for each of
@@ -66,9 +74,11 @@ def model_to_checkpoint(model, checkpoint: Iterable[str], wanted: Iterable[str],
             if target in wanted:
                 stacked.setdefault(target, (conv, {}))[1].setdefault(pattern, []).append(ck)
             continue
-        name = apply_renamings(ck, renames)
-        if name not in wanted and name not in alias and prefix and f"{prefix}.{name}" in known:
-            name = f"{prefix}.{name}"  # saved from the base model alone
+        name = _with_prefix(apply_renamings(ck, renames), known, prefix)
+        if name not in known and _with_prefix(ck, known, prefix) in known:
+            # a renaming meant for other tensors matched this one (DeepSeek-V4's `.norm.` -> `.kv_norm.`
+            # meets the final `model.norm`): transformers keeps such a key as it is, and so do we
+            name = _with_prefix(ck, known, prefix)
         if name in wanted and name not in out:
             out[name] = ck
         elif alias.get(name) in wanted:
