@@ -146,6 +146,18 @@ FAMILIES = {
     "afmoe": dict(_BASE, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                   num_shared_experts=1, num_dense_layers=1, sliding_window=6,
                   layer_types=["sliding_attention", "full_attention"]),
+    # sparse attention (DSA): latent attention whose queries attend to the top-k keys an indexer
+    # scores (its own keys cached beside the latent KV); fewer keys than the prompt, so it selects
+    "deepseek_v32": dict(_BASE, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                         first_k_dense_replace=1, n_group=2, topk_group=1, q_lora_rank=24, kv_lora_rank=16,
+                         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_shared_experts=1, rope_scaling=None,
+                         index_n_heads=16, index_head_dim=16, index_topk=4),
+    # GLM-5's: a layer that reuses the previous layer's choice of keys (indexer_types "shared"),
+    # handed on as the decoder layers' second output
+    "glm_moe_dsa": dict(_BASE, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                        first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                        v_head_dim=16, head_dim=8, n_shared_experts=1, index_n_heads=16, index_head_dim=16, index_topk=4,
+                        indexer_types=["full", "shared"]),
     # Gemma 4 (the 26B-A4B and 31B shapes): per-layer head dims and KV heads (global layers wider,
     # one KV head), keys as values on the global layers, a dense MLP beside routed experts in every
     # layer, norms after blocks, soft-capped logits; the per-layer embeddings and shared KV of the
@@ -154,6 +166,17 @@ FAMILIES = {
                         sliding_window=6, layer_types=["sliding_attention", "full_attention"],
                         hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4, top_k_experts=2,
                         moe_intermediate_size=32, final_logit_softcapping=30.0, pad_token_id=0),
+}
+
+
+# Families that fine-tune (tests/test_families.py: bit-equal to torch's AdamW, the family's own
+# layout) but whose attention tierlm's inference does not run: tierlm's tiny model of the family
+# (`init --arch`) with these overrides. DeepSeek-V4: compressed and sparse attention layers, hyper-
+# connections, a checkpoint layout renamed on load (`.norm.` -> `.kv_norm.`, which the final
+# `model.norm` must escape).
+FINE_TUNE_ONLY = {
+    "deepseek_v4": dict(n_routed_experts=4, num_experts_per_tok=2, index_n_heads=4, index_head_dim=16, index_topk=4,
+                        compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4}),
 }
 
 

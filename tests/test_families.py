@@ -30,7 +30,7 @@ from tierlm.serve.server import make_app
 from tierlm.train.schedule import lr_factor
 
 from .engine.test_exactness import assert_same, batches, run_reference
-from .families import FAMILIES, family_config, greedy_init
+from .families import FAMILIES, FINE_TUNE_ONLY, family_config, greedy_init
 
 VOCAB = 300          # the byte tokenizer's 256 bytes, its special tokens, a few merges
 STEPS, ACCUM = 2, 2
@@ -160,3 +160,26 @@ def test_family_finetunes_exactly_saves_its_layout_generates_and_serves(family, 
     n = answer["usage"]["completion_tokens"]
     assert n == NEW or ref[n] in eos_ids_of(tok, out)  # stopped at an end-of-sequence token (not counted)
     assert answer["choices"][0]["text"] == tok.decode(ref[:n], skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("family", sorted(FINE_TUNE_ONLY))
+def test_family_that_only_fine_tunes_does_so_exactly_in_its_layout(family, tmp_path):
+    from tierlm.hf.presets import make_config
+    cfg = make_config(family, None, dict(FINE_TUNE_ONLY[family], vocab=VOCAB))
+    cfg.initializer_range = greedy_init(family)
+    d = init_model(tmp_path / "model", cfg, seed=3)
+    model = AutoModelForCausalLM.from_pretrained(d).float()
+    data = batches(STEPS * ACCUM, vocab=VOCAB)
+    _, ref_master, ref_losses, _ = run_reference(model, data, lr=LR, wd=0.1, clip=0.5, accum=ACCUM,
+                                                 warmup=0, precision="fp32")
+    losses, masters, logits, out = _finetune(d, tmp_path, data)
+    assert losses == ref_losses
+    assert_same(ref_master, masters)
+    model.save_pretrained(tmp_path / "hf-saved")
+    assert set(SafetensorsDir(out).names()) == set(SafetensorsDir(tmp_path / "hf-saved").names())
+    reloaded = AutoModelForCausalLM.from_pretrained(out).float().eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=torch.tensor([PROMPT])).logits, logits)
+    # generating is refused by name, before anything runs
+    with pytest.raises(ValueError, match="need attention masks tierlm's inference does not make"):
+        _greedy(out, tmp_path, None)

@@ -12,7 +12,7 @@ import copy
 ROLES = {
     "layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
     "hidden": ("hidden_size", "n_embd", "d_model"),
-    "heads": ("num_attention_heads", "n_head", "num_heads", "n_heads"),
+    "heads": ("num_attention_heads", "n_head", "num_heads", "n_heads", "attention_heads"),
     "kv_heads": ("num_key_value_heads", "num_kv_heads", "n_head_kv"),
     "intermediate": ("intermediate_size", "n_inner", "ffn_hidden_size", "ffn_dim"),
     "vocab": ("vocab_size",),
@@ -25,6 +25,7 @@ ROLES = {
     "dense_first": ("first_k_dense_replace",),      # leading layers with a dense MLP
     "rope_head_dim": ("qk_rope_head_dim",),          # latent attention: the rotary part of each head
     "latent_kv": ("kv_lora_rank",),                  # latent attention: the compressed KV's width
+    "index_key": ("index_head_dim",),                # sparse attention's indexer: its one key a token
 }
 
 
@@ -206,7 +207,8 @@ def kv_geometry(config) -> tuple[int, tuple[int, int], tuple[int, int]]:
     heads = config.num_attention_heads
     kv = _read(config, "num_key_value_heads") or heads
     hd = _read(config, "head_dim") or config.hidden_size // heads
-    return layers, (kv, hd), (kv, hd)
+    # values narrower or wider than keys where the family says so (MiMo-V2-Flash's v_head_dim)
+    return layers, (kv, hd), (kv, _read(config, "v_head_dim") or hd)
 
 
 def layer_kv_geometry(config, i: int) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -215,9 +217,10 @@ def layer_kv_geometry(config, i: int) -> tuple[tuple[int, int], tuple[int, int]]
 
 
 def kv_token_bytes(config, layers=None, element: int = 1) -> int:
-    """Elements (times `element` bytes) one token's keys and values take over `layers` (all)."""
+    """Elements (times `element` bytes) one token's keys and values take over `layers` (all), with
+    the indexer's key where the layers' sparse attention keeps one (DeepSeek-V3.2's DSA)."""
     total = 0
     for i in range(config.num_hidden_layers) if layers is None else layers:
         (kh, kd), (vh, vd) = layer_kv_geometry(config, i)
-        total += kh * kd + vh * vd
+        total += kh * kd + vh * vd + layer_get(config, "index_key", i, 0)
     return total * element

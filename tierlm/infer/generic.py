@@ -40,7 +40,9 @@ def sliding_window(config) -> tuple[int | None, bool]:
         # attention of another kind (compressed, sparse) needs its own masks; the recurrent layers'
         # types (linear_attention, mamba, conv, hybrid) take none from the engine
         # (GenericStep.maskless_types); chunked ones are chunked_attention's
-        made = {"full_attention", "sliding_attention", "chunked_attention", "linear_attention"}
+        # indexed ones (DeepSeek-V3.2's sparse attention) take the full causal mask, their indexer's
+        # keys kept by the cache (update_indexer)
+        made = {"full_attention", "sliding_attention", "chunked_attention", "linear_attention", "indexed_attention"}
         other = {t for t in set(types) - made if t.endswith("attention")}
         if other:
             raise ValueError(f"{c.model_type}: layers of type {', '.join(sorted(other))} need attention masks "
@@ -51,6 +53,15 @@ def sliding_window(config) -> tuple[int | None, bool]:
     if getattr(c, "sliding_window", None) is not None:
         return c.sliding_window, False
     return None, False
+
+
+def _additive(mask, dtype):
+    """Boolean masks as transformers' eager attention adds them to its scores: 0 where a query
+    attends, the dtype's minimum where it does not (a dict of them: each; one tensor per mask)."""
+    if isinstance(mask, dict):
+        done: dict = {}
+        return {k: None if m is None else done.setdefault(id(m), _additive(m, dtype)) for k, m in mask.items()}
+    return torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, torch.finfo(dtype).min)
 
 
 def chunked_attention(config) -> tuple[int | None, bool]:
@@ -104,12 +115,15 @@ class GenericStep:
         self.offsets = reads_offset(model)
         # packed rows only where the model's attention runs packed.rows_attention (and no layer
         # keeps a recurrent state: row_groups)
+        # (nor where a sparse-attention indexer scores a row's queries against its cached keys)
         self.packs = packed_attention.install(model, config, cache) and packed and not self.states \
-            and not self.offsets
+            and not self.offsets and not cache.indexed
         # a model without attention (Mamba) takes no mask: its layers would apply a 4-D one as padding
         self.attends = bool(packed_attention.attention_modules(model))
         types = getattr(config.get_text_config(), "layer_types", None) or []
-        self.maskless_types = {t for t in types if t not in ("full_attention", "sliding_attention", "chunked_attention")}
+        self.maskless_types = {t for t in types if t not in ("full_attention", "sliding_attention", "chunked_attention",
+                                                             "indexed_attention")}
+        self.indexed_types = "indexed_attention" in types
         self.base = model.base_model
         self.head = model.get_output_embeddings()
         self.cache_kw = cache_kwarg(self.base)
@@ -136,6 +150,11 @@ class GenericStep:
             mask = None
         elif isinstance(mask, dict):  # a mask for every layer type the model looks up
             mask.update(dict.fromkeys(self.maskless_types))
+        if self.indexed_types:  # indexed layers look up their own key: the full causal mask
+            mask = dict(mask) if isinstance(mask, dict) else {"full_attention": mask}
+            mask["indexed_attention"] = mask["full_attention"]
+        if mask is not None and self.model.config._attn_implementation == "eager":
+            mask = _additive(mask, self.model.dtype)
         return ids, pos, mask, packed
 
     def logits(self, ids, pos, mask, packed: bool, lens: list[int]) -> torch.Tensor:

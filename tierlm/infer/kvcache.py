@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ..hf.fields import kv_token_bytes, layer_kv_geometry
+from ..hf.fields import kv_token_bytes, layer_get, layer_kv_geometry
 from ..storage import BudgetError
 from ..units import fmt_bytes
 from .states import StateSlots
@@ -52,12 +52,19 @@ class SlotKVCache:
         self.device = torch.device(device or "cpu")
         self.k: list[torch.Tensor | None] = [None] * layers
         self.v: list[torch.Tensor | None] = [None] * layers
+        # sparse attention's indexer keys (DeepSeek-V3.2's DSA: one key a token, which picks the
+        # keys each query attends to), a layer's beside its latent keys and values
+        self.ik: list[torch.Tensor | None] = [None] * layers
         if kv_layers is None or kv_layers:
             for i in range(layers) if kv_layers is None else sorted(kv_layers):
                 (kh, kd), (vh, vd) = layer_kv_geometry(config, i)  # layers may differ (Gemma 4's global ones)
                 # One spare position per slot: queries that only pad a row write there, never over real keys.
                 self.k[i] = torch.zeros((slots, kh, max_len + 1, kd), dtype=dtype, device=device)
                 self.v[i] = torch.zeros((slots, vh, max_len + 1, vd), dtype=dtype, device=device)
+                index_key = layer_get(config, "index_key", i)
+                if index_key:
+                    self.ik[i] = torch.zeros((slots, max_len + 1, index_key), dtype=dtype, device=device)
+        self.indexed = any(t is not None for t in self.ik)
         self.nbytes = kv_bytes(config, slots, max_len, dtype, kv_layers)
         self._rows = 0
         self._write_pos: torch.Tensor | None = None
@@ -169,6 +176,28 @@ class SlotKVCache:
         self.note_read(b, layer_idx)
         return kc[f:f + b, :, :L], vc[f:f + b, :, :L]
 
+    def update_indexer(self, key: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        """A sparse-attention indexer's keys ([rows, tokens, dim]): written at each row's positions
+        as `update` writes keys; the rows' keys so far returned ([rows, L, dim]; positions past a
+        row's end are hidden by the step's mask, which the indexer applies before its top-k)."""
+        ic = self.ik[layer_idx]
+        if ic is None:
+            raise RuntimeError(f"layer {layer_idx}'s attention keeps indexer keys, but the model's config gave no "
+                               f"index_head_dim when the KV cache was made (a tierlm bug: please report it with "
+                               f"the model's config.json)")
+        b, q, _ = key.shape
+        f = self._first
+        if self._write_slot is not None:
+            raise RuntimeError("a packed step reached a sparse-attention indexer (a tierlm bug: such models run "
+                               "their rows padded)")
+        if self._single is not None and b == 1:
+            s = self._single
+            ic[f, s:s + q].copy_(key[0])
+        else:
+            slot = torch.arange(f, f + b, device=ic.device)[:, None]
+            ic[slot, self._write_pos] = key.to(ic.dtype)
+        return ic[f:f + b, :self._kv_len]
+
     def _fit_heads(self, layer_idx: int, heads: int):
         """The config's KV head count is not always what the attention writes: Falcon's multi-query
         attention (new_decoder_architecture off) writes one head where its config says as many as
@@ -254,11 +283,13 @@ class SlotKVCache:
     # ---- slots --------------------------------------------------------------------------
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy slot src's first `length` positions into slot dst (compaction after a finish)."""
-        for kc, vc in zip(self.k, self.v):
+        for kc, vc, ic in zip(self.k, self.v, self.ik):
             if kc is None:
                 continue
             kc[dst, :, :length].copy_(kc[src, :, :length])
             vc[dst, :, :length].copy_(vc[src, :, :length])
+            if ic is not None:
+                ic[dst, :length].copy_(ic[src, :length])
         if self.states:
             self.states.move(src, dst)
 

@@ -17,11 +17,16 @@ the model's own eager attention function runs instead, with the step's boolean m
 the additive ones it expects.
 
 A model whose attention does not dispatch through transformers' AttentionInterface (Falcon
-computes its attention inline) keeps its own SDPA branch, which takes the boolean masks as they
-are; its steps are padded, never packed (`install` returns False).
+computes its attention inline), or computes something else under a name that is not "sdpa" or
+"eager" (DeepSeek-V3.2's sparse attention), runs transformers' own function by name: SDPA, which
+takes the boolean masks as they are, or for the latter eager, given additive masks; its steps are
+padded, never packed (`install` returns False).
 """
 from __future__ import annotations
 
+import functools
+import inspect
+import re
 import sys
 
 import torch
@@ -143,8 +148,25 @@ def rows_attention(module, query, key, value, attention_mask, **kwargs):
 
 
 def packs(model) -> bool:
-    """Whether steps of this model can run packed: its attention dispatches by name."""
-    return all(dispatches_by_name(m) for m in attention_modules(model))
+    """Whether steps of this model can run packed: its attention dispatches by name, and computes
+    the same under any name."""
+    mods = attention_modules(model)
+    return all(dispatches_by_name(m) for m in mods) and not any(_sdpa_apart(type(m)) for m in mods)
+
+
+_SDPA_BRANCH = re.compile(r"""_attn_implementation\s*(==|in)\s*\(?[^)\n]*["']sdpa["']""")
+
+
+@functools.cache
+def _sdpa_apart(cls) -> bool:
+    """Whether an attention class computes something else unless its implementation is named
+    "sdpa" (or "eager"): DeepSeek-V3.2's sparse attention puts its indexer's choice of keys into
+    the mask only under those names, and hands it to a kernel under any other. Such a model runs
+    transformers' "sdpa" as named, on padded rows."""
+    try:
+        return bool(_SDPA_BRANCH.search(inspect.getsource(cls.forward)))
+    except (OSError, TypeError):
+        return False
 
 
 def install(model, config, cache) -> bool:
@@ -153,8 +175,11 @@ def install(model, config, cache) -> bool:
     its own SDPA branch on padded rows)."""
     mods = attention_modules(model)
     if not packs(model):
+        # a model that computes something else under our name runs transformers' eager attention,
+        # the one function that computes all it asks (sinks too), with additive masks (GenericStep)
+        name = "eager" if any(_sdpa_apart(type(m)) for m in mods) else "sdpa"
         for c in {id(config): config, id(model.config): model.config}.values():
-            c._attn_implementation = "sdpa"
+            c._attn_implementation = name
         return False
     AttentionInterface.register(NAME, rows_attention)
     # a forward without the engine's masks (perplexity) has transformers make them: boolean, as

@@ -24,6 +24,10 @@ compute dtype (the head is where most of the quality goes, and it is read once p
 """
 from __future__ import annotations
 
+import functools
+import inspect
+import re
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -189,6 +193,29 @@ def _expert_counts(layer: nn.Module) -> set[int]:
     return counts
 
 
+_READS = re.compile(r"self\.(\w+)\.weight\b")
+
+
+@functools.cache
+def _reads_of(cls) -> frozenset[str]:
+    try:
+        return frozenset(_READS.findall(inspect.getsource(cls.forward)))
+    except (OSError, TypeError):
+        return frozenset()
+
+
+def _weights_read(layer: nn.Module) -> set[str]:
+    """The linear maps whose `.weight` their parent module's forward reads itself (DeepSeek-V3.2's
+    indexer casts its input to `weights_proj.weight.dtype`, a projection GLM-5 keeps in fp32): they
+    stay in the compute dtype, where the weight is a tensor."""
+    out = set()
+    for name, m in layer.named_modules():
+        for attr in _reads_of(type(m)):
+            if isinstance(getattr(m, attr, None), nn.Module):
+                out.add(f"{name}.{attr}" if name else attr)
+    return out
+
+
 def quantizable(layer: nn.Module, mode: str) -> dict[str, tuple[nn.Module, bool]]:
     """Sub-module name -> (linear module, is_gpt2_conv1d) for every linear map of a decoder layer
     that `mode` can hold. GPT-2's Conv1D stores W as [in, out]; it is transposed when quantised."""
@@ -196,7 +223,10 @@ def quantizable(layer: nn.Module, mode: str) -> dict[str, tuple[nn.Module, bool]
 
     out = {}
     experts = _expert_counts(layer)
+    read = _weights_read(layer)
     for name, mod in layer.named_modules():
+        if name in read:
+            continue  # its module reads its `.weight` (see _weights_read)
         if isinstance(mod, nn.Linear):
             if mod.out_features in experts and mod.out_features < mod.in_features:
                 continue  # a router: see _expert_counts
