@@ -11,8 +11,8 @@ joins its owner's open bucket, which is closed first if the parameter would take
 (a parameter larger than the size has a bucket of its own). A bucket is issued once the reducer's
 cursor (the fixed backward order, as in grads.py) has passed its last parameter: buckets go out in
 one order on every rank whatever order autograd's hooks fire in, each as soon as it is full, while
-backward goes on. A parameter without a gradient (skipped alike on every rank) leaves zeros in its
-slot and is not handed to the optimizer.
+backward goes on. A parameter without a gradient on this rank leaves zeros in its slot, and its
+owner hands its sum over only if some rank had one (grads.py).
 
 Bits: a sum of fp32 gradients is elementwise, so where each element lands in a flat buffer does not
 change its sum. With two ranks each element's sum is one addition, a + b == b + a in IEEE arithmetic:
@@ -68,8 +68,7 @@ class BucketReducer(GradReducer):
     gradient), with the gradients reduced in buckets where they were computed (`dist.device`)."""
 
     def __init__(self, dist, order: list[str], optimizer, max_inflight_bytes: int, shapes: dict[str, tuple]):
-        super().__init__(dist, order, optimizer, max_inflight_bytes)
-        self.shapes = {n: tuple(shapes[n]) for n in order}
+        super().__init__(dist, order, optimizer, max_inflight_bytes, shapes)
         numels = {n: math.prod(s) for n, s in self.shapes.items()}
         self.buckets = plan_buckets(order, numels, dist.owners, dist.bucket_bytes)
         self._slot: dict[str, tuple[int, int, int]] = {}  # name -> (bucket, offset, numel)
@@ -81,7 +80,6 @@ class BucketReducer(GradReducer):
         self.device = dist.device
         self.on_device = self.device.type != "cpu"  # takes gradients where autograd made them
         self._bufs: dict[int, torch.Tensor] = {}
-        self._got: dict[int, list[str]] = {}
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         if self._side is not None:
             # GPU memory: the open buckets (one an owner) and at most 4 buckets' bytes in flight (a
@@ -91,7 +89,6 @@ class BucketReducer(GradReducer):
 
     def begin(self) -> None:
         self._bufs.clear()
-        self._got.clear()
         self.issued = []
         super().begin()
 
@@ -100,7 +97,7 @@ class BucketReducer(GradReducer):
         the bucket goes out when the cursor passes its last parameter."""
         i, off, n = self._slot[name]
         self._buf(i)[off:off + n].copy_(g.reshape(-1))
-        self._got.setdefault(i, []).append(name)
+        self._local.add(name)
         self._ready[name] = True
         self._issue(flush=False)
 
@@ -117,7 +114,7 @@ class BucketReducer(GradReducer):
                 if not flush:
                     return
                 i, off, n = self._slot[name]
-                self._buf(i)[off:off + n].zero_()  # no gradient on any rank: its slot adds zeros
+                self._buf(i)[off:off + n].zero_()  # no gradient on this rank: its slot adds zeros
             self._cursor += 1
             i = self._closes.get(name)
             if i is not None:
@@ -131,9 +128,9 @@ class BucketReducer(GradReducer):
         if self.dist.world > 1 or self.dist.grad_group is not None:  # (a 1-rank NCCL group: the GPU smoke test)
             work = td.reduce(buf, dst=b.owner, op=td.ReduceOp.SUM, group=self.dist.grad_group, async_op=True)
         self.issued.append(i)
-        # the parameters that had a gradient, in the order they are handed over
-        got = set(self._got.pop(i, ()))
-        names = [n for n in b.names if n in got]
+        # every parameter's sum goes to its owner (those this rank had no gradient for wait for the
+        # ranks' agreement: GradReducer.flush)
+        names = list(b.names)
         filled = None
         if self._side is not None:  # the copies into the bucket, on this thread's stream, are done
             filled = torch.cuda.Event()
@@ -159,12 +156,16 @@ class BucketReducer(GradReducer):
             return
         for name in names:
             _, off, n = self._slot[name]
-            self.opt.grad_ready(name, host[off:off + n].view(self.shapes[name]))
+            g = host[off:off + n].view(self.shapes[name])
+            if name in self._local:
+                self.opt.grad_ready(name, g)
+            else:
+                self._waiting.append((name, g))
 
 
 def make_reducer(dist, order: list[str], optimizer, max_inflight_bytes: int, shapes: dict[str, tuple]):
     """The CPU path with bucket_bytes 0 reduces each parameter alone over gloo, as it always has;
     otherwise (every CUDA run, or buckets asked for on the CPU) the gradients go in buckets."""
     if dist.device.type == "cpu" and dist.bucket_bytes <= 0:
-        return GradReducer(dist, order, optimizer, max_inflight_bytes)
+        return GradReducer(dist, order, optimizer, max_inflight_bytes, shapes)
     return BucketReducer(dist, order, optimizer, max_inflight_bytes, shapes)

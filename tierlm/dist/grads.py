@@ -7,6 +7,13 @@ issued, then goes out as an async `reduce` (sum) to its owner. A thread waits fo
 that order and hands the owner's summed gradient to its optimizer, which is already updating the
 layers before it: communication overlaps the rest of backward and the optimizer. This is the CPU
 path (gloo, host tensors); on GPUs the same contract runs in buckets over NCCL (buckets.py).
+
+A parameter may get a gradient on some ranks and not on others (a module their data skips: a
+sparse-attention indexer, a branch). Every rank still issues every parameter's reduction, in the
+one order (zeros where it has none), and after backward the ranks sum which parameters each had a
+gradient for: as torch's DistributedDataParallel does, a parameter no rank had one for is not handed
+to its optimizer (AdamW skips it, as it skips a parameter whose `.grad` is None), and one some rank
+had is, with the sum. The owner hands over at once what it had itself; the rest waits for the sum.
 """
 from __future__ import annotations
 
@@ -20,8 +27,12 @@ from ..storage.layout import key
 
 
 class GradReducer:
-    def __init__(self, dist, order: list[str], optimizer, max_inflight_bytes: int):
+    def __init__(self, dist, order: list[str], optimizer, max_inflight_bytes: int,
+                 shapes: dict[str, tuple] | None = None):
         self.dist, self.order, self.opt = dist, order, optimizer
+        self.shapes = {n: tuple(shapes[n]) for n in order} if shapes is not None else {}
+        self._local: set[str] = set()  # the parameters this rank had a gradient for, this micro-batch
+        self._waiting: list[tuple[str, torch.Tensor]] = []  # owned sums of parameters this rank had none for
         self.max_inflight = max(max_inflight_bytes, 1)
         self.on_device = False  # takes the gradients in host memory (buckets.py: where autograd made them)
         self._ready: dict[str, torch.Tensor] = {}
@@ -34,6 +45,8 @@ class GradReducer:
 
     def begin(self) -> None:
         self._ready.clear()
+        self._local = set()
+        self._waiting = []
         self._cursor = 0
         self._error = None
         self._thread = threading.Thread(target=self._deliver, name="tierlm-grad-reduce", daemon=True)
@@ -42,11 +55,13 @@ class GradReducer:
     def grad(self, name: str, g: torch.Tensor) -> None:
         """From the parameter's hook: sums travel in fp32 (a bf16 sum across ranks would round)."""
         self._ready[name] = g.float().contiguous() if g.dtype != torch.float32 else g.contiguous()
+        self._local.add(name)
         self._issue(flush=False)
 
     def flush(self) -> None:
-        """After backward: issue what is left (parameters without a gradient are skipped on every
-        rank alike: all ranks run the same graph), then wait until every owner has its sums."""
+        """After backward: issue what is left (zeros for the parameters this rank had no gradient
+        for), wait until every owner has its sums, then hand over the sums of the parameters some
+        other rank had a gradient for."""
         try:
             self._issue(flush=True)
         finally:
@@ -55,6 +70,18 @@ class GradReducer:
             self._thread = None
         if self._error is not None:
             raise self._error
+        used = self.dist.all_reduce(torch.tensor([1.0 if n in self._local else 0.0 for n in self.order]))
+        at = {n: i for i, n in enumerate(self.order)}
+        for name, g in self._waiting:
+            if used[at[name]] > 0:
+                self.opt.grad_ready(name, g)
+        self._waiting = []
+
+    def _zeros(self, name: str) -> torch.Tensor:
+        """This rank's part of a parameter it had no gradient for."""
+        if name not in self.shapes:
+            raise RuntimeError(f"{name}: no gradient on this rank and no shape to send zeros in (a tierlm bug)")
+        return torch.zeros(self.shapes[name], dtype=torch.float32)
 
     def _issue(self, flush: bool) -> None:
         while self._cursor < len(self.order):
@@ -63,8 +90,7 @@ class GradReducer:
             if g is None:
                 if not flush:
                     return
-                self._cursor += 1
-                continue
+                g = self._zeros(name)
             self._cursor += 1
             size = g.numel() * 4
             self._reserve(size)
@@ -87,7 +113,10 @@ class GradReducer:
             work.wait()
         if mine:
             name, g = payload
-            self.opt.grad_ready(name, g)
+            if name in self._local:
+                self.opt.grad_ready(name, g)
+            else:
+                self._waiting.append((name, g))  # handed over once the ranks agree it had a gradient
 
     def _deliver(self) -> None:
         while True:
