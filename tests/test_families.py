@@ -67,6 +67,18 @@ def _finetune(d, tmp_path, data):
     return losses, masters, logits, out
 
 
+def _finetune_beside_torch(d, tmp_path):
+    """The model in d, its masters after torch's AdamW and the engine's (the losses asserted
+    equal), the engine's logits of PROMPT and its saved directory."""
+    model = AutoModelForCausalLM.from_pretrained(d).float()
+    data = batches(STEPS * ACCUM, vocab=VOCAB)
+    _, ref_master, ref_losses, _ = run_reference(model, data, lr=LR, wd=0.1, clip=0.5, accum=ACCUM,
+                                                 warmup=0, precision="fp32")
+    losses, masters, logits, out = _finetune(d, tmp_path, data)
+    assert losses == ref_losses
+    return model, ref_master, masters, logits, out
+
+
 def _greedy(d, tmp_path, resident):
     eng = InferenceEngine(d, InferConfig(cpu_mem="1GiB", dtype="fp32", max_batch=1, max_seq_len=32,
                                          resident_layers=resident, nvme_dir=str(tmp_path / f"store-{resident}")),
@@ -121,13 +133,7 @@ def test_family_finetunes_exactly_saves_its_layout_generates_and_serves(family, 
     # a wide init: peaked, varied next-token distributions, so a wrong token shows
     d = init_model(tmp_path / "model", family_config(family, vocab_size=VOCAB, initializer_range=greedy_init(family)), seed=3)
     check_model_dir(d)
-    model = AutoModelForCausalLM.from_pretrained(d).float()
-
-    data = batches(STEPS * ACCUM, vocab=VOCAB)
-    _, ref_master, ref_losses, _ = run_reference(model, data, lr=LR, wd=0.1, clip=0.5, accum=ACCUM,
-                                                 warmup=0, precision="fp32")
-    losses, masters, logits, out = _finetune(d, tmp_path, data)
-    assert losses == ref_losses
+    model, ref_master, masters, logits, out = _finetune_beside_torch(d, tmp_path)
     # parameters the modules keep fixed (requires_grad=False: a router's score-correction bias) are
     # no master of the engine's; the reference (whose from_pretrained made them trainable) leaves
     # them too, as no gradient reaches them, and the saved model holds them as they were
@@ -168,12 +174,7 @@ def test_family_that_only_fine_tunes_does_so_exactly_in_its_layout(family, tmp_p
     cfg = make_config(family, None, dict(FINE_TUNE_ONLY[family], vocab=VOCAB))
     cfg.initializer_range = greedy_init(family)
     d = init_model(tmp_path / "model", cfg, seed=3)
-    model = AutoModelForCausalLM.from_pretrained(d).float()
-    data = batches(STEPS * ACCUM, vocab=VOCAB)
-    _, ref_master, ref_losses, _ = run_reference(model, data, lr=LR, wd=0.1, clip=0.5, accum=ACCUM,
-                                                 warmup=0, precision="fp32")
-    losses, masters, logits, out = _finetune(d, tmp_path, data)
-    assert losses == ref_losses
+    model, ref_master, masters, logits, out = _finetune_beside_torch(d, tmp_path)
     assert_same(ref_master, masters)
     model.save_pretrained(tmp_path / "hf-saved")
     assert set(SafetensorsDir(out).names()) == set(SafetensorsDir(tmp_path / "hf-saved").names())
