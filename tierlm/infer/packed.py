@@ -175,9 +175,12 @@ def install(model, config, cache) -> bool:
     its own SDPA branch on padded rows)."""
     mods = attention_modules(model)
     if not packs(model):
-        # a model that computes something else under our name runs transformers' eager attention,
-        # the one function that computes all it asks (sinks too), with additive masks (GenericStep)
-        name = "eager" if any(_sdpa_apart(type(m)) for m in mods) else "sdpa"
+        # a model that dispatches by name but computes something else under ours runs transformers'
+        # eager attention, the one function that computes all it asks (sinks too), with additive
+        # masks (GenericStep); one that computes inline (Falcon, whose own branch is named "sdpa")
+        # keeps SDPA
+        apart = all(dispatches_by_name(m) for m in mods) and any(_sdpa_apart(type(m)) for m in mods)
+        name = "eager" if apart else "sdpa"
         for c in {id(config): config, id(model.config): model.config}.values():
             c._attn_implementation = name
         return False
