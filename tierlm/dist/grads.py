@@ -31,6 +31,7 @@ class GradReducer:
                  shapes: dict[str, tuple] | None = None):
         self.dist, self.order, self.opt = dist, order, optimizer
         self.shapes = {n: tuple(shapes[n]) for n in order} if shapes is not None else {}
+        self._at = {n: i for i, n in enumerate(order)}
         self._local: set[str] = set()  # the parameters this rank had a gradient for, this micro-batch
         self._waiting: list[tuple[str, torch.Tensor]] = []  # owned sums of parameters this rank had none for
         self.max_inflight = max(max_inflight_bytes, 1)
@@ -71,9 +72,8 @@ class GradReducer:
         if self._error is not None:
             raise self._error
         used = self.dist.all_reduce(torch.tensor([1.0 if n in self._local else 0.0 for n in self.order]))
-        at = {n: i for i, n in enumerate(self.order)}
         for name, g in self._waiting:
-            if used[at[name]] > 0:
+            if used[self._at[name]] > 0:
                 self.opt.grad_ready(name, g)
         self._waiting = []
 

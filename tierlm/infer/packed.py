@@ -162,7 +162,7 @@ def _sdpa_apart(cls) -> bool:
     """Whether an attention class computes something else unless its implementation is named
     "sdpa" (or "eager"): DeepSeek-V3.2's sparse attention puts its indexer's choice of keys into
     the mask only under those names, and hands it to a kernel under any other. Such a model runs
-    transformers' "sdpa" as named, on padded rows."""
+    on padded rows under transformers' own name (install: eager where it dispatches by name)."""
     try:
         return bool(_SDPA_BRANCH.search(inspect.getsource(cls.forward)))
     except (OSError, TypeError):
