@@ -158,6 +158,12 @@ FAMILIES = {
                         first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
                         v_head_dim=16, head_dim=8, n_shared_experts=1, index_n_heads=16, index_head_dim=16, index_topk=4,
                         indexer_types=["full", "shared"]),
+    # MiMo-V2-Flash: sliding layers with twice the config's KV heads (sized from the modules'
+    # forward, hf.kv_layout) and attention sinks, values narrower than keys and scaled, partial
+    # rotary with per-layer-type thetas, a dense first layer then experts
+    "mimo_v2_flash": dict(_BASE, head_dim=16, v_head_dim=8, sliding_window=6, n_routed_experts=4,
+                          num_experts_per_tok=2, moe_intermediate_size=32,
+                          layer_types=["full_attention", "sliding_attention"]),
     # Gemma 4 (the 26B-A4B and 31B shapes): per-layer head dims and KV heads (global layers wider,
     # one KV head), keys as values on the global layers, a dense MLP beside routed experts in every
     # layer, norms after blocks, soft-capped logits; the per-layer embeddings and shared KV of the

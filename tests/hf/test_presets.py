@@ -236,7 +236,8 @@ def test_layers_with_values_of_their_own_keep_them_in_tiny_copies():
     the sliding ones, `--layers` and `--hidden` carry that along the family's pattern, and its side
     tables (the per-layer embeddings' vocabulary and width) shrink with the rest."""
     from transformers import AutoModelForCausalLM
-    from tierlm.hf.fields import head_dim, kv_token_bytes, layer_get, overrides
+    from tierlm.hf.fields import head_dim, layer_get, overrides
+    from tierlm.hf.kv_layout import kv_token_bytes
     c = make_config("gemma4_text", None, {})
     assert c.num_hidden_layers == 6 and c.layer_types[5] == "full_attention"
     assert overrides(c) == {5: {"head_dim": 32}} and head_dim(c) == 32

@@ -4,7 +4,7 @@ tests/test_families.py's (deepseek_v32, glm_moe_dsa)."""
 import torch
 
 from tests.families import family_config
-from tierlm.hf.fields import kv_token_bytes
+from tierlm.hf.kv_layout import kv_token_bytes
 from tierlm.infer.kvcache import SlotKVCache, kv_bytes
 
 

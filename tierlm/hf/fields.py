@@ -212,15 +212,7 @@ def kv_geometry(config) -> tuple[int, tuple[int, int], tuple[int, int]]:
 
 
 def layer_kv_geometry(config, i: int) -> tuple[tuple[int, int], tuple[int, int]]:
-    """((heads, dim) of layer i's cached keys, the same of its values)."""
+    """((heads, dim) of layer i's cached keys, the same of its values), as the config says
+    (hf.kv_layout: as the model writes them)."""
     return kv_geometry(layer_config(config, i))[1:]
 
-
-def kv_token_bytes(config, layers=None, element: int = 1) -> int:
-    """Elements (times `element` bytes) one token's keys and values take over `layers` (all), with
-    the indexer's key where the layers' sparse attention keeps one (DeepSeek-V3.2's DSA)."""
-    total = 0
-    for i in range(config.num_hidden_layers) if layers is None else layers:
-        (kh, kd), (vh, vd) = layer_kv_geometry(config, i)
-        total += kh * kd + vh * vd + layer_get(config, "index_key", i, 0)
-    return total * element

@@ -20,11 +20,12 @@ import json
 import torch
 
 from ..hf.fields import shrunk
+from ..hf.meta_forward import cache_kwarg
 from . import packed as packed_attention
 from . import states
 from .expert_rows import use_expert_rows
 from .gemv import use_gemv
-from .kvcache import SlotKVCache, cache_kwarg
+from .kvcache import SlotKVCache
 
 CHECK_TOL = 1e-3  # of the largest logit; fp32 agrees to ~1e-6 where the path is right
 _CHECKS: dict = {}

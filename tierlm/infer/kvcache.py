@@ -20,18 +20,10 @@ from __future__ import annotations
 
 import torch
 
-from ..hf.fields import kv_token_bytes, layer_get, layer_kv_geometry
+from ..hf.kv_layout import index_key as index_key_of, kv_token_bytes, layer_kv_geometry, measured
 from ..storage import BudgetError
 from ..units import fmt_bytes
 from .states import StateSlots
-
-
-def cache_kwarg(model) -> str:
-    """The keyword `model.forward` takes the KV cache by: `cache` in the transformers that renamed
-    it (where `past_key_values` still works but warns on every call, in the middle of a chat's
-    output), `past_key_values` in those before."""
-    import inspect
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def kv_bytes(config, slots: int, max_len: int, dtype: torch.dtype, kv_layers: set[int] | None = None) -> int:
@@ -56,12 +48,13 @@ class SlotKVCache:
         # keys each query attends to), a layer's beside its latent keys and values
         self.ik: list[torch.Tensor | None] = [None] * layers
         if kv_layers is None or kv_layers:
+            rec = measured(config)  # what the model's layers write (hf.kv_layout)
             for i in range(layers) if kv_layers is None else sorted(kv_layers):
-                (kh, kd), (vh, vd) = layer_kv_geometry(config, i)  # layers may differ (Gemma 4's global ones)
+                (kh, kd), (vh, vd) = layer_kv_geometry(config, i, rec)  # layers may differ (Gemma 4's global ones)
                 # One spare position per slot: queries that only pad a row write there, never over real keys.
                 self.k[i] = torch.zeros((slots, kh, max_len + 1, kd), dtype=dtype, device=device)
                 self.v[i] = torch.zeros((slots, vh, max_len + 1, vd), dtype=dtype, device=device)
-                index_key = layer_get(config, "index_key", i)
+                index_key = index_key_of(config, i, rec)
                 if index_key:
                     self.ik[i] = torch.zeros((slots, max_len + 1, index_key), dtype=dtype, device=device)
         self.indexed = any(t is not None for t in self.ik)

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..hf.meta_forward import cache_kwarg
 from ..hf.tokenizer import eos_ids_of
-from .kvcache import cache_kwarg
 
 
 @dataclass

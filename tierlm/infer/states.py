@@ -15,11 +15,11 @@ layer stores. The slots are allocated and touched once, inside the budget, like 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
 
 import torch
 
-STATE_CALLS = ("update_conv_state", "update_recurrent_state")
+from ..hf import meta_forward
+from ..hf.meta_forward import STATE_CALLS, StateShape  # noqa: F401 -- StateShape: what probe gives
 
 
 _STORES: dict[type, bool] = {}
@@ -48,84 +48,15 @@ def kv_layers(attention_modules) -> set[int]:
     return {m.layer_idx for m in attention_modules if not stores_states(m)}
 
 
-@dataclass(frozen=True)
-class StateShape:
-    layer: int
-    index: int                  # a layer may keep several (Kimi's q, k and v convolutions)
-    kind: str                   # "conv" | "recurrent"
-    shape: tuple[int, ...]      # one sequence's, without the batch dimension
-    wide: bool                  # kept in fp32 whatever the compute dtype (the model computes it so)
-
-
-class _Recorder:
-    """What a forward on `meta` stores: the cache calls transformers' state layers make, recorded."""
-
-    def __init__(self):
-        self.shapes: dict[tuple[int, int, str], StateShape] = {}
-
-    def update(self, key, value, layer_idx, *args, **kwargs):
-        return key, value
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0
-
-    def get_query_offset(self, layer_idx: int = 0) -> int:
-        return 0
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0):
-        return query_length, 0
-
-    def get_conv_state(self, layer_idx, state_idx=0):
-        return None
-
-    def get_recurrent_state(self, layer_idx, state_idx=0):
-        return None
-
-    def has_previous_state(self, layer_idx=None, state_idx=None) -> bool:
-        return False
-
-    def is_recording_past(self, layer_idx) -> bool:
-        return False
-
-    def update_conv_state(self, conv_states, layer_idx, state_idx=0, conv_kernel_size=None, **kwargs):
-        k = conv_kernel_size or conv_states.shape[-1]
-        self._note(layer_idx, state_idx, "conv", tuple(conv_states.shape[1:-1]) + (k,), conv_states.dtype)
-        if conv_states.shape[-1] < k:
-            conv_states = torch.nn.functional.pad(conv_states, (k - conv_states.shape[-1], 0))
-        return conv_states
-
-    def update_recurrent_state(self, recurrent_states, layer_idx, state_idx=0, **kwargs):
-        self._note(layer_idx, state_idx, "recurrent", tuple(recurrent_states.shape[1:]), recurrent_states.dtype)
-        return recurrent_states
-
-    def _note(self, layer, index, kind, shape, dtype):
-        self.shapes[(layer, index, kind)] = StateShape(layer, index, kind, shape, dtype == torch.float32)
-
-
 def probe(config, attends: bool) -> list[StateShape]:
     """The states each layer of `config`'s model keeps for one sequence, from its own forward on
-    `meta`. In bf16: the meta kernels of grouped expert products take no other dtype; a state the
-    model keeps in fp32 beside bf16 activations (the recurrences) is marked wide."""
-    import copy
-    from ..hf.structure import empty_model
-    from .kvcache import cache_kwarg
-    c = copy.deepcopy(config)
-    c._attn_implementation = "eager"
-    c.dtype = torch.bfloat16
-    if getattr(c, "output_router_logits", False):
-        c.output_router_logits = False
-    model = empty_model(c).eval().to(device="meta", dtype=torch.bfloat16)
-    rec = _Recorder()
-    ids = torch.zeros((1, 2), dtype=torch.long, device="meta")
-    # a 4-D mask, as the engine's steps give (a model without attention takes none)
-    mask = torch.ones((1, 1, 2, 2), dtype=torch.bool, device="meta") if attends else None
+    `meta` (hf.meta_forward)."""
     try:
-        with torch.no_grad(), torch.device("meta"):
-            model(input_ids=ids, attention_mask=mask, use_cache=True, **{cache_kwarg(model): rec})
+        rec = meta_forward.record(config, attends)
     except Exception as e:  # noqa: BLE001 -- the reason goes into the refusal
         raise ValueError(f"{config.model_type}: its layers keep recurrent states, and running its forward on "
                          f"the meta device to size them failed ({type(e).__name__}: {e})") from e
-    return sorted(rec.shapes.values(), key=lambda s: (s.layer, s.index, s.kind))
+    return sorted(rec.states.values(), key=lambda s: (s.layer, s.index, s.kind))
 
 
 class StateSlots:

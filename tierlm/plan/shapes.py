@@ -12,7 +12,8 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers import AutoModelForCausalLM
 
-from ..hf.fields import get, head_dim as head_dim_of, kv_geometry, kv_token_bytes, overrides
+from ..hf.fields import get, head_dim as head_dim_of
+from ..hf.kv_layout import kv_token_bytes
 from .moe import EXPERT_FIELDS, TOP_K_FIELDS, MoeShape, experts_in_config, experts_per_token, moe_shape
 
 # Shapes of models the planner is asked about that tierlm has no `init` preset for (planning only).
@@ -84,7 +85,7 @@ class ModelShape:
     @property
     def kv_elems(self) -> int:
         """Elements of keys and values a layer caches a token (latent attention caches its
-        compressed KV and rotary key instead: hf.fields.kv_geometry)."""
+        compressed KV and rotary key instead: hf.kv_layout)."""
         return self.kv_width if self.kv_width is not None else 2 * self.kv_dim
 
     @property
@@ -146,13 +147,12 @@ def shape_of(config, model_name: str, source: str) -> ModelShape:
 
 def _kv_width(config) -> int | None:
     """What a layer's KV cache holds a token where it is not 2 x kv heads x head_dim (latent
-    attention, layers of different widths), else None."""
-    if overrides(config):  # layers of their own widths (Gemma 4's global ones): the mean, rounded up
-        return -(-kv_token_bytes(config) // config.num_hidden_layers)
-    if not get(config, "latent_kv"):
-        return None
-    _, (kh, kd), (vh, vd) = kv_geometry(config)
-    return kh * kd + vh * vd
+    attention, layers of different widths or with more or fewer heads than the config's, as the
+    model writes them: hf.kv_layout), else None; the layers' mean, rounded up."""
+    n = config.num_hidden_layers
+    width = -(-kv_token_bytes(config) // n)
+    heads = get(config, "heads")
+    return None if width == 2 * (get(config, "kv_heads") or heads) * head_dim_of(config) else width
 
 
 def _moe(config, model_name: str, per_layer: list[int], outside: int, routed: list[int],

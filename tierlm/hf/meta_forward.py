@@ -1,0 +1,144 @@
+"""What a model keeps between tokens, read from its own forward on the `meta` device.
+
+A config does not always say what a layer caches: MiMo-V2-Flash's sliding layers keep twice the
+key/value heads its config gives, GPT-BigCode's multi-query attention one head whatever
+`num_key_value_heads` says, and state-space or linear-attention layers keep states no field sizes.
+The model's forward knows: run on `meta` (no memory, no arithmetic) with a cache that records each
+call the layers make on it, it gives every layer's keys, values and states as the model computes
+them. The KV cache (`tierlm.hf.kv_layout`) and the recurrent states (`tierlm.infer.states`) are
+sized from this record, so a new family needs no formula here.
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+
+STATE_CALLS = ("update_conv_state", "update_recurrent_state")
+
+
+def cache_kwarg(model) -> str:
+    """The keyword `model.forward` takes the KV cache by: `cache` in the transformers that renamed
+    it (where `past_key_values` still works but warns on every call, in the middle of a chat's
+    output), `past_key_values` in those before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+@dataclass(frozen=True)
+class StateShape:
+    layer: int
+    index: int                  # a layer may keep several (Kimi's q, k and v convolutions)
+    kind: str                   # "conv" | "recurrent"
+    shape: tuple[int, ...]      # one sequence's, without the batch dimension
+    wide: bool                  # kept in fp32 whatever the compute dtype (the model computes it so)
+
+
+@dataclass
+class Record:
+    """What each layer stored through the cache in one forward."""
+    # layer -> ((heads, dim) of its keys, the same of its values), as passed to `cache.update`
+    kv: dict[int, tuple[tuple[int, int], tuple[int, int]]] = field(default_factory=dict)
+    index_keys: dict[int, int] = field(default_factory=dict)    # layer -> a sparse indexer's key width
+    states: dict[tuple[int, int, str], StateShape] = field(default_factory=dict)
+
+
+class _Recorder:
+    """The cache the forward on `meta` is given: it answers as an empty cache and records each store."""
+
+    def __init__(self):
+        self.record = Record()
+
+    def update(self, key, value, layer_idx, *args, **kwargs):
+        self.record.kv[layer_idx] = ((key.shape[1], key.shape[-1]), (value.shape[1], value.shape[-1]))
+        return key, value
+
+    def update_indexer(self, key, layer_idx, *args, **kwargs):
+        self.record.index_keys[layer_idx] = key.shape[-1]
+        return key
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0):
+        return query_length, 0
+
+    def get_conv_state(self, layer_idx, state_idx=0):
+        return None
+
+    def get_recurrent_state(self, layer_idx, state_idx=0):
+        return None
+
+    def has_previous_state(self, layer_idx=None, state_idx=None) -> bool:
+        return False
+
+    def is_recording_past(self, layer_idx) -> bool:
+        return False
+
+    def update_conv_state(self, conv_states, layer_idx, state_idx=0, conv_kernel_size=None, **kwargs):
+        k = conv_kernel_size or conv_states.shape[-1]
+        self._note(layer_idx, state_idx, "conv", tuple(conv_states.shape[1:-1]) + (k,), conv_states.dtype)
+        if conv_states.shape[-1] < k:
+            conv_states = torch.nn.functional.pad(conv_states, (k - conv_states.shape[-1], 0))
+        return conv_states
+
+    def update_recurrent_state(self, recurrent_states, layer_idx, state_idx=0, **kwargs):
+        self._note(layer_idx, state_idx, "recurrent", tuple(recurrent_states.shape[1:]), recurrent_states.dtype)
+        return recurrent_states
+
+    def _note(self, layer, index, kind, shape, dtype):
+        self.record.states[(layer, index, kind)] = StateShape(layer, index, kind, shape, dtype == torch.float32)
+
+
+_RECORDS: dict[tuple, Record | BaseException] = {}
+
+
+def _key(config, attends: bool) -> tuple | None:
+    try:
+        return type(config).__name__, config.to_json_string(use_diff=False), attends
+    except Exception:  # noqa: BLE001 -- a config that cannot be written is recorded anew each time
+        return None
+
+
+def record(config, attends: bool) -> Record:
+    """The stores of `config`'s model's forward over two tokens of one sequence, on `meta`; with
+    `attends`, given a 4-D mask as the engine's steps give (a model without attention takes none).
+    In bf16: the meta kernels of grouped expert products take no other dtype; a state the model
+    keeps in fp32 beside bf16 activations (the recurrences) is marked wide. Raises what the forward
+    raised (a mixture that routes by data-dependent shapes cannot run on `meta`). Kept per config:
+    a full-size model's forward on `meta` takes a second or two."""
+    key = _key(config, attends)
+    if key is not None and key in _RECORDS:
+        got = _RECORDS[key]
+        if isinstance(got, BaseException):
+            raise got
+        return got
+    try:
+        got = _run(config, attends)
+    except Exception as e:  # noqa: BLE001 -- kept, so a failing model is not built again
+        if key is not None:
+            _RECORDS[key] = e
+        raise
+    if key is not None:
+        _RECORDS[key] = got
+    return got
+
+
+def _run(config, attends: bool) -> Record:
+    from .structure import empty_model
+    c = copy.deepcopy(config)
+    c._attn_implementation = "eager"
+    c.dtype = torch.bfloat16
+    if getattr(c, "output_router_logits", False):
+        c.output_router_logits = False
+    model = empty_model(c).eval().to(device="meta", dtype=torch.bfloat16)
+    rec = _Recorder()
+    ids = torch.zeros((1, 2), dtype=torch.long, device="meta")
+    mask = torch.ones((1, 1, 2, 2), dtype=torch.bool, device="meta") if attends else None
+    with torch.no_grad(), torch.device("meta"):
+        model(input_ids=ids, attention_mask=mask, use_cache=True, **{cache_kwarg(model): rec})
+    return rec.record
