@@ -158,6 +158,11 @@ FAMILIES = {
                         first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
                         v_head_dim=16, head_dim=8, n_shared_experts=1, index_n_heads=16, index_head_dim=16, index_topk=4,
                         indexer_types=["full", "shared"]),
+    # Sarvam-MoE: q, k and v cut from one fused `query_key_value` file tensor (read and written a
+    # slice at a time: hf.split_tensors), q/k norms, sigmoid routing with a shared expert, a dense
+    # first layer
+    "sarvam_moe": dict(_BASE, head_dim=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       n_shared_experts=1, first_k_dense_replace=1, use_qk_norm=True),
     # MiMo-V2-Flash: sliding layers with twice the config's KV heads (sized from the modules'
     # forward, hf.kv_layout) and attention sinks, values narrower than keys and scaled, partial
     # rotary with per-layer-type thetas, a dense first layer then experts

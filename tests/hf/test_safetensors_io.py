@@ -223,3 +223,41 @@ def test_non_contiguous_and_grad_tensors_are_written(tmp_path):
     _write(tmp_path, {"a": a, "p": p})
     d = SafetensorsDir(tmp_path)
     assert torch.equal(d.read("a"), a) and torch.equal(d.read("p"), p.detach())
+
+
+def test_a_tensor_written_in_row_parts_and_read_by_rows(tmp_path):
+    """A fused file tensor the family's save makes of several parameters (hf.split_tensors): each
+    parameter writes its rows, in any order; it is complete when every row is, and a reader takes
+    any rows back as one byte range."""
+    whole = torch.randn(10, 3, dtype=torch.bfloat16)
+    other = torch.arange(4, dtype=torch.float32)
+    w = SafetensorsWriter(tmp_path, [("fused", torch.bfloat16, (10, 3)), ("other", torch.float32, (4,))])
+    w.write("fused", whole[6:], 6)
+    w.write("other", other)
+    assert w.pending() == {"fused"}
+    with pytest.raises(ValueError, match="rows 5..6 were already written"):
+        w.write("fused", whole[5:7], 5)
+    with pytest.raises(ValueError, match="declared"):
+        w.write("fused", whole[:2, :2], 0)                # other columns than declared
+    with pytest.raises(ValueError, match="declared"):
+        w.write("fused", whole[:6], 5)                    # past the last row
+    w.write("fused", whole[:2], 0)
+    w.write("fused", whole[2:6], 2)
+    assert w.pending() == set()
+    w.close()
+    st = SafetensorsDir(tmp_path)
+    assert torch.equal(load_file(tmp_path / SINGLE_NAME)["fused"], whole)
+    assert torch.equal(st.read_rows("fused", 2, 7), whole[2:7])
+    out = torch.empty(3, 3, dtype=torch.bfloat16)
+    assert st.read_rows("fused", 7, 10, out) is out and torch.equal(out, whole[7:])
+    assert torch.equal(st.read("other"), other)
+    with pytest.raises(ValueError, match="rows 8..11 of 10"):
+        st.read_rows("fused", 8, 11)
+
+
+def test_a_tensor_written_in_part_is_not_published(tmp_path):
+    w = SafetensorsWriter(tmp_path, [("fused", torch.float32, (4, 2))])
+    w.write("fused", torch.ones(3, 2), 0)
+    with pytest.raises(ValueError):
+        w.close()
+    assert not (tmp_path / SINGLE_NAME).exists()

@@ -15,7 +15,7 @@ from tierlm.storage import BudgetError
 # what sets each apart: Gated DeltaNet beside gated attention (and experts), OLMo's linear
 # attention, LFM2's short convolutions, Mamba (prompts whole), Mamba-2, Jamba's Mamba + attention +
 # experts, Falcon-H1's attention and Mamba side by side in one layer, Kimi's three convolutions a layer,
-# Nemotron-H's layers that keep nothing
+# Nemotron-H's layers that keep nothing, LARA's fused input projections
 STATE_FAMILIES = {
     "qwen3_next": {},
     "qwen3_5_text": {},
@@ -27,6 +27,10 @@ STATE_FAMILIES = {
     "falcon_h1": {},
     "kimi_linear": {},
     "nemotron_h": {},  # Mamba-2, attention, MLP-only and expert layers, each a layer of its own
+    # Gated DeltaNet beside sliding and full attention; its four input projections cut from one
+    # fused file tensor (hf.split_tensors)
+    "lara_mini": dict(num_hidden_layers=3, layer_types=["linear_attention", "sliding_attention", "full_attention"],
+                      sliding_window=4),
 }
 # The engines here get cpu_mem 4GiB: with library_rss=0, the pytest process's own RSS (near 1 GiB
 # late in a full run) counts as their baseline, and 1 GiB left no room for the planned compute.

@@ -13,7 +13,7 @@ import torch
 
 from .. import rss
 from ..hf.names import saved_buffers
-from ..hf.stacked import file_tensors, to_file_tensors
+from ..hf.stacked import file_tensors, file_writes
 from ..hf.safetensors_io import SafetensorsWriter
 from ..storage.layout import key
 
@@ -70,17 +70,18 @@ class Exports:
         # the family's own tensors (GPT-NeoX's head is `embed_out` in its files; a mixture of experts'
         # stacked experts are one tensor per expert and projection)
         files = {n: file_tensors(self.model, n, self.infos[n].shape, dtype) for n in self.names}
-        specs = [(f, dtype, shape) for n in self.names for f, shape in files[n].items()]
+        # (a fused tensor several parameters are cut from is declared once: hf.split_tensors)
+        specs = list({f: (f, dtype, shape) for n in self.names for f, shape in files[n].items()}.values())
         # persistent buffers (DeepSeek-V3's router correction bias) as they are: training moves none
         bufs = {n: b.detach() for n, b in saved_buffers(self.model).items()}
         specs += [(f, b.dtype, b.shape) for n, b in bufs.items() for f in file_tensors(self.model, n, b.shape, b.dtype)]
         with SafetensorsWriter(out, specs) as w:
             for n in self.names:
-                for f, t in to_file_tensors(self.model, n, self.weights(n, dtype)).items():
-                    w.write(f, t)
+                for f, t, row in file_writes(self.model, n, self.weights(n, dtype)):
+                    w.write(f, t, row)
             for n, b in bufs.items():
-                for f, t in to_file_tensors(self.model, n, b).items():
-                    w.write(f, t)
+                for f, t, row in file_writes(self.model, n, b):
+                    w.write(f, t, row)
         cfg = self.config
         cfg.dtype = dtype
         cfg.save_pretrained(out)

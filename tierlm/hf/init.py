@@ -16,7 +16,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, GenerationConfig
 from transformers import initialization as hf_init
 
-from tierlm.hf.stacked import file_tensors, to_file_tensors
+from tierlm.hf.stacked import file_tensors, file_writes
 from tierlm.hf.presets import dtype_name
 from tierlm.hf.safetensors_io import SafetensorsWriter
 from tierlm.hf.tokenizer import make_tokenizer, special_token_ids
@@ -129,8 +129,8 @@ def _write_piece(model, piece: nn.Module, prefix: str, saved: dict, writer: Safe
     _init_piece(model, piece)
     for k, t in piece.state_dict(prefix=prefix).items():
         if k in saved:
-            for f, ft in to_file_tensors(model, k, t).items():
-                writer.write(f, ft)
+            for f, ft, row in file_writes(model, k, t):
+                writer.write(f, ft, row)
     piece.to_empty(device="meta")
 
 
@@ -174,8 +174,9 @@ def init_model(out_dir: str | os.PathLike, config, seed: int = 0, dtype: str | t
     saved = _saved_tensors(model)
     # the family's own file names (GPT-NeoX's head is `embed_out` in its files), as save_pretrained writes
     files = {n: file_tensors(model, n, t.shape, t.dtype) for n, t in saved.items()}
-    writer = SafetensorsWriter(out, [(f, t.dtype, shape) for n, t in saved.items() for f, shape in files[n].items()],
-                               max_shard_bytes)
+    # (a fused tensor several parameters are cut from is declared once: hf.split_tensors)
+    specs = {f: (f, t.dtype, shape) for n, t in saved.items() for f, shape in files[n].items()}
+    writer = SafetensorsWriter(out, list(specs.values()), max_shard_bytes)
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)

@@ -6,31 +6,15 @@ from the base model alone (no `transformer.` / `model.` prefix). transformers re
 loads (`conversion_mapping`) and renames them back as it saves; tierlm reads and writes tensors
 one at a time, so it asks the same mapping which file tensor is which parameter, and saves under
 the family's own names. Mappings that merge tensors (a mixture of experts' per-expert weights,
-stacked into one parameter) are the family's conversions, run an expert at a time (`stacked.py`).
+stacked into one parameter) are the family's conversions, run an expert at a time (`stacked.py`);
+those that cut one file tensor into several parameters are read a slice at a time (`split_tensors.py`).
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+from .split_tensors import Part, converted as _converted, is_cut, parts, transforms as _transforms
 from .stacked import Stacked
-
-
-def _transforms(model):
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightRenaming
-    ts = get_model_conversion_mapping(model)
-    return [t for t in ts if isinstance(t, WeightRenaming)], [t for t in ts if not isinstance(t, WeightRenaming)]
-
-
-def _converted(key: str, converters):
-    """(the parameter the family's conversions make of file tensor `key`, the converter, the
-    source pattern it matched), or None where no conversion takes it."""
-    from transformers.core_model_loading import apply_converters
-    for conv in converters:
-        target, pattern = apply_converters(key, [conv])
-        if pattern is not None:
-            return target, conv, pattern
-    return None
 
 
 def _with_prefix(name: str, known: set[str], prefix: str) -> str:
@@ -42,8 +26,9 @@ def _with_prefix(name: str, known: set[str], prefix: str) -> str:
 
 
 def model_to_checkpoint(model, checkpoint: Iterable[str], wanted: Iterable[str],
-                        where="the checkpoint") -> dict[str, str | Stacked]:
-    """{parameter name: checkpoint tensor name, or the `Stacked` experts it is made from} for each of
+                        where="the checkpoint") -> dict[str, str | Stacked | Part]:
+    """{parameter name: checkpoint tensor name, the `Stacked` experts it is made from, or the `Part`
+    of a file tensor it is cut from} for each of
     `wanted` found in `checkpoint`'s names (a parameter the file lacks is left out; the caller
     names it)."""
     from transformers.core_model_loading import apply_renamings
@@ -71,6 +56,11 @@ def model_to_checkpoint(model, checkpoint: Iterable[str], wanted: Iterable[str],
             target, conv, pattern = hit
             if target not in wanted and prefix and f"{prefix}.{target}" in wanted:
                 target = f"{prefix}.{target}"
+            if is_cut(conv):  # one file tensor, several parameters: each reads its slice (split_tensors)
+                if target in wanted or any(n in wanted for n in (target.replace(conv.target_patterns[0], t)
+                                                                 for t in conv.target_patterns)):
+                    out.update({n: p for n, p in parts(model, ck, target, conv).items() if n in wanted})
+                continue
             if target in wanted:
                 stacked.setdefault(target, (conv, {}))[1].setdefault(pattern, []).append(ck)
             continue

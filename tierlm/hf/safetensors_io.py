@@ -191,8 +191,23 @@ class SafetensorsDir:
 
     def read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """Read one tensor into `out` (contiguous, same dtype and numel; any shape) or a new tensor."""
-        path, code, shape, start, end = self._get(name)
+        _, _, shape, _, _ = self._get(name)
+        return self._read(name, 0, shape[0] if shape else 0, out)
+
+    def read_rows(self, name: str, first: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows first..stop-1 of a tensor (along its first dimension: one byte range), into `out`
+        (contiguous, same dtype and numel) or a new tensor."""
+        return self._read(name, first, stop, out)
+
+    def _read(self, name: str, first: int, stop: int, out: torch.Tensor | None) -> torch.Tensor:
+        path, code, full, start, end = self._get(name)
         dtype = DTYPES[code]
+        shape = (stop - first, *full[1:]) if full else full
+        if full and not 0 <= first <= stop <= full[0]:
+            raise ValueError(f"read({name!r}): rows {first}..{stop} of {full[0]}")
+        if full and (first, stop) != (0, full[0]):
+            row = (end - start) // full[0] if full[0] else 0
+            start, end = start + first * row, start + stop * row
         if out is None:
             out = torch.empty(shape, dtype=dtype)
         elif out.dtype != dtype or out.numel() != _numel(shape):
@@ -273,6 +288,7 @@ class SafetensorsWriter:
             self.abort()
             raise
         self._pending = set(self._spec)
+        self._rows: dict[str, list[tuple[int, int]]] = {}  # rows written of a tensor written in parts
         self._closed = False
 
     def _open_shard(self, fname: str, names: list[str], meta: dict) -> None:
@@ -306,7 +322,9 @@ class SafetensorsWriter:
     def pending(self) -> set[str]:
         return set(self._pending)
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
+    def write(self, name: str, tensor: torch.Tensor, first_row: int | None = None) -> None:
+        """Write tensor `name` whole; with `first_row`, rows first_row.. of it (a parameter the
+        family's save fuses with others: hf.split_tensors). It is written when all its rows are."""
         if self._closed:
             raise ValueError("write() after close()")
         if name not in self._spec:
@@ -314,16 +332,29 @@ class SafetensorsWriter:
         if name not in self._pending:
             raise ValueError(f"tensor {name!r} was already written")
         dtype, shape = self._spec[name]
-        if tensor.dtype != dtype or tuple(tensor.shape) != shape:
-            raise ValueError(f"tensor {name!r}: declared {dtype} {list(shape)}, got {tensor.dtype} "
-                             f"{list(tensor.shape)}")
         fd, offset, n = self._where[name]
-        if n:
+        if first_row is None:
+            rows, first_row = (shape[0] if shape else 1), 0
+            ok = tuple(tensor.shape) == shape
+        else:
+            rows = tensor.shape[0] if tensor.dim() else 0
+            ok = len(shape) > 0 and tuple(tensor.shape[1:]) == shape[1:] and 0 <= first_row <= shape[0] - rows
+        if tensor.dtype != dtype or not ok:
+            raise ValueError(f"tensor {name!r}: declared {dtype} {list(shape)}, got {tensor.dtype} "
+                             f"{list(tensor.shape)}" + (f" at row {first_row}" if first_row else ""))
+        done = self._rows.setdefault(name, [])
+        if any(a < first_row + rows and first_row < b for a, b in done):
+            raise ValueError(f"tensor {name!r}: rows {first_row}..{first_row + rows - 1} were already written")
+        row_bytes = n // shape[0] if shape and shape[0] else n
+        if n and rows:
             t = tensor.detach()
             if t.device.type != "cpu":
                 t = t.cpu()
-            _pwrite_all(fd, _byte_view(t.contiguous()), offset)
-        self._pending.discard(name)
+            _pwrite_all(fd, _byte_view(t.contiguous()), offset + first_row * row_bytes)
+        done.append((first_row, first_row + rows))
+        if sum(b - a for a, b in done) >= (shape[0] if shape else 1):
+            self._pending.discard(name)
+            del self._rows[name]
 
     def close(self) -> None:
         """Check completeness, make it durable, then publish the files under their real names."""

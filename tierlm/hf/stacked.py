@@ -75,10 +75,13 @@ class Stacked:
         return out
 
 
-def read_param(st, entry: str | Stacked, out: torch.Tensor | None = None) -> torch.Tensor:
-    """One parameter from the checkpoint `st` (a SafetensorsDir): a file tensor by name, or a
-    stacked one made from its experts' tensors. Into `out` (cast to its dtype) where given; else in
-    the file's dtype."""
+def read_param(st, entry, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One parameter from the checkpoint `st` (a SafetensorsDir): a file tensor by name, a stacked
+    one made from its experts' tensors, or a slice of a fused one (split_tensors.Part). Into `out`
+    (cast to its dtype) where given; else in the file's dtype."""
+    from . import split_tensors
+    if isinstance(entry, split_tensors.Part):
+        return split_tensors.read(st, entry, out)
     if isinstance(entry, Stacked):
         if out is None:  # the slice's shape from the conversion run on meta tensors: nothing read twice
             info = {p: st.info(names[0]) for p, names in entry.sources.items()}
@@ -101,15 +104,30 @@ def read_param(st, entry: str | Stacked, out: torch.Tensor | None = None) -> tor
 
 def file_tensors(model, name: str, shape, dtype: torch.dtype) -> dict[str, tuple]:
     """{file tensor name: shape} the family's own save writes for parameter `name` (one, under its
-    file name; or one per expert and part where the family stacks experts)."""
+    file name; one per expert and part where the family stacks experts; the whole fused tensor
+    where the parameter is a slice of one, the same for each parameter of it: declare it once)."""
     from transformers.core_model_loading import revert_weight_conversion
 
+    from .split_tensors import part_of
+    part = part_of(model, name)
+    if part is not None:
+        whole = list(shape)
+        whole[part.dim] = part.size
+        return {part.file: tuple(whole)}
     out = revert_weight_conversion(model, {name: torch.empty(tuple(shape), dtype=dtype, device="meta")})
     return {k: tuple(v.shape) for k, v in out.items()}
 
 
-def to_file_tensors(model, name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
-    """{file tensor name: tensor} of parameter `name` as the family's own save writes it."""
+def file_writes(model, name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor, int | None]]:
+    """[(file tensor name, tensor, first row)] of parameter `name` as the family's own save writes
+    it: whole tensors (first row None), or the parameter's rows of a fused one."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    return {k: v.contiguous() for k, v in revert_weight_conversion(model, {name: t}).items()}
+    from .split_tensors import part_of
+    part = part_of(model, name)
+    if part is not None:
+        if part.dim != 0:
+            raise ValueError(f"{name}: the family's save concatenates it with {', '.join(part.group)} along "
+                             f"dimension {part.dim}, which tierlm does not write a parameter at a time")
+        return [(part.file, t.contiguous(), part.start)]
+    return [(k, v.contiguous(), None) for k, v in revert_weight_conversion(model, {name: t}).items()]
