@@ -139,3 +139,14 @@ def test_short_steps_and_decode_are_not_chunked():
     assert not packed._chunks(q2, kv, kv, None, {})             # no mask: SDPA's own causal path
     assert not packed._chunks(q2, kv, kv, m2.float(), {})       # an additive mask
     assert not packed._chunks(q2, kv, kv, m2, {"dropout": 0.1})
+
+
+@pytest.mark.parametrize("fam, eager", [("llama", False), ("falcon", False), ("gemma2", True), ("gpt_oss", True),
+                                        ("deepseek_v32", True), ("glm_moe_dsa", True)])
+def test_the_engine_knows_which_models_attention_runs_eager(fam, eager):
+    """The scratch the budget plans (plan.inference.scratch_bytes) counts eager attention's full
+    scores and additive masks where it runs: no SDPA (soft-capping, sinks), or sparse attention that
+    computes apart under tierlm's name; Falcon's inline SDPA branch is not eager."""
+    from tests.families import family_config
+    from tierlm.hf.structure import empty_model
+    assert packed.runs_eager(empty_model(family_config(fam))) is eager

@@ -26,3 +26,17 @@ def test_sixteen_rows_decoding_together_convert_the_head_too():
     from tierlm.infer.gemv import UPCAST_MIN_ROWS
     assert largest_matrix(CONFIG, UPCAST_MIN_ROWS - 1) == 704 * 256
     assert largest_matrix(CONFIG, UPCAST_MIN_ROWS) == 4096 * 256
+
+
+def test_the_steps_masks_are_counted_and_made_additive_where_attention_runs_eager():
+    """A step's boolean masks (one a kind of layer) and, where the model's eager attention runs
+    (no SDPA, or sparse attention: infer.packed.runs_eager), their additive copies in fp32 beside
+    the scores, their softmax and its cast."""
+    cfg = InferConfig(dtype="fp32", max_batch=2, step_tokens=32, packed=False)
+    tokens, keys = 2 * 32, 65
+    scores = tokens * 4 * keys * 4
+    plain = scratch_bytes(CONFIG, cfg, 64)
+    assert scratch_bytes(CONFIG, cfg, 64, eager=True) - plain == 2 * scores + 4 * tokens * keys
+    slid = SimpleNamespace(**vars(CONFIG), layer_types=["sliding_attention", "full_attention"] * 2)
+    assert scratch_bytes(slid, cfg, 64) - plain == tokens * keys               # a second mask
+    assert scratch_bytes(slid, cfg, 64, eager=True) - scratch_bytes(CONFIG, cfg, 64, eager=True) == 5 * tokens * keys

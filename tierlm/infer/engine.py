@@ -203,7 +203,7 @@ class InferenceEngine:
         packs = not self.whole_prompts if self.state_shapes else \
             packed_attention.packs(self.model) and not reads_offset(self.model)
         scratch = scratch_bytes(config, cfg, self.max_len, self.dtype,
-                                eager=not getattr(self.model, "_supports_sdpa", True), packs=packs)
+                                eager=packed_attention.runs_eager(self.model), packs=packs)
         if self.state_shapes:
             tokens = cfg.step_tokens * (cfg.max_batch if self.whole_prompts else 1)
             scratch += StateSlots.transient_bytes(self.state_shapes, tokens, cfg.max_batch)

@@ -157,6 +157,18 @@ def packs(model) -> bool:
 _SDPA_BRANCH = re.compile(r"""_attn_implementation\s*(==|in)\s*\(?[^)\n]*["']sdpa["']""")
 
 
+def runs_eager(model) -> bool:
+    """Whether a step's attention runs the model's eager function (all scores at once in the
+    compute dtype, additive masks: plan.inference.scratch_bytes counts them): a model without SDPA
+    (soft-capping, sinks), or one that computes apart under tierlm's name (install)."""
+    mods = attention_modules(model)
+    if not mods:
+        return False
+    if not getattr(model, "_supports_sdpa", True):
+        return True
+    return not packs(model) and all(dispatches_by_name(m) for m in mods) and any(_sdpa_apart(type(m)) for m in mods)
+
+
 @functools.cache
 def _sdpa_apart(cls) -> bool:
     """Whether an attention class computes something else unless its implementation is named

@@ -110,13 +110,17 @@ def scratch_bytes(config, cfg: InferConfig, max_len: int, dtype=None, eager: boo
     if cfg.quant == "int4" or upcasts_bf16(cfg):  # a prefill multiplies one matrix at a time in fp32
         act += 4 * largest_matrix(config, cfg.max_batch)
     scores = tokens * heads * (max_len + 1) * 4
-    if eager:  # the model's eager attention (packed.py): the scores, soft-capped, their fp32 softmax, its cast
-        scores *= 3
+    # the step's boolean masks, one a kind of layer (full, sliding, chunked)
+    kinds = len({str(t) for t in getattr(config, "layer_types", None) or ["full"]})
+    masks = tokens * (max_len + 1) * kinds
+    if eager:  # the model's eager attention (packed.py): the scores, soft-capped, their fp32 softmax, its
+        scores *= 3  # cast; and the masks made additive, in the compute dtype (at most fp32)
+        masks *= 5
     logits = cfg.max_batch * config.vocab_size * 4 * 3
     # the fused decode layer's buffers (kernels/layer.c), kept between steps: a row's x, q/k/v,
     # attention, gate/up, silu and their integer roundings, and each thread's scores
     fused = cfg.max_batch * (7 * h + 4 * inter) * 4 + (os.cpu_count() or 1) * (max_len + 1) * 4
-    return act + scores + logits + fused + B.RUNTIME_RESERVE
+    return act + scores + masks + logits + fused + B.RUNTIME_RESERVE
 
 
 # From this many rows a bf16 product converts its weight to fp32 where the CPU has no bf16 units
