@@ -104,6 +104,29 @@ def test_values_a_constructor_sets_and_init_weights_leaves_are_kept(tmp_path):
         assert torch.equal(got.read(n), ref[n].float()), n
 
 
+def test_weights_a_constructor_draws_and_init_weights_leaves_are_drawn(tmp_path):
+    """OpenAI GPT's Conv1D draws its weight in its own constructor, which ran on meta, and the
+    family's `_init_weights` does not touch Conv1D: its weights were whatever the allocator held (a
+    layer all NaN, so fine-tuning it read NaN losses). They are drawn as the convention is (normal,
+    the config's initializer_range; zero biases), the same bytes each run."""
+    from transformers import AutoConfig
+    cfg = AutoConfig.for_model("openai-gpt", n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64)
+    a = init_model(tmp_path / "a", cfg, seed=3, tokenizer=False)
+    b = init_model(tmp_path / "b", cfg, seed=3, tokenizer=False)
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+    got = SafetensorsDir(a)
+    for n in got.names():
+        t = got.read(n)
+        assert torch.isfinite(t).all(), n
+        if n.endswith("c_attn.weight") or n.endswith("c_fc.weight"):
+            assert abs(t.std().item() - cfg.initializer_range) < 0.1 * cfg.initializer_range, n
+        if n.endswith("c_attn.bias"):
+            assert not t.any(), n
+    model = AutoModelForCausalLM.from_pretrained(a)
+    ids = torch.tensor([[3, 5, 7, 9]])
+    assert torch.isfinite(model(ids, labels=ids).loss)
+
+
 def test_preset_shrunk_with_trained_tokenizer(tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("<|im_start|> is special but this is plain text, repeated.\n" * 40)

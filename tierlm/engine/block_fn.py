@@ -212,17 +212,18 @@ def wrap_layer(engine, block, layer: nn.Module) -> None:
 
     Layers that return a tuple (Falcon's: hidden states, then optional attention weights; GLM-5's and
     HY-V4's: hidden states, then the token indices their sparse attention picked, which the next
-    layer reads) give BlockFunction their hidden states and the model the tuple back, the rest of
-    it as the layer's forward made it (detached: no gradient flows through it)."""
+    layer reads), or a list (OpenAI GPT's), give BlockFunction their hidden states and the model
+    the tuple or list back, the rest of it as the layer's forward made it (detached: no gradient
+    flows through it)."""
     layer_forward = layer.forward
-    returns_tuple = False
+    returns: type | None = None  # tuple or list, where the layer returns one
     tail: tuple = ()
 
     def original(*args, **kwargs):
-        nonlocal returns_tuple, tail
+        nonlocal returns, tail
         out = layer_forward(*args, **kwargs)
-        if isinstance(out, tuple):
-            returns_tuple = True
+        if isinstance(out, (tuple, list)):
+            returns = list if isinstance(out, list) else tuple
             tail = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in out[1:])
             return out[0]
         return out
@@ -248,6 +249,6 @@ def wrap_layer(engine, block, layer: nn.Module) -> None:
                 lst = lists[k]
                 lst[next(i for i in range(len(lst) - 1, -1, -1) if lst[i] is inner)] = t
         call.recorded = [(k, None) for k, _ in call.recorded]  # keys only: no tensor kept
-        return (out, *tail) if returns_tuple else out
+        return returns((out, *tail)) if returns is not None else out
 
     layer.forward = forward

@@ -69,7 +69,9 @@ def _materialise(piece: nn.Module) -> None:
                 if t is None or not t.is_meta:
                     continue
                 if id(t) not in made:
-                    real = torch.empty_like(t, device="cpu")
+                    # NaN until initialised: what the family's _init_weights leaves shows (_init_rest)
+                    real = torch.full_like(t, float("nan"), device="cpu") if t.is_floating_point() \
+                        else torch.empty_like(t, device="cpu")
                     made[id(t)] = nn.Parameter(real, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) \
                         else real
                 table[n] = made[id(t)]
@@ -121,6 +123,22 @@ def _init_piece(model, piece: nn.Module) -> None:
     with hf_init.guard_torch_init_functions():
         for sub in reversed(list(piece.modules())):
             model._init_weights(sub)
+    _init_rest(model, piece)
+
+
+@torch.no_grad()
+def _init_rest(model, piece: nn.Module) -> None:
+    """Weights the family's `_init_weights` does not draw, because the module draws them in its own
+    constructor (OpenAI GPT's Conv1D), which ran on `meta` here: drawn as that convention does,
+    normal with the config's initializer_range (matrices), zeros (vectors). Without this they were
+    whatever the allocator held, NaN included."""
+    std = getattr(model.config, "initializer_range", None) or 0.02
+    for t in list(piece.parameters()) + list(piece.buffers()):
+        if t.is_floating_point() and t.numel() and torch.isnan(t).all():
+            if t.dim() >= 2:
+                t.normal_(0.0, std)
+            else:
+                t.zero_()
 
 
 def _write_piece(model, piece: nn.Module, prefix: str, saved: dict, writer: SafetensorsWriter) -> None:
