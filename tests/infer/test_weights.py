@@ -60,3 +60,38 @@ def test_a_checkpoint_tensor_of_another_shape_is_refused_by_name():
     ok = torch.arange(12, dtype=torch.float32).view(3, 4)
     install_resident([piece], lambda name: ok)
     assert torch.equal(holder._parameters["weight"], ok.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("resident", [None, 0])
+def test_what_transformers_keeps_in_fp32_stays_fp32_in_a_bf16_run(tmp_path, resident):
+    """A mixture's router weights are in the family's `_keep_in_fp32_modules_strict`: transformers'
+    bf16 load keeps them fp32 (its router computes in fp32 from them). tierlm held them in bf16,
+    rounding a checkpoint's fp32 router, so routing could pick other experts than transformers'."""
+    from transformers import AutoModelForCausalLM
+    from tests.families import family_config
+    from tierlm.infer.engine import InferConfig, InferenceEngine
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(family_config("deepseek_v3")).float()
+    name = "model.layers.1.mlp.gate.weight"
+    with torch.no_grad():
+        model.get_parameter(name).add_(1e-4)        # values bf16 cannot hold
+    model.save_pretrained(tmp_path / "m")
+    want = model.get_parameter(name).detach()
+    assert not torch.equal(want.bfloat16().float(), want)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.bfloat16)
+    assert hf.get_parameter(name).dtype == torch.float32                # what transformers does
+    eng = InferenceEngine(tmp_path / "m", InferConfig(cpu_mem="1GiB", dtype="bf16", max_batch=1, max_seq_len=16,
+                                                      resident_layers=resident, nvme_dir=str(tmp_path / "nvme")),
+                          library_rss=0)
+    try:
+        piece = next(p for p in eng.pieces[next(b.index for b in eng.blocks if b.name.endswith("1"))] if p.key == name)
+        assert piece.spec == (torch.float32, tuple(want.shape))
+        def held(n):  # the engine installs views of its buffers, not Parameters
+            return getattr(eng.model.get_submodule(n.rpartition(".")[0]), "weight")
+        logits = eng.step([[5, 9, 17, 3]], [0])[0]
+        assert torch.isfinite(logits).all()
+        if resident is None:
+            assert held("model.layers.1.self_attn.o_proj.weight").dtype == torch.bfloat16
+            assert torch.equal(held(name), want)
+    finally:
+        eng.close()

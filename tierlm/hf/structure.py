@@ -71,6 +71,25 @@ def empty_model(config) -> nn.Module:
     return model
 
 
+def kept_fp32(model: nn.Module, dtype: torch.dtype) -> set[str]:
+    """The parameters transformers keeps in fp32 when it loads the model in `dtype` (the family's
+    `_keep_in_fp32_modules_strict` in bf16: a mixture's router weights, attention sinks), by its own
+    dtype plan and pattern matching."""
+    if dtype == torch.float32:
+        return set()
+    plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
+    if not plan:
+        return set()
+    from transformers.core_model_loading import build_glob_alternation
+    alt, group, _ = build_glob_alternation(list(plan))
+    out = set()
+    for n, _ in model.named_parameters():
+        hit = alt.search(n)
+        if hit and plan[group[hit.lastgroup]] == torch.float32:
+            out.add(n)
+    return out
+
+
 @dataclass
 class Block:
     index: int                  # position in forward order

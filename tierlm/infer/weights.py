@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..hf.structure import module_param_slots
+from ..hf.structure import kept_fp32, module_param_slots
 from ..storage import HostBufferPool, TensorStore
 from ..storage.aligned import aligned_empty, round_up
 from .quant import QLinear, replace_linears
@@ -57,7 +57,10 @@ class Piece:
 
 def plan_pieces(model: nn.Module, blocks, dtype: torch.dtype, mode: str | None) -> dict[int, list[Piece]]:
     """block index -> its pieces. Decoder layers' linear maps become QLinear when `mode` is set.
-    A tied weight (one tensor in the embedding and the head) is one piece installed in both."""
+    A tied weight (one tensor in the embedding and the head) is one piece installed in both. The
+    parameters transformers keeps in fp32 when it loads the model in `dtype` (a mixture's router
+    weights: hf.structure.kept_fp32) are kept so here, as its modules expect."""
+    wide = kept_fp32(model, dtype)
 
     slots = module_param_slots(model)
     canon = {(id(m), a): n for n, ss in slots.items() for m, a in ss}
@@ -86,11 +89,12 @@ def plan_pieces(model: nn.Module, blocks, dtype: torch.dtype, mode: str | None) 
             mods = [(m, a) for m, a in slots[name] if not isinstance(m, QLinear)]
             numel = mods[0][0]._parameters[mods[0][1]].numel()
             shape = tuple(mods[0][0]._parameters[mods[0][1]].shape)
+            dt = torch.float32 if name in wide else dtype
             if name in transposed:  # its own store key: a store written untransposed is not reused
-                pieces.append(Piece(name + ".T", mods, numel * _esize(dtype), _transposed(name, dtype),
-                                    spec=(dtype, shape)))
+                pieces.append(Piece(name + ".T", mods, numel * _esize(dt), _transposed(name, dt),
+                                    spec=(dt, shape)))
                 continue
-            pieces.append(Piece(name, mods, numel * _esize(dtype), _reader(name, dtype), spec=(dtype, shape)))
+            pieces.append(Piece(name, mods, numel * _esize(dt), _reader(name, dt), spec=(dt, shape)))
         seen.update(blk.uses)
         out[blk.index] = pieces
     return out
