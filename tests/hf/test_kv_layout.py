@@ -83,3 +83,17 @@ def test_the_forward_on_meta_runs_once_a_config():
     other = kv_layout.measured(family_config("qwen3", num_key_value_heads=1))
     assert other is not first and other.kv[0] == ((1, 16), (1, 16))
     assert meta_forward.record(cfg, attends=True) is first
+
+
+def test_layers_that_attend_with_an_earlier_layers_keys_get_no_cache():
+    """Gemma 4's small shapes end in layers that reuse an earlier layer's keys and values
+    (num_kv_shared_layers) and store none: they had a cache planned and allocated all the same. Generating with
+    them equals transformers' (tests/infer/test_families.py)."""
+    cfg = family_config("gemma4_text", num_hidden_layers=4, num_kv_shared_layers=2,
+                        layer_types=["sliding_attention", "full_attention"] * 2, hidden_size_per_layer_input=16,
+                        vocab_size_per_layer_input=128, enable_moe_block=False)
+    assert kv_layout.caching_layers(cfg) == [0, 1]
+    assert kv_layout.kv_token_bytes(cfg) == 2 * 2 * 16 + 2 * 1 * 32      # a sliding and a global layer
+    cache = SlotKVCache(cfg, slots=2, max_len=12, dtype=torch.float32)
+    assert cache.k[2] is None and cache.k[3] is None
+    assert cache.nbytes == _held(cache) == kv_bytes(cfg, 2, 12, torch.float32)

@@ -6,7 +6,8 @@ that, so a layer that keeps more or fewer heads than its config says (MiMo-V2-Fl
 layers: twice the config's; GPT-BigCode's and Falcon's multi-query attention: one) is sized right
 before anything is allocated. Where the forward cannot run on `meta` (a mixture that routes by
 data-dependent shapes: DBRX, JetMoE), or the config is a planning shape and not a model's,
-the config's fields say (hf.fields.kv_geometry).
+the config's fields say (hf.fields.kv_geometry). A layer that stores nothing (it attends with an
+earlier layer's keys) is given no cache.
 """
 from __future__ import annotations
 
@@ -42,12 +43,21 @@ def index_key(config, i: int, rec: meta_forward.Record | None = None) -> int:
     return fields.layer_get(config, "index_key", i, 0)
 
 
+def caching_layers(config, layers=None, rec: meta_forward.Record | None = None) -> list[int]:
+    """Of `layers` (all), those that keep keys and values: where the forward on `meta` ran, the
+    layers that stored some. A layer that attends with an earlier layer's keys (Gemma 4's shared-KV
+    layers) stores none and needs no cache of its own."""
+    rec = measured(config) if rec is None else rec
+    every = range(config.num_hidden_layers) if layers is None else layers
+    return [i for i in every if rec is None or i in rec.kv]
+
+
 def kv_token_bytes(config, layers=None, element: int = 1) -> int:
     """Elements (times `element` bytes) one token's keys and values take over `layers` (all), with
     the indexer's key where the layers' sparse attention keeps one (DeepSeek-V3.2's DSA)."""
     rec = measured(config)
     total = 0
-    for i in range(config.num_hidden_layers) if layers is None else layers:
+    for i in caching_layers(config, layers, rec):
         (kh, kd), (vh, vd) = layer_kv_geometry(config, i, rec)
         total += kh * kd + vh * vd + index_key(config, i, rec)
     return total * element

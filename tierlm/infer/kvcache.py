@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ..hf.kv_layout import index_key as index_key_of, kv_token_bytes, layer_kv_geometry, measured
+from ..hf.kv_layout import caching_layers, index_key as index_key_of, kv_token_bytes, layer_kv_geometry, measured
 from ..storage import BudgetError
 from ..units import fmt_bytes
 from .states import StateSlots
@@ -49,7 +49,7 @@ class SlotKVCache:
         self.ik: list[torch.Tensor | None] = [None] * layers
         if kv_layers is None or kv_layers:
             rec = measured(config)  # what the model's layers write (hf.kv_layout)
-            for i in range(layers) if kv_layers is None else sorted(kv_layers):
+            for i in caching_layers(config, None if kv_layers is None else sorted(kv_layers), rec):
                 (kh, kd), (vh, vd) = layer_kv_geometry(config, i, rec)  # layers may differ (Gemma 4's global ones)
                 # One spare position per slot: queries that only pad a row write there, never over real keys.
                 self.k[i] = torch.zeros((slots, kh, max_len + 1, kd), dtype=dtype, device=device)
