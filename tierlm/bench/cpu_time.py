@@ -34,10 +34,14 @@ class CpuClock:
 
     def __init__(self):
         self._proc = psutil.Process()
+        self._names: dict[int, str] = {}  # native id -> name of every Python thread seen
         self._last = self._read()
 
     def _read(self) -> dict[str, float]:
-        names = {t.native_id: t.name for t in threading.enumerate()}
+        # a thread Python has finished (joined) can still be listed by the kernel for a moment:
+        # the name it had keeps its time in its component, not torch's pool
+        self._names.update({t.native_id: t.name for t in threading.enumerate()})
+        names = self._names
         main = threading.main_thread().native_id
         out: dict[str, float] = {}
         for th in self._proc.threads():
