@@ -127,6 +127,18 @@ def test_weights_a_constructor_draws_and_init_weights_leaves_are_drawn(tmp_path)
     assert torch.isfinite(model(ids, labels=ids).loss)
 
 
+def test_a_family_whose_config_requires_a_pad_id_keeps_one(tmp_path):
+    """init leaves pad_token_id out of config.json (a Llama-style model would freeze the row of
+    its padding_idx); ModernBERT's decoder requires an int there and raised. It gets the
+    tokenizer's pad."""
+    import json
+    d = init_model(tmp_path / "m", make_config("modernbert-decoder", None, {}), seed=0)
+    pad = json.loads((d / "config.json").read_text())["pad_token_id"]
+    assert isinstance(pad, int) and pad == json.loads((d / "generation_config.json").read_text())["pad_token_id"]
+    assert json.loads((init_model(tmp_path / "l", make_config("llama", None, {}), seed=0) / "config.json")
+                      .read_text()).get("pad_token_id") is None
+
+
 def test_preset_shrunk_with_trained_tokenizer(tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("<|im_start|> is special but this is plain text, repeated.\n" * 40)

@@ -248,3 +248,21 @@ def test_layers_with_values_of_their_own_keep_them_in_tiny_copies():
     m = AutoModelForCausalLM.from_config(c)
     assert m.model.layers[11].self_attn.q_proj.out_features == 4 * 64
     assert m.model.layers[10].self_attn.q_proj.out_features == 4 * 32
+
+
+@pytest.mark.parametrize("arch", ["bamba", "granitemoehybrid", "dory", "gemma3n_text"])
+def test_small_shapes_the_familys_own_checks_would_reject_are_made_anew(arch):
+    """Shrinking sets fields past the checks the family's config class runs when made: a field the
+    default derived from the old sizes (Bamba's and Granite 4's Mamba head width, Dory's layer
+    counts, Gemma 3n's per-layer sparsity) disagreed with the new ones, and `tierlm init --arch`
+    died in a traceback. The config is made anew from what shrinking changed."""
+    from transformers import AutoModelForCausalLM
+    c = make_config(arch, None, {})
+    type(c).from_dict(c.to_dict())                       # the family's own checks pass
+    assert c.hidden_size == 64
+    AutoModelForCausalLM.from_config(c)
+
+
+def test_a_small_shape_the_family_still_rejects_is_refused_with_its_reason():
+    with pytest.raises(ValueError, match="dots3_note_text.*SWA head_dim must equal.*save_pretrained"):
+        make_config("dots3_note_text", None, {})

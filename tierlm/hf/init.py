@@ -181,7 +181,10 @@ def init_model(out_dir: str | os.PathLike, config, seed: int = 0, dtype: str | t
         # pad stays out of config.json on purpose: Llama-family models turn config.pad_token_id into
         # nn.Embedding(padding_idx=...), which zeroes that row and freezes its gradient - and our pad
         # is the end-of-text token. Generation gets it from generation_config instead.
-        config.pad_token_id = None
+        try:
+            config.pad_token_id = None
+        except Exception:  # noqa: BLE001 -- a family whose config requires one (ModernBERT's decoder)
+            config.pad_token_id = ids["pad_token_id"]
         gen_kw = dict(bos_token_id=ids["bos_token_id"], pad_token_id=ids["pad_token_id"],
                       eos_token_id=[ids["eos_token_id"], ids["im_end_token_id"]])
 

@@ -201,7 +201,31 @@ def _tiny_family(arch: str):
         if isinstance(v, float) and ("dropout" in k or k.endswith("pdrop")):
             setattr(c, k, 0.0)
     c.dtype = "float32"
-    return c
+    return _family_checked(arch, default, c)
+
+
+def _family_checked(arch: str, default, c):
+    """`c` as the family's own config class accepts it. Shrinking sets fields one by one, past the
+    checks the class runs when it is made; a field the default derived from the old sizes (Bamba's
+    and Granite 4's Mamba head width, Dory's layer counts, Gemma 3n's per-layer sparsity) then
+    disagrees with the new ones. Such a config is made anew from what shrinking changed, so the
+    class derives the rest from the new sizes; one it still rejects is refused with its reason."""
+    try:
+        type(c).from_dict(c.to_dict())
+        return c
+    except Exception:  # noqa: BLE001 -- the class's own check; retried below
+        pass
+    before, after = default.to_dict(), c.to_dict()
+    changed = {k: v for k, v in after.items() if k != "transformers_version" and before.get(k, object()) != v}
+    try:
+        made = type(default)(**changed)
+        type(made).from_dict(made.to_dict())
+        return made
+    except Exception as e:  # noqa: BLE001 -- the reason goes into the refusal
+        why = str(e).strip().splitlines()[-1].strip()
+        raise ValueError(f"arch {arch!r}: transformers' check of the {arch} config rejects tierlm's small shape "
+                         f"({why}); make the model with transformers (AutoConfig.for_model({arch!r}, ...), "
+                         "save_pretrained) and give tierlm its directory") from e
 
 
 def _native(config, overrides: dict | None, what: str):
