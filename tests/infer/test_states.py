@@ -15,7 +15,8 @@ from tierlm.storage import BudgetError
 # what sets each apart: Gated DeltaNet beside gated attention (and experts), OLMo's linear
 # attention, LFM2's short convolutions, Mamba (prompts whole), Mamba-2, Jamba's Mamba + attention +
 # experts, Falcon-H1's attention and Mamba side by side in one layer, Kimi's three convolutions a layer,
-# Nemotron-H's layers that keep nothing, LARA's fused input projections
+# Nemotron-H's layers that keep nothing, Granite 4's Mamba-2 + attention + experts, LARA's fused input
+# projections
 STATE_FAMILIES = {
     "qwen3_next": {},
     "qwen3_5_text": {},
@@ -29,6 +30,10 @@ STATE_FAMILIES = {
     "nemotron_h": {},  # Mamba-2, attention, MLP-only and expert layers, each a layer of its own
     # Gated DeltaNet beside sliding and full attention; its four input projections cut from one
     # fused file tensor (hf.split_tensors)
+    # Granite 4's hybrid: Mamba-2 layers beside attention, experts with a shared MLP in each
+    "granitemoehybrid": dict(hidden_size=64, num_hidden_layers=2, layer_types=["mamba", "attention"],
+                             mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16,
+                             num_local_experts=4, num_experts_per_tok=2),
     "lara_mini": dict(num_hidden_layers=3, layer_types=["linear_attention", "sliding_attention", "full_attention"],
                       sliding_window=4),
 }
