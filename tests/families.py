@@ -75,6 +75,10 @@ FAMILIES = {
     "iquestcoder": dict(_BASE, head_dim=16),
     # full attention beside sliding layers
     "cwm": dict(_BASE, head_dim=16, sliding_window=6, layer_types=["full_attention", "sliding_attention"]),
+    # sinusoidal positions, its own attention inline: the mask added to its scores (it gets
+    # additive masks: infer.packed._eager_by_name), scaled embeddings
+    "xglm": dict(d_model=64, num_layers=2, attention_heads=4, ffn_dim=96, vocab_size=128, max_position_embeddings=64,
+                 dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, layerdrop=0.0),
     # mixtures of experts: stacked expert weights (one file tensor per expert), top-k routing, the
     # router's load-balancing loss added to the loss (output_router_logits)
     "mixtral": dict(_BASE, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,

@@ -142,11 +142,12 @@ def test_short_steps_and_decode_are_not_chunked():
 
 
 @pytest.mark.parametrize("fam, eager", [("llama", False), ("falcon", False), ("gemma2", True), ("gpt_oss", True),
-                                        ("deepseek_v32", True), ("glm_moe_dsa", True)])
+                                        ("deepseek_v32", True), ("glm_moe_dsa", True), ("xglm", True)])
 def test_the_engine_knows_which_models_attention_runs_eager(fam, eager):
     """The scratch the budget plans (plan.inference.scratch_bytes) counts eager attention's full
     scores and additive masks where it runs: no SDPA (soft-capping, sinks), or sparse attention that
-    computes apart under tierlm's name; Falcon's inline SDPA branch is not eager."""
+    computes apart under tierlm's name, or attention computed inline that adds its mask to the
+    scores (XGLM); Falcon's inline SDPA branch is not eager."""
     from tests.families import family_config
     from tierlm.hf.structure import empty_model
     assert packed.runs_eager(empty_model(family_config(fam))) is eager

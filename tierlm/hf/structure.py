@@ -61,20 +61,30 @@ def fixed_params_to_buffers(model: nn.Module) -> list[str]:
     return fixed
 
 
-def empty_model(config) -> nn.Module:
-    """An HF causal LM for `config` whose parameters take no memory."""
+def empty_model(config, dtype: torch.dtype | None = None) -> nn.Module:
+    """An HF causal LM for `config` whose parameters take no memory. With `dtype`, made as
+    transformers' load in that dtype makes it: its constructors run under that default dtype (a
+    table XGLM computes for its positions is then in it, as the activations it is added to), and
+    what the family keeps in fp32 there (kept_fp32: a router's correction bias) is fp32."""
     from transformers import AutoModelForCausalLM
 
+    kw = {"dtype": dtype} if dtype is not None else {}
     with _params_on_meta():
-        model = causal_lm(AutoModelForCausalLM.from_config(config))
+        model = causal_lm(AutoModelForCausalLM.from_config(config, **kw))
+    if dtype is not None:
+        wide = kept_fp32(model, dtype, buffers=True)
+        for n, b in model.named_buffers():
+            if n in wide and b.is_floating_point():
+                mod, _, attr = n.rpartition(".")
+                model.get_submodule(mod)._buffers[attr] = b.float()
     model.train()
     return model
 
 
-def kept_fp32(model: nn.Module, dtype: torch.dtype) -> set[str]:
-    """The parameters transformers keeps in fp32 when it loads the model in `dtype` (the family's
-    `_keep_in_fp32_modules_strict` in bf16: a mixture's router weights, attention sinks), by its own
-    dtype plan and pattern matching."""
+def kept_fp32(model: nn.Module, dtype: torch.dtype, buffers: bool = False) -> set[str]:
+    """The parameters (with `buffers`, the buffers) transformers keeps in fp32 when it loads the
+    model in `dtype` (the family's `_keep_in_fp32_modules_strict` in bf16: a mixture's router
+    weights and correction bias, attention sinks), by its own dtype plan and pattern matching."""
     if dtype == torch.float32:
         return set()
     plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
@@ -83,7 +93,8 @@ def kept_fp32(model: nn.Module, dtype: torch.dtype) -> set[str]:
     from transformers.core_model_loading import build_glob_alternation
     alt, group, _ = build_glob_alternation(list(plan))
     out = set()
-    for n, _ in model.named_parameters():
+    named = list(model.named_parameters()) + (list(model.named_buffers()) if buffers else [])
+    for n, _ in named:
         hit = alt.search(n)
         if hit and plan[group[hit.lastgroup]] == torch.float32:
             out.add(n)

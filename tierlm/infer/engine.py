@@ -151,7 +151,7 @@ class InferenceEngine:
         self.max_len = cfg.max_seq_len or min(limit, 2048)
         if self.max_len > limit:
             raise ValueError(f"--max-seq-len {self.max_len} exceeds the model's {limit} positions")
-        self.model = empty_model(config).eval()
+        self.model = empty_model(config, self.dtype).eval()
         use_expert_rows(self.model)  # a mixture of experts' experts: only the routed ones, on our kernels
         # what the library baseline's warm-up forward runs until packed.install names the steps'
         config._attn_implementation = "sdpa" if getattr(self.model, "_supports_sdpa", False) else "eager"

@@ -160,13 +160,39 @@ _SDPA_BRANCH = re.compile(r"""_attn_implementation\s*(==|in)\s*\(?[^)\n]*["']sdp
 def runs_eager(model) -> bool:
     """Whether a step's attention runs the model's eager function (all scores at once in the
     compute dtype, additive masks: plan.inference.scratch_bytes counts them): a model without SDPA
-    (soft-capping, sinks), or one that computes apart under tierlm's name (install)."""
+    (soft-capping, sinks), one that computes apart under tierlm's name, or one whose own inline
+    attention adds the mask to its scores (install)."""
     mods = attention_modules(model)
     if not mods:
         return False
     if not getattr(model, "_supports_sdpa", True):
         return True
-    return not packs(model) and all(dispatches_by_name(m) for m in mods) and any(_sdpa_apart(type(m)) for m in mods)
+    return not packs(model) and _eager_by_name(mods)
+
+
+def _eager_by_name(mods) -> bool:
+    """Whether a model that does not pack runs with its implementation named "eager": one that
+    dispatches by name but computes apart under tierlm's name (transformers' eager function
+    computes all it asks), or one whose attention computes inline and adds the mask to its scores
+    (XGLM: a boolean mask added there is 0 and 1, not 0 and -inf; under "eager" the steps give
+    additive masks)."""
+    by_name = all(dispatches_by_name(m) for m in mods)
+    return (by_name and any(_sdpa_apart(type(m)) for m in mods)) or \
+        (not any(dispatches_by_name(m) for m in mods) and any(_adds_mask_inline(type(m)) for m in mods))
+
+
+_ADDS_MASK = re.compile(r"\+\s*attention_mask\b")
+
+
+@functools.cache
+def _adds_mask_inline(cls) -> bool:
+    """An attention class that adds the mask to its scores itself and has no SDPA branch of its own
+    (Falcon's, named "sdpa", takes boolean masks)."""
+    try:
+        src = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+    return bool(_ADDS_MASK.search(src)) and not _SDPA_BRANCH.search(src)
 
 
 @functools.cache
@@ -189,10 +215,9 @@ def install(model, config, cache) -> bool:
     if not packs(model):
         # a model that dispatches by name but computes something else under ours runs transformers'
         # eager attention, the one function that computes all it asks (sinks too), with additive
-        # masks (GenericStep); one that computes inline (Falcon, whose own branch is named "sdpa")
-        # keeps SDPA
-        apart = all(dispatches_by_name(m) for m in mods) and any(_sdpa_apart(type(m)) for m in mods)
-        name = "eager" if apart else "sdpa"
+        # masks (GenericStep), as does one whose inline attention adds its mask (XGLM); one with an
+        # inline SDPA branch (Falcon, whose own branch is named "sdpa") keeps SDPA
+        name = "eager" if _eager_by_name(mods) else "sdpa"
         for c in {id(config): config, id(model.config): model.config}.values():
             c._attn_implementation = name
         return False
