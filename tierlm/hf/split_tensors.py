@@ -113,11 +113,16 @@ def read(st, part: Part, out: torch.Tensor | None = None) -> torch.Tensor:
 
 
 def transforms(model) -> tuple[list, list]:
-    """The family's conversions of checkpoint keys: (renamings, conversions of tensors)."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightRenaming
-    ts = get_model_conversion_mapping(model)
-    return [t for t in ts if isinstance(t, WeightRenaming)], [t for t in ts if not isinstance(t, WeightRenaming)]
+    """The family's conversions of checkpoint keys: (renamings, conversions of tensors), kept on
+    the model (a save asks once a parameter)."""
+    got = getattr(model, "_tierlm_transforms", None)
+    if got is None:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming
+        ts = get_model_conversion_mapping(model)
+        got = [t for t in ts if isinstance(t, WeightRenaming)], [t for t in ts if not isinstance(t, WeightRenaming)]
+        model._tierlm_transforms = got
+    return got
 
 
 def converted(key: str, converters):
