@@ -46,10 +46,11 @@ def _gone(tid: int) -> None:
 def test_a_thread_python_has_finished_but_the_kernel_lists_keeps_its_component(monkeypatch):
     """Between Python's end of a thread (join returns) and its OS thread's exit, the kernel still
     lists a thread Python no longer knows: its time stays its component's, not torch's pool's."""
-    started, spun, release = threading.Event(), threading.Event(), threading.Event()
+    started, go, spun, release = threading.Event(), threading.Event(), threading.Event(), threading.Event()
 
     def work():
         started.set()
+        go.wait()  # spins only after the clock's first reading
         _spin(0.3)
         spun.set()
         release.wait()
@@ -58,6 +59,7 @@ def test_a_thread_python_has_finished_but_the_kernel_lists_keeps_its_component(m
     th.start()
     started.wait()
     clock = CpuClock()  # it has seen the thread by name
+    go.set()
     spun.wait()
     live = threading.enumerate()
     monkeypatch.setattr(threading, "enumerate", lambda: [t for t in live if t is not th])  # Python: gone
