@@ -79,6 +79,18 @@ FAMILIES = {
     # additive masks: infer.packed._eager_by_name), scaled embeddings
     "xglm": dict(d_model=64, num_layers=2, attention_heads=4, ffn_dim=96, vocab_size=128, max_position_embeddings=64,
                  dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, layerdrop=0.0),
+    # OPT-350m's shape: embeddings narrower than the layers, projected in before them (a weight the
+    # fine-tuning engine holds through the step) and out after; LayerNorms after the blocks, learned
+    # positions offset by 2, tied head
+    "opt": dict(hidden_size=64, word_embed_proj_dim=32, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4,
+                vocab_size=128, max_position_embeddings=64, do_layer_norm_before=False, dropout=0.0,
+                attention_dropout=0.0, layerdrop=0.0),
+    # ModernBERT's decoder: a LayerNorm on the embeddings before the layers (held through the step),
+    # sliding layers beside global ones, no biases, a dense head before the tied decoder
+    "modernbert-decoder": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                               vocab_size=128, max_position_embeddings=64, local_attention=6, global_attn_every_n_layers=2,
+                               pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=3, sep_token_id=4,
+                               embedding_dropout=0.0, attention_dropout=0.0, mlp_dropout=0.0),
     # mixtures of experts: stacked expert weights (one file tensor per expert), top-k routing, the
     # router's load-balancing loss added to the loss (output_router_logits)
     "mixtral": dict(_BASE, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,

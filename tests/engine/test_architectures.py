@@ -53,19 +53,46 @@ def test_trains_exactly_and_saves_loadable_model(make_model_dir, tmp_path, arch,
         torch.testing.assert_close(theirs.float(), ours.float(), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("family, module", [("bloom", "word_embeddings_layernorm"), ("opt", "project_in")])
-def test_weights_used_before_the_layers_are_refused_before_anything_is_written(family, module, tmp_path):
-    """BLOOM's embedding LayerNorm and OPT's project_in run before the first layer and are needed
-    again at the end of backward: refused at construction with the modules named (before, the
-    step failed deep in backward), and no store is created."""
+@pytest.mark.parametrize("family, reads", [("zaya", "prev_router_hidden_states"), ("cpmant", "position_bias")])
+def test_layers_reading_a_tensor_with_a_gradient_made_outside_them_are_refused_before_anything_is_written(
+        family, reads, tmp_path):
+    """ZAYA's layers hand the next one their router states, and CPM-Ant's read a position bias made
+    before them from weights: tensors with a gradient beside the hidden states. The engine runs
+    each layer's backward on its own and carries only the hidden states' gradient, so such a
+    model would train wrong (ZAYA's losses differed from torch's) or fail in backward (CPM-Ant's):
+    refused at construction with what the layers read named (hf.structure.trace_layers), and no
+    store is created."""
     from tierlm.hf.presets import make_config
+    from tierlm.hf.structure import trace_layers
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(make_config(family))
-    d = tmp_path / "m"
-    model.save_pretrained(d)
-    with pytest.raises(ValueError, match=f"{module}.*run before the decoder layers"):
-        Engine.from_pretrained(d, EngineConfig(nvme_dir=str(tmp_path / "nvme"), cpu_mem="1GiB", precision="fp32"))
+    cfg = make_config(family, None, dict(layers=2))
+    assert trace_layers(cfg).grad_inputs == (reads,)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "m")
+    with pytest.raises(ValueError, match=f"{family}: its decoder layers read {reads} beside the hidden states"):
+        Engine.from_pretrained(tmp_path / "m", EngineConfig(nvme_dir=str(tmp_path / "nvme"), cpu_mem="1GiB",
+                                                            precision="fp32"))
     assert not (tmp_path / "nvme").exists()
+
+
+@pytest.mark.parametrize("family, early", [
+    ("bloom", ["transformer.word_embeddings_layernorm"]), ("opt", ["model.decoder.project_in"]),
+    ("modernbert-decoder", ["model.embeddings.norm"]), ("llama", [])])
+def test_weights_used_before_the_layers_are_found_and_go_to_the_embedding_block(family, early):
+    """BLOOM's embedding LayerNorm, OPT-350m's project_in and ModernBERT's embedding norm run before
+    the first layer, so their backward comes after the last layer's: found by a tiny forward and
+    put in the embedding's block, whose engine holds them through the step (fine-tuning them is
+    bit-equal to torch: tests/test_families.py)."""
+    from tierlm.hf.presets import make_config
+    from tierlm.hf.structure import discover_blocks, empty_model, weights_before_layers
+    over = dict(word_embed_proj_dim=32) if family == "opt" else {}
+    cfg = make_config(family, None, dict(layers=2))
+    for k, v in over.items():
+        setattr(cfg, k, v)
+    assert weights_before_layers(cfg) == early
+    blocks, _ = discover_blocks(empty_model(cfg), early)
+    embed, head = blocks[0], blocks[-1]
+    for mod in early:
+        assert any(n.startswith(mod + ".") for n in embed.owns) and not any(n.startswith(mod + ".") for n in head.uses)
 
 
 def test_fixed_parameters_without_a_value_are_refused_before_anything_is_written(tmp_path):
@@ -88,7 +115,7 @@ def test_fixed_parameters_without_a_value_are_refused_before_anything_is_written
 
 @pytest.mark.parametrize("over, why", [
     (dict(hidden_size_per_layer_input=16, vocab_size_per_layer_input=128),
-     r"per_layer_model_projection, model\.per_layer_projection_norm run before the decoder layers"),
+     r"its decoder layers read per_layer_input beside the hidden states"),
     (dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2),
      r"its last 2 layers attend with an earlier layer's keys and values \(num_kv_shared_layers\)"),
 ])

@@ -49,9 +49,12 @@ def plan_budget(eng, baseline: int) -> tuple[B.Split, int]:
     activations (host RAM, or what `--gpu-mem` leaves with a GPU computing). A budget too small
     for the batch names the longest micro-batch that fits, if any does."""
     baseline += packed_bytes(eng)
-    max_w = max(sum(nbytes(eng.dtype, eng.infos[n].numel) for n in b.uses) for b in eng.blocks)
+    # weights used before the first layer are held through the step (residency: _hold_early),
+    # beside whichever block computes
+    early = {n: round_up(nbytes(eng.dtype, eng.infos[n].numel)) for n in eng.early}
+    max_w = max(sum(nbytes(eng.dtype, eng.infos[n].numel) for n in {*b.uses, *early}) for b in eng.blocks)
     # each parameter has its own page-aligned buffer in the window's pool
-    win = B.window_size([{n: round_up(nbytes(eng.dtype, eng.infos[n].numel)) for n in b.uses}
+    win = B.window_size([{**early, **{n: round_up(nbytes(eng.dtype, eng.infos[n].numel)) for n in b.uses}}
                          for b in eng.blocks], eng.prefetch)
     max_g = max(sum(nbytes(eng.dtype, eng.infos[n].numel) for n in b.owns) for b in eng.blocks)
     layer_g = max(sum(nbytes(eng.dtype, eng.infos[n].numel) for n in b.owns) for b in eng.blocks

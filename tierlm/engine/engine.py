@@ -30,7 +30,7 @@ from ..hf.names import load_buffers, model_to_checkpoint
 from ..hf.stacked import read_param
 from ..hf.safetensors_io import SafetensorsDir
 from ..hf.structure import (discover_blocks, empty_model, fixed_params_to_buffers, module_param_slots,
-                            stacked_experts, weights_before_layers)
+                            stacked_experts, trace_layers, weights_before_layers)
 from ..plan.budget import chunk_tokens
 from ..plan.settings import Measured, TrainSettings
 from ..storage import HostBufferPool, TensorStore
@@ -92,6 +92,7 @@ class Engine(DurableState, Exports, BlockResidency):
         self.micro = 0
         self.lr = cfg.optim.lr
         self._held_head: list[str] = []
+        self._held_early: list[str] = []
         self._t_head: float | None = None
         self._t_bwd: float | None = None
         self._pins: dict[str, int] = {}
@@ -103,10 +104,12 @@ class Engine(DurableState, Exports, BlockResidency):
     def _take_model(self, model: nn.Module, settings: TrainSettings) -> None:
         """The model's parameters become the engine's (empty until a block needs them), cut in
         the settings' shards; its layers, embedding and head get the engine's hooks."""
-        early = weights_before_layers(model.config)
-        if early:
-            raise ValueError(f"{model.config.model_type}: {', '.join(early)} run before the decoder layers and are "
-                             "not embeddings; the fine-tuning engine does not stream such weights yet")
+        grad_inputs = trace_layers(model.config).grad_inputs
+        if grad_inputs:
+            raise ValueError(f"{model.config.model_type}: its decoder layers read {', '.join(grad_inputs)} beside the "
+                             "hidden states, made outside the layer with a gradient (from weights before the "
+                             "layers, or an earlier layer); the fine-tuning engine runs each layer's backward on "
+                             "its own and carries only the hidden states' gradient")
         shared = getattr(model.config, "num_kv_shared_layers", 0)
         if shared:
             raise ValueError(f"{model.config.model_type}: its last {shared} layers attend with an earlier layer's keys "
@@ -122,7 +125,9 @@ class Engine(DurableState, Exports, BlockResidency):
                              "Engine.from_pretrained, which reads them from the checkpoint")
         fixed_params_to_buffers(model)
         move_buffers(model, self.device)
-        self.blocks, params = discover_blocks(model)
+        # weights a forward uses before the first layer (not embeddings: BLOOM's embedding norm)
+        # are needed again at the end of backward: the embed block's, held through the step
+        self.blocks, params = discover_blocks(model, weights_before_layers(model.config))
         self.names = list(params)  # canonical order: model.parameters()
         self.settings = settings
         self.shard_elems, self.shard_why = settings.shard_elems.value, settings.shard_elems.why
@@ -267,6 +272,7 @@ class Engine(DurableState, Exports, BlockResidency):
         """The HF model's forward (returns its output, `.loss` when labels are given)."""
         self.acts.micro_begin()
         self._drop_head()
+        self._drop_early()
         self.heap.check()
         self._prefetch_from(-1, +1)
         if self.on_gpu:
@@ -286,6 +292,7 @@ class Engine(DurableState, Exports, BlockResidency):
         self._t_head = None
         if not torch.is_grad_enabled():
             self._drop_head()
+            self._drop_early()
         return out
 
     def _chunkable(self) -> bool:
@@ -324,6 +331,7 @@ class Engine(DurableState, Exports, BlockResidency):
             if self.tied_grad is not None:
                 self.tied_grad.head_grad = None  # a backward that failed hands nothing over
             self._drop_head()
+            self._drop_early()  # their backward, the last but the embedding's, is over
             t0 = time.perf_counter()
             if self.dist is not None:
                 with self.timeline.span("wait", "gradient reduce"):

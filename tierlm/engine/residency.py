@@ -20,6 +20,9 @@ class BlockResidency:
     def _hook_embed_and_head(self) -> None:
         by_kind = {b.kind: b for b in self.blocks if b.kind != "layer"}
         slots = module_param_slots(self.model)
+        embed = by_kind["embed"]
+        # the embed block's weights outside embeddings (weights_before_layers), held through the step
+        self.early = [n for n in embed.uses if not any(isinstance(m, nn.Embedding) for m, _ in slots[n])]
         for kind in ("embed", "head"):
             blk = by_kind[kind]
             # Tied weights sit in an Embedding and in lm_head: each block hooks its own kind.
@@ -28,12 +31,17 @@ class BlockResidency:
             for mod, attr in mods.values():
                 names = [self._canon(mod, a) for a in mod._parameters if mod._parameters[a] is not None]
                 if kind == "embed":
-                    if len(mods) == 1 and names == blk.uses and len(names) == 1 and NextRows.usable(mod):
+                    if len(mods) == 1 and len(names) == 1 and names == [n for n in blk.uses if n not in self.early] \
+                            and NextRows.usable(mod):
                         self.next_rows = NextRows(names[0], self.infos[names[0]], self.dtype)
                     mod.register_forward_pre_hook(lambda m, a, ns=names: self._embed_in(m, a, ns))
                     mod.register_forward_hook(lambda m, a, o, ns=names: self._embed_out(m, a, ns))
                 else:
                     mod.register_forward_pre_hook(lambda m, a, ns=names: self._hold_head(ns))
+        early_mods = {id(m): m for n in self.early for m, _ in slots[n]}
+        for mod in early_mods.values():
+            names = [self._canon(mod, a) for a in mod._parameters if mod._parameters[a] is not None]
+            mod.register_forward_pre_hook(lambda m, a, ns=names: self._hold_early(ns))
 
     def _embed_in(self, mod: nn.Module, args, names) -> None:
         nr = self.next_rows
@@ -119,6 +127,19 @@ class BlockResidency:
         if self._t_head is None:
             self._t_head = time.perf_counter()  # the head and loss compute from here (timeline)
 
+    def _hold_early(self, names) -> None:
+        """Weights used before the first layer: loaded at their first use in a forward and held
+        until its backward is over, which needs them last (drop_early)."""
+        new = [n for n in names if n not in self._held_early]
+        if new:
+            self._load(new)
+            self._held_early.extend(new)
+
+    def _drop_early(self) -> None:
+        if self._held_early:
+            held, self._held_early = self._held_early, []
+            self._unload(held)
+
     def _head_computed(self, phase: str, t0: float | None) -> None:
         if t0 is not None:
             synchronize(self.device)
@@ -139,9 +160,11 @@ class BlockResidency:
         for d in range(1, self.prefetch + 1):
             j = index + d * step
             if 0 <= j < len(self.blocks):
+                uses = self.blocks[j].uses
                 if self.blocks[j].kind == "embed" and self.next_rows is not None and self.next_rows.pending():
-                    continue  # the next lookup has its rows
-                self.window.prefetch(self.blocks[j].uses)
+                    uses = [n for n in uses if n != self.next_rows.name]  # the next lookup has its rows
+                if uses:
+                    self.window.prefetch(uses)
 
     # called by the layer wrappers
     def block_forward_begin(self, blk) -> None:

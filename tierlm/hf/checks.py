@@ -11,7 +11,7 @@ TESTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"
           "olmo2", "gpt_neox", "gpt2", "falcon", "starcoder2", "granite", "cohere", "cohere2", "glm", "glm4",
           "smollm3", "ernie4_5", "exaone4", "olmo3", "apertus", "arcee", "stablelm", "nemotron", "vaultgemma",
           "hunyuan_v1_dense", "ministral", "seed_oss", "helium", "internlm3", "bitnet", "gpt_bigcode", "nanochat",
-          "apertus1p5_text", "jais2", "hyperclovax", "iquestcoder", "cwm",
+          "apertus1p5_text", "jais2", "hyperclovax", "iquestcoder", "cwm", "opt", "modernbert-decoder",
           "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "glm4_moe", "hunyuan_v1_moe",
           "minimax_m2", "jetmoe", "flex_olmo", "cohere2_moe", "exaone_moe", "granitemoe", "granitemoeshared",
           "deepseek_v2", "dots1", "dbrx", "hy_v3", "ernie4_5_moe", "laguna", "afmoe", "gemma4_text",

@@ -6,6 +6,7 @@ A block is the unit the engine streams: the input embeddings, each decoder layer
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -119,57 +120,88 @@ def find_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
     raise ValueError(f"cannot find the {n} decoder layers of {type(model).__name__}")
 
 
-_EARLY: dict[str, list[str]] = {}
+@dataclass(frozen=True)
+class LayerTrace:
+    """What a forward of a one-layer-per-kind tiny copy of the family shows (trace_layers)."""
+    early: tuple[str, ...] = ()     # modules (not embeddings) whose weights run before the first layer
+    grad_inputs: tuple[str, ...] = ()  # what layers read beside the hidden states that carries a
+    #                                    gradient (made outside the layer: an earlier layer's output)
+
+
+_TRACES: dict[str, LayerTrace] = {}
+
+
+def trace_layers(config) -> LayerTrace:
+    """Run a tiny copy of the family (hf.fields.shrunk, two layers) forward with hooks, with
+    gradients on. Kept per config: every engine a process builds for the same model asks. A family
+    with no tiny copy, or whose tiny forward fails, shows nothing."""
+    key = config.to_json_string()
+    if key not in _TRACES:
+        _TRACES[key] = _trace(config)
+    return _TRACES[key]
 
 
 def weights_before_layers(config) -> list[str]:
     """Modules other than embeddings whose weights a forward uses before the first decoder layer
-    (BLOOM's embedding LayerNorm, OPT's project_in), found by running a one-layer tiny copy of the
-    family (hf.fields.shrunk) with hooks. The engine streams an embedding there (its backward
-    needs no weight) and holds the head from its forward to its backward; weights used first and
-    needed again at the very end of backward fit neither. Kept per config: every engine a process
-    builds for the same model asks."""
-    key = config.to_json_string()
-    if key not in _EARLY:
-        _EARLY[key] = _trace_early(config)
-    return list(_EARLY[key])
+    (BLOOM's embedding LayerNorm, OPT's project_in, ModernBERT's embedding norm). An embedding's
+    backward needs no weight, so the engine streams it; these are used first and needed again at
+    the very end of backward, so the engine holds them through the step (discover_blocks puts them
+    in the embedding's block)."""
+    return list(trace_layers(config).early)
 
 
-def _trace_early(config) -> list[str]:
+def _trace(config) -> LayerTrace:
     import torch
     from transformers import AutoModelForCausalLM
 
     try:
-        tiny = shrunk(config, layers=1)
+        tiny = shrunk(config, layers=2)
         with torch.random.fork_rng(devices=[]):
             m = AutoModelForCausalLM.from_config(tiny)
         _, layers = find_layers(m)
     except Exception:  # noqa: BLE001 -- no tiny copy of this family: nothing known, nothing refused
-        return []
-    seen, early = {"layers": False}, []
+        return LayerTrace()
+    seen, early, grad_inputs = {"layers": False}, [], set()
 
     def note(mod, name):
         if not seen["layers"] and any(p is not None for p in mod._parameters.values()) \
                 and not isinstance(mod, nn.Embedding):
             early.append(name)
 
+    def reads(mod, args, kwargs):
+        try:  # the forward's own names for its positional arguments
+            named = [p for p in inspect.signature(mod.forward).parameters if p not in ("args", "kwargs")]
+        except (TypeError, ValueError):
+            named = []
+        names = [named[i] if i < len(named) else f"argument {i}" for i, t in enumerate(args) if i > 0 and _with_grad(t)]
+        names += [k for k, t in kwargs.items() if k != "hidden_states" and _with_grad(t)]
+        grad_inputs.update(names)
+
     layer_mods = {id(x) for x in layers.modules()}
     handles = [layers[0].register_forward_pre_hook(lambda *_: seen.update(layers=True))]
+    handles += [layer.register_forward_pre_hook(reads, with_kwargs=True) for layer in layers]
     handles += [mod.register_forward_pre_hook(lambda mod, _a, n=name: note(mod, n))
                 for name, mod in m.named_modules() if id(mod) not in layer_mods]
     try:
-        with torch.no_grad():
+        with torch.enable_grad():
             m(input_ids=torch.zeros(1, 4, dtype=torch.long), use_cache=False)
     except Exception:  # noqa: BLE001 -- as above
-        return []
+        return LayerTrace()
     finally:
         for h in handles:
             h.remove()
-    return early
+    return LayerTrace(tuple(early), tuple(sorted(grad_inputs)))
 
 
-def discover_blocks(model: nn.Module) -> tuple[list[Block], dict[str, nn.Parameter]]:
-    """Group the model's parameters into embed / layer / head blocks in forward order.
+def _with_grad(t) -> bool:
+    import torch
+    return isinstance(t, torch.Tensor) and t.requires_grad
+
+
+def discover_blocks(model: nn.Module, early: list[str] | tuple = ()) -> tuple[list[Block], dict[str, nn.Parameter]]:
+    """Group the model's parameters into embed / layer / head blocks in forward order. The direct
+    parameters of the modules named in `early` (weights_before_layers) go to the embed block;
+    those of any other module outside the layers but an embedding, to the head.
 
     Returns the blocks and the canonical name -> Parameter map (tied parameters appear once, under
     the name `named_parameters()` gives them first: the input embedding's).
@@ -190,8 +222,9 @@ def discover_blocks(model: nn.Module) -> tuple[list[Block], dict[str, nn.Paramet
         if full.startswith(prefix):
             b = blocks[1 + int(full[len(prefix):].split(".")[0])]
         else:
-            mod = model.get_submodule(full.rsplit(".", 1)[0])
-            b = embed if isinstance(mod, nn.Embedding) else head
+            owner = full.rsplit(".", 1)[0]
+            mod = model.get_submodule(owner)
+            b = embed if isinstance(mod, nn.Embedding) or owner in early else head
         if name not in b.uses:
             b.uses.append(name)
         if full == name:
