@@ -36,6 +36,12 @@ STATE_FAMILIES = {
                              num_local_experts=4, num_experts_per_tok=2),
     "lara_mini": dict(num_hidden_layers=3, layer_types=["linear_attention", "sliding_attention", "full_attention"],
                       sliding_window=4),
+    # Inkling: every layer attends (sliding or full, by its own type names hybrid_sliding / hybrid,
+    # masks made for both) through short convolutions over keys and values (conv states), with
+    # relative positions from the cache's query offset (rows grouped by start: reads_offset)
+    "inkling_text": dict(num_hidden_layers=2, layer_types=["hybrid_sliding", "hybrid"], sliding_window=4,
+                         n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
+                         swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16),
 }
 # The engines here get cpu_mem 4GiB: with library_rss=0, the pytest process's own RSS (near 1 GiB
 # late in a full run) counts as their baseline, and 1 GiB left no room for the planned compute.
@@ -93,7 +99,7 @@ def test_greedy_equals_transformers(fam, state_dir, tmp_path):
                 assert eng.stream is not None and eng.placement.streamed == eng.placement.layers
             # keys and values only where a layer attends
             assert sum(k is not None for k in eng.cache.k) == len(eng.kv_layers) < len(eng.cache.k) or \
-                fam in ("falcon_h1",)
+                fam in ("falcon_h1", "inkling_text")
             torch.testing.assert_close(eng.step([PROMPTS[2]], [0])[0], ref_next, atol=1e-3, rtol=1e-4)
             # prompts in chunks of 2 tokens a step (one step each where the family cannot continue one)
             assert _run(eng, PROMPTS, new, step_tokens=None if fam in WHOLE_PROMPTS else 2) == refs, \

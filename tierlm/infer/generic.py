@@ -50,6 +50,10 @@ def sliding_window(config) -> tuple[int | None, bool]:
                              f"tierlm's inference does not make (it makes full, sliding-window and chunked ones)")
         if "sliding_attention" in types:
             return c.sliding_window, True
+        if getattr(c, "sliding_window", None) is not None and set(types) - made:
+            # types of the family's own naming (Inkling's hybrid / hybrid_sliding) that its forward
+            # maps to full or sliding masks: both made, as transformers' mask creation makes both
+            return c.sliding_window, True
         return None, False
     if getattr(c, "sliding_window", None) is not None:
         return c.sliding_window, False
@@ -102,7 +106,9 @@ def reads_offset(model) -> bool:
             continue
         seen.add(type(m))
         try:
-            if "get_seq_length(" in inspect.getsource(type(m).forward):
+            src = inspect.getsource(type(m).forward)
+            # Llama 4's position-scaled queries; Inkling's relative positions from the query offset
+            if "get_seq_length(" in src or "get_query_offset(" in src:
                 return True
         except (OSError, TypeError):
             pass
@@ -151,6 +157,10 @@ class GenericStep:
             mask = None
         elif isinstance(mask, dict):  # a mask for every layer type the model looks up
             mask.update(dict.fromkeys(self.maskless_types))
+            if self.states:
+                # the recurrent layers' padding mask (create_recurrent_attention_mask's key), looked
+                # up whatever the types are called: none, as no row is padded where states are kept
+                mask.setdefault("linear_attention", None)
         if self.indexed_types:  # indexed layers look up their own key: the full causal mask
             mask = dict(mask) if isinstance(mask, dict) else {"full_attention": mask}
             mask["indexed_attention"] = mask["full_attention"]
