@@ -185,6 +185,13 @@ FAMILIES = {
     "mimo_v2_flash": dict(_BASE, head_dim=16, v_head_dim=8, sliding_window=6, n_routed_experts=4,
                           num_experts_per_tok=2, moe_intermediate_size=32,
                           layer_types=["full_attention", "sliding_attention"]),
+    # LongCat-Flash: two attention sublayers and two MLPs a layer (its config counts the sublayers
+    # as layers: hf.structure.find_layers), latent attention, routed experts beside "zero" experts
+    # that return their input
+    "longcat_flash": dict(hidden_size=64, num_layers=2, num_attention_heads=4, vocab_size=128,
+                          max_position_embeddings=64, ffn_hidden_size=96, q_lora_rank=24, kv_lora_rank=16,
+                          qk_nope_head_dim=8, qk_rope_head_dim=8, head_dim=8, v_head_dim=16, moe_topk=2,
+                          n_routed_experts=4, zero_expert_num=2, expert_ffn_hidden_size=32),
     # Gemma 4 (the 26B-A4B and 31B shapes): per-layer head dims and KV heads (global layers wider,
     # one KV head), keys as values on the global layers, a dense MLP beside routed experts in every
     # layer, norms after blocks, soft-capped logits; the per-layer embeddings and shared KV of the

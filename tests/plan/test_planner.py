@@ -111,3 +111,17 @@ def test_a_shape_is_named_for_the_model_asked_about(tmp_path):
     AutoConfig.for_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                          vocab_size=128).save_pretrained(tmp_path / "mine")
     assert model_shape(str(tmp_path / "mine")).name == "mine"
+
+
+def test_a_config_that_counts_attention_sublayers_is_planned_by_its_decoder_layers():
+    """LongCat-Flash's num_hidden_layers counts each decoder layer's two attention sublayers (its
+    cache's entries): the shape has num_layers layers, each caching both sublayers' keys, so the
+    whole KV cache a token takes is the model's own (hf.kv_layout), not half of it."""
+    from tests.families import family_config
+    from tierlm.hf.kv_layout import kv_token_bytes
+    from tierlm.plan.shapes import shape_of
+    cfg = family_config("longcat_flash", num_layers=3)
+    assert cfg.num_hidden_layers == 6
+    shape = shape_of(cfg, "longcat", "test")
+    assert shape.layers == 3
+    assert shape.layers * shape.kv_elems == kv_token_bytes(cfg) == 6 * (16 + 8)  # latent KV + rotary key

@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -33,19 +34,43 @@ def reference(tmp_path_factory):
     return root, model, data, state_of(root / "ref")
 
 
+def _kill_and_resume(root, model, data, point, n, every):
+    """A run killed at the n-th pass through `point`, then resumed: (the killed run, the resumed
+    run, the run directory)."""
+    out = root / f"kill-{point}-{n}-{every}"
+    killed = finetune(model, data, out, "--commit-every", every, env={"TIERLM_FAULT": f"{point}:{n}:kill"})
+    if killed.returncode != -signal.SIGKILL:
+        return killed, None, out
+    return killed, finetune(model, data, out, "--resume", "auto", "--commit-every", every), out
+
+
+@pytest.fixture(scope="module")
+def kill_runs(reference, request):
+    """The selected kill points' runs, started together on as many processes as the machine has
+    cores: each is a single-threaded tiny run that spends most of its time importing, so the pairs
+    finish in about half the time on the 2-core CI machine. Runs do not share files, and each
+    test still checks its own."""
+    root, model, data, _ = reference
+    wanted = [(it.callspec.params["point"], it.callspec.params["n"], it.callspec.params["every"])
+              for it in request.session.items
+              if it.originalname == "test_killed_then_resumed_equals_never_killed" and hasattr(it, "callspec")]
+    pool = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 1))
+    futures = {w: pool.submit(_kill_and_resume, root, model, data, *w) for w in wanted}
+    yield futures
+    pool.shutdown(cancel_futures=True)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("every", ["1", "3"], ids=["commit-every-step", "commit-every-3"])
 @pytest.mark.parametrize("point,n", KILLS, ids=[f"{p}-{n}" for p, n in KILLS])
-def test_killed_then_resumed_equals_never_killed(reference, point, n, every):
+def test_killed_then_resumed_equals_never_killed(reference, kill_runs, point, n, every):
     """Every kill point, with a commit every step and every 3 steps (a kill then loses up to 2
     steps, replayed after the resume): the end is the never-killed run's bits (whose interval was
     auto)."""
-    root, model, data, ref = reference
-    out = root / f"kill-{point}-{n}-{every}"
-    r = finetune(model, data, out, "--commit-every", every, env={"TIERLM_FAULT": f"{point}:{n}:kill"})
-    assert r.returncode == -signal.SIGKILL, f"the fault did not fire: {r.stderr[-1000:]}"
-    r = finetune(model, data, out, "--resume", "auto", "--commit-every", every)
-    assert r.returncode == 0, r.stderr[-2000:]
+    ref = reference[3]
+    killed, resumed, out = kill_runs[(point, n, every)].result()
+    assert killed.returncode == -signal.SIGKILL, f"the fault did not fire: {killed.stderr[-1000:]}"
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert_same_run(ref, state_of(out))
 
 

@@ -114,8 +114,14 @@ class Block:
 
 def find_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
     n = model.config.num_hidden_layers
-    for name, mod in model.named_modules():
-        if isinstance(mod, nn.ModuleList) and len(mod) == n:
+    lists = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.ModuleList) and len(mod)]
+    for name, mod in lists:
+        if len(mod) == n:
+            return name, mod
+    # LongCat-Flash counts each layer's two attention sublayers (its cache's layers): the first list
+    # of which the count is a multiple
+    for name, mod in lists:
+        if n % len(mod) == 0 and len({type(x) for x in mod}) == 1:
             return name, mod
     raise ValueError(f"cannot find the {n} decoder layers of {type(model).__name__}")
 

@@ -52,8 +52,9 @@ def dispatches_by_name(attn) -> bool:
 
 
 def attention_modules(model) -> list:
-    """The modules that keep a KV cache: transformers' attention classes, each knowing its layer."""
-    return [m for m in model.modules() if hasattr(m, "layer_idx") and type(m).__name__.endswith("Attention")]
+    """The modules that keep a KV cache: transformers' attention classes, each knowing its layer
+    (LongCat-Flash's latent attention is called ...MLA)."""
+    return [m for m in model.modules() if hasattr(m, "layer_idx") and type(m).__name__.endswith(("Attention", "MLA"))]
 
 
 _memo: list = [None, None, None]  # (boolean mask, dtype, additive mask): every layer of a step shares one

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from ..hf.fields import get, head_dim as head_dim_of
 from ..hf.kv_layout import kv_token_bytes
+from ..hf.structure import find_layers
 from .moe import EXPERT_FIELDS, TOP_K_FIELDS, MoeShape, experts_in_config, experts_per_token, moe_shape
 
 # Shapes of models the planner is asked about that tierlm has no `init` preset for (planning only).
@@ -107,9 +108,8 @@ def shape_of(config, model_name: str, source: str) -> ModelShape:
     """The shape of the model `config` describes, counted on `meta`; model_name and source say which it is."""
     with torch.device("meta"):  # parameters and buffers take no memory
         m = AutoModelForCausalLM.from_config(config)
-    n = get(config, "layers")
-    layers_name = next(name for name, mod in m.named_modules()
-                       if isinstance(mod, torch.nn.ModuleList) and len(mod) == n)
+    layers_name, layer_list = find_layers(m)
+    n = len(layer_list)  # decoder layers (LongCat-Flash's config counts its attention sublayers)
     per_layer, routed, stacked = [0] * n, [0] * n, set()
     embed = head = 0
     seen: set[int] = set()
@@ -141,15 +141,15 @@ def shape_of(config, model_name: str, source: str) -> ModelShape:
         layer_params=per_layer[0] if len(set(per_layer)) == 1 else round(sum(per_layer) / n), layers=n, hidden=hidden,
         intermediate=inter, heads=heads,
         kv_heads=get(config, "kv_heads") or heads, head_dim=head_dim_of(config),
-        vocab=config.vocab_size, gated_mlp=gated, moe=moe, kv_width=_kv_width(config),
+        vocab=config.vocab_size, gated_mlp=gated, moe=moe, kv_width=_kv_width(config, n),
         largest_layer_params=max(per_layer))
 
 
-def _kv_width(config) -> int | None:
-    """What a layer's KV cache holds a token where it is not 2 x kv heads x head_dim (latent
-    attention, layers of different widths or with more or fewer heads than the config's, as the
-    model writes them: hf.kv_layout), else None; the layers' mean, rounded up."""
-    n = config.num_hidden_layers
+def _kv_width(config, n: int) -> int | None:
+    """What a decoder layer's KV cache holds a token where it is not 2 x kv heads x head_dim (latent
+    attention, layers of different widths or with more or fewer heads than the config's, two
+    attention sublayers a layer, as the model writes them: hf.kv_layout), else None; the mean of
+    the `n` layers, rounded up."""
     width = -(-kv_token_bytes(config) // n)
     heads = get(config, "heads")
     return None if width == 2 * (get(config, "kv_heads") or heads) * head_dim_of(config) else width
