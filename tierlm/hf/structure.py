@@ -128,7 +128,7 @@ def find_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
 
 @dataclass(frozen=True)
 class LayerTrace:
-    """What a forward of a one-layer-per-kind tiny copy of the family shows (trace_layers)."""
+    """What a forward of a two-layer tiny copy of the family shows (trace_layers)."""
     early: tuple[str, ...] = ()     # modules (not embeddings) whose weights run before the first layer
     grad_inputs: tuple[str, ...] = ()  # what layers read beside the hidden states that carries a
     #                                    gradient (made outside the layer: an earlier layer's output)
