@@ -110,3 +110,22 @@ def test_read_probe_reads_as_decode_does(monkeypatch):
         assert any(k.startswith("native") for k in r["read_gbps_by_way"])
     else:
         assert not calls
+
+
+def test_a_killed_probes_store_is_cleared_at_the_next_start_and_a_running_ones_is_kept(tmp_path):
+    """A probe killed by SIGKILL or timeout's SIGTERM leaves its store (GBs for a large model's
+    state); the next probe in that directory deletes every store whose process is gone, and keeps
+    a live process's and an unmarked one (made by an older tierlm, or being made)."""
+    import os
+    import sys
+    from tierlm.bench.model_step import PROBE_PREFIX, clear_stale_probes
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    dead, live, unmarked = (tmp_path / (PROBE_PREFIX + x) for x in ("dead", "live", "unmarked"))
+    for d, pid in ((dead, gone), (live, str(os.getpid())), (unmarked, None)):
+        (d / "nvme").mkdir(parents=True)
+        (d / "nvme" / "state").write_bytes(b"x" * 4096)
+        if pid is not None:
+            (d / "pid").write_text(pid)
+    clear_stale_probes(tmp_path)
+    assert not dead.exists() and live.exists() and unmarked.exists()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -243,13 +244,14 @@ def bench_engine_step(config, tokens: int, seq: int, dtype: torch.dtype, directo
     None where the probe model is too large to build quickly."""
     import gc
     import statistics
-    import tempfile
 
     model = _probe_model(config, layers)
     if model is None:
         return None
     rows = max(1, tokens // seq)
-    root = Path(tempfile.mkdtemp(prefix=".tierlm-engine-probe-", dir=directory))
+    clear_stale_probes(directory)
+    root = Path(tempfile.mkdtemp(prefix=PROBE_PREFIX, dir=directory))
+    (root / "pid").write_text(str(os.getpid()))  # whose it is, for clear_stale_probes
     ecfg = _engine_config(root, dtype, cpu_mem, clip, state_cache, rows, seq)
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, config.vocab_size, (rows, seq), generator=g) for _ in range(steps + 1)]
@@ -270,6 +272,22 @@ def bench_engine_step(config, tokens: int, seq: int, dtype: torch.dtype, directo
             "tokens": tokens, "probed_tokens": rows * seq, "seq": seq, "dtype": str(dtype).removeprefix("torch."),
             "threads": torch.get_num_threads(), "model_type": config.model_type, "source": "engine",
             "steps": len(step_s) - warmup, "read_bytes": int(statistics.median(read[warmup:]))}
+
+
+PROBE_PREFIX = ".tierlm-engine-probe-"
+
+
+def clear_stale_probes(directory) -> None:
+    """Delete the probe stores in `directory` whose process is gone. A probe deletes its own store
+    when it ends, but a killed one (SIGKILL, or `timeout`'s SIGTERM) cannot, and a large model's
+    store holds its whole training state (LongCat-Flash's tiny default: 11-15 GB each)."""
+    for d in Path(directory or tempfile.gettempdir()).glob(PROBE_PREFIX + "*"):
+        try:
+            pid = int((d / "pid").read_text())
+        except (OSError, ValueError):
+            continue  # not marked: made by an older tierlm, or being made now
+        if not psutil.pid_exists(pid):
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def _probe_model(config, layers: int):
