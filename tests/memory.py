@@ -42,3 +42,13 @@ def _peak_of(code: str) -> int:
     each measurement is a fresh interpreter (~5 s on a 2-vCPU VM)."""
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     return int(out.stdout.split()[-1])
+
+
+def held_now() -> int:
+    """This process's RSS now, to pass as an in-process engine's `library_rss`: its --cpu-mem then
+    counts only what the engine adds. (library_rss=0 counted the whole pytest process, whose RSS
+    drifts past 1 GiB late in a full run and refused 1 GiB budgets at random; the library baseline
+    that the CLI measures, a fresh process's, is smaller still than a long pytest process's.)"""
+    from tierlm import rss
+    rss.trim()
+    return rss.current_rss()

@@ -31,6 +31,7 @@ from tierlm.train.schedule import lr_factor
 
 from .engine.test_exactness import assert_same, batches, run_reference
 from .families import FAMILIES, FINE_TUNE_ONLY, family_config, greedy_init
+from .memory import held_now
 
 VOCAB = 300          # the byte tokenizer's 256 bytes, its special tokens, a few merges
 STEPS, ACCUM = 2, 2
@@ -82,7 +83,7 @@ def _finetune_beside_torch(d, tmp_path):
 def _greedy(d, tmp_path, resident):
     eng = InferenceEngine(d, InferConfig(cpu_mem="1GiB", dtype="fp32", max_batch=1, max_seq_len=32,
                                          resident_layers=resident, nvme_dir=str(tmp_path / f"store-{resident}")),
-                          library_rss=0)
+                          library_rss=held_now())
     try:
         if resident == 0:
             assert eng.placement.streamed == eng.placement.layers
@@ -100,7 +101,7 @@ def _serve_once(d, tmp_path) -> dict:
 
     tok = load_tokenizer(d)
     eng = InferenceEngine(d, InferConfig(cpu_mem="1GiB", dtype="fp32", max_batch=2, max_seq_len=32,
-                                         nvme_dir=str(tmp_path / "serve")), library_rss=0)
+                                         nvme_dir=str(tmp_path / "serve")), library_rss=held_now())
     batcher = Batcher(eng, tok, eos_ids_of(tok, d))
     batcher.start()
     with socket.socket() as s:

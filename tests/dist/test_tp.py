@@ -16,6 +16,7 @@ from tierlm.infer.engine import InferConfig, InferenceEngine
 from tierlm.infer.sampling import SamplingParams
 
 from ..conftest import tiny_model
+from ..memory import held_now
 
 SPREAD = {"initializer_range": 0.3}  # peaked next-token distributions: a wrong shard shows as other tokens
 PROMPTS = [[5, 9, 2, 77, 31], [3, 3, 8], [100, 4, 60, 12, 7, 1, 90]]  # 3 requests, 2 slots: slots move
@@ -30,7 +31,7 @@ class _Tok:
 
 def _engine(d, nvme, tp, **kw):
     return InferenceEngine(d, InferConfig(dtype="fp32", cpu_mem="1GiB", max_batch=2, nvme_dir=str(nvme), tp=tp,
-                                          **kw), library_rss=0)
+                                          **kw), library_rss=held_now())
 
 
 def _greedy(eng, new=12):

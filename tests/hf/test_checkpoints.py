@@ -18,6 +18,7 @@ from tests.families import family_config
 from tierlm.engine.engine import Engine, EngineConfig
 from tierlm.hf.safetensors_io import INDEX_NAME, SafetensorsDir
 from tierlm.infer.engine import InferConfig, InferenceEngine
+from ..memory import held_now
 
 PROBE = torch.tensor([[5, 9, 17, 3, 44, 100, 7, 12], [1, 2, 3, 4, 5, 6, 7, 8]])
 SHARD = "20KB"  # the tiny models' files split into several shards, with an index
@@ -80,7 +81,7 @@ def _train_logits(d, tmp_path, precision="fp32", save=None):
 
 def _infer_logits(d, tmp_path, dtype="fp32"):
     eng = InferenceEngine(d, InferConfig(dtype=dtype, cpu_mem="1GiB", nvme_dir=str(tmp_path / f"infer-{dtype}"),
-                                         max_seq_len=32), library_rss=0)
+                                         max_seq_len=32), library_rss=held_now())
     try:
         return eng.logits_all(PROBE)
     finally:
@@ -240,7 +241,7 @@ def test_generation_stops_at_any_of_several_eos_ids(tmp_path):
     d = _save(_build("llama", initializer_range=0.3), tmp_path / "m", shard=None)
     prompt = [5, 9, 17, 3, 44]
     eng = InferenceEngine(d, InferConfig(dtype="fp32", cpu_mem="1GiB", nvme_dir=str(tmp_path / "nvme"),
-                                         max_seq_len=40), library_rss=0)
+                                         max_seq_len=40), library_rss=held_now())
     try:
         def greedy(eos):
             b = Batcher(eng, _Tok(), eos)
@@ -390,7 +391,7 @@ def test_tierlm_chat_and_the_chat_endpoint_use_either_file(chat_dirs, tmp_path):
         assert "has no chat template" not in err.getvalue() and "token" in err.getvalue()
 
     eng = InferenceEngine(chat_dirs["jinja"], InferConfig(dtype="fp32", cpu_mem="1GiB", max_seq_len=64,
-                                                          nvme_dir=str(tmp_path / "serve")), library_rss=0)
+                                                          nvme_dir=str(tmp_path / "serve")), library_rss=held_now())
     try:
         for kind, d in chat_dirs.items():
             tok = load_tokenizer(d)

@@ -15,6 +15,7 @@ from tierlm.infer.engine import InferConfig, InferenceEngine
 from tierlm.infer.sampling import SamplingParams
 from tierlm.plan.device_placement import DEVICE_WINDOW_LAYERS, plan_device_placement
 from tierlm.storage import BudgetError
+from ..memory import held_now
 
 MiB = 1 << 20
 PROMPTS = [[(7 * i + 3) % 120 + 1 for i in range(20)], [100, 7, 42]]
@@ -157,7 +158,7 @@ def _steps(d, store, **kw):
     """Both prompts' prefill together, then 5 decode steps of both: every step's logits, and the
     schedule's events where it runs."""
     cfg = InferConfig(cpu_mem="1GiB", nvme_dir=str(store), max_batch=2, max_seq_len=40, lean=False, prefetch=1, **kw)
-    eng = InferenceEngine(d, cfg, library_rss=0)
+    eng = InferenceEngine(d, cfg, library_rss=held_now())
     log = None
     if eng.dev and eng.dev.layers:
         log = eng.dev.layers.log = []
@@ -203,7 +204,7 @@ def test_device_schedule_greedy_equals_the_default_cpu_path(tmp_path, make_model
     def greedy(**kw):
         cfg = InferConfig(cpu_mem="1GiB", dtype="fp32", nvme_dir=str(tmp_path / f"nvme{len(kw)}"), max_batch=2,
                           max_seq_len=40, step_tokens=4, **kw)
-        eng = InferenceEngine(d, cfg, library_rss=0)
+        eng = InferenceEngine(d, cfg, library_rss=held_now())
         try:
             b = Batcher(eng, _Tok(), [])
             reqs = [b.submit(Request(list(p), SamplingParams(max_tokens=n))) for p, n in zip(prompts, (12, 5, 9))]
@@ -226,7 +227,7 @@ class _Tok:
 def test_device_schedule_refuses_a_gpu_mem_that_cannot_hold_it(model_dir, tmp_path):
     with pytest.raises(BudgetError, match="--gpu-mem"):
         InferenceEngine(model_dir, InferConfig(cpu_mem="1GiB", nvme_dir=str(tmp_path), device_schedule=True,
-                                               gpu_mem="64KiB", max_seq_len=40), library_rss=0)
+                                               gpu_mem="64KiB", max_seq_len=40), library_rss=held_now())
 
 
 # ---- the flags -----------------------------------------------------------------------------------
@@ -358,7 +359,7 @@ def test_gpu_continuous_batch_equals_transformers(make_model_dir, tmp_path, pack
     refs = _reference(model.cuda().eval(), prompts, 10)
     cfg = InferConfig(cpu_mem="16GiB", dtype="fp32", nvme_dir=str(tmp_path / "nvme"), max_batch=3, max_seq_len=40,
                       step_tokens=4, resident_layers=1, packed=packed, device="cuda")
-    eng = InferenceEngine(d, cfg, library_rss=0)
+    eng = InferenceEngine(d, cfg, library_rss=held_now())
     try:
         b = Batcher(eng, _Tok(), [])
         reqs = [b.submit(Request(list(p), SamplingParams(max_tokens=n))) for p, n in zip(prompts, lens)]

@@ -13,6 +13,7 @@ from tierlm.plan.expert_placement import plan_expert_placement
 from tierlm.storage import BudgetError
 
 from ..families import family_config
+from ..memory import held_now
 
 PROMPTS = [[5, 9, 17, 3, 44, 2, 80], [7, 1, 99]]
 STEPS = 6
@@ -30,7 +31,7 @@ def _decode(d, tmp_path, resident, tag, **cfg):
     read, the (layer, expert) pairs the routers picked)."""
     eng = InferenceEngine(d, InferConfig(cpu_mem="1GiB", dtype="fp32", max_batch=2, max_seq_len=32,
                                          resident_layers=resident, nvme_dir=str(tmp_path / tag), **cfg),
-                          library_rss=0)
+                          library_rss=held_now())
     read, routed = [], set()
     try:
         for i, moe in eng.moe.items():
@@ -217,7 +218,7 @@ def _dequantised_reference(d, mode="int8"):
 def test_int8_experts_compute_with_their_quantised_weights(moe_dir, tmp_path):
     ref = _dequantised_reference(moe_dir)
     eng = InferenceEngine(moe_dir, InferConfig(cpu_mem="1GiB", dtype="fp32", weights="int8", max_batch=1,
-                                               max_seq_len=32, nvme_dir=str(tmp_path / "q8")), library_rss=0)
+                                               max_seq_len=32, nvme_dir=str(tmp_path / "q8")), library_rss=held_now())
     try:
         assert eng.expert_placement is not None  # quantised experts always go by expert
         assert {(p.kind, p.dtype) for p in eng.expert_parts} == {("qweight", torch.int8), ("scales", torch.float32)}

@@ -8,6 +8,7 @@ import torch
 from tests.families import FAMILIES, family_config
 from tests.infer.test_generate import PROMPTS, _engine, _greedy, _reference
 from tierlm.infer.engine import InferConfig, InferenceEngine
+from ..memory import held_now
 
 NEW = 6
 
@@ -111,7 +112,7 @@ def test_bf16_int8_int4_run(fam, family_dir, tmp_path):
                                    ("int4", None, None)):
         eng = InferenceEngine(d, InferConfig(cpu_mem="1GiB", weights=weights, max_batch=3, max_seq_len=40,
                                              resident_layers=resident, nvme_dir=str(tmp_path / "nvme")),
-                              library_rss=0)
+                              library_rss=held_now())
         try:
             assert eng.dtype == torch.bfloat16 and (resident is None or eng.stream is not None)
             logits = eng.step([PROMPTS[0]], [0])[0]
@@ -133,7 +134,7 @@ def test_models_without_a_kv_cache_are_refused(arch, kw, tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
     AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **kw)).save_pretrained(tmp_path / "m")
     with pytest.raises(ValueError, match="keep no KV cache .*and no state through transformers' cache .*RWKV"):
-        InferenceEngine(tmp_path / "m", InferConfig(dtype="fp32", nvme_dir=str(tmp_path / "n")), library_rss=0)
+        InferenceEngine(tmp_path / "m", InferConfig(dtype="fp32", nvme_dir=str(tmp_path / "n")), library_rss=held_now())
 
 
 def test_attention_writing_fewer_kv_heads_than_its_config_says(tmp_path):
@@ -160,7 +161,7 @@ def test_a_variant_the_generic_path_cannot_run_is_refused(tmp_path):
     cfg = family_config("falcon", alibi=True, new_decoder_architecture=False, multi_query=True)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "m")
     with pytest.raises(ValueError, match=r"falcon \(FalconForCausalLM\): tierlm's inference cannot run this model"):
-        InferenceEngine(tmp_path / "m", InferConfig(dtype="fp32", nvme_dir=str(tmp_path / "n")), library_rss=0)
+        InferenceEngine(tmp_path / "m", InferConfig(dtype="fp32", nvme_dir=str(tmp_path / "n")), library_rss=held_now())
 
 
 def test_the_check_sees_a_wrong_mask(monkeypatch):

@@ -9,6 +9,7 @@ from tierlm.infer.fused import FusedLayer, FusedStack
 
 from .test_lean import OVER, SPREAD, make_model
 from .tolerances import fp32_sum_tol
+from ..memory import held_now
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"no kernels: {native.why_unavailable()}")
 
@@ -35,7 +36,7 @@ def fused_calls(monkeypatch):
 def _engine(d, tmp_path, lean=True, fused=True, rows=2, **kw):
     cfg = InferConfig(cpu_mem="1GiB", nvme_dir=str(tmp_path / "nvme"), max_batch=rows, max_seq_len=32, lean=lean,
                       fused=fused, **kw)
-    return InferenceEngine(d, cfg, library_rss=0)
+    return InferenceEngine(d, cfg, library_rss=held_now())
 
 
 PROMPTS = [[5, 9, 17, 3, 44, 8, 2], [100, 7]]

@@ -6,6 +6,7 @@ from tierlm.infer.batcher import Batcher, Request
 from tierlm.infer.engine import InferConfig, InferenceEngine
 from tierlm.infer.sampling import SamplingParams
 from tierlm.storage import BudgetError
+from ..memory import held_now
 
 ARCHS = ["llama", "qwen2", "mistral", "gpt2"]
 # A wider init than the default 0.02 gives peaked, varied next-token distributions, so a
@@ -24,7 +25,7 @@ class _Tok:
 
 def _engine(d, tmp_path, **kw):
     kw.setdefault("cpu_mem", "1GiB")
-    return InferenceEngine(d, InferConfig(dtype="fp32", nvme_dir=str(tmp_path / "nvme"), **kw), library_rss=0)
+    return InferenceEngine(d, InferConfig(dtype="fp32", nvme_dir=str(tmp_path / "nvme"), **kw), library_rss=held_now())
 
 
 def _greedy(eng, prompts, new=NEW):
@@ -110,4 +111,4 @@ def test_budget_too_small_names_the_need_and_the_flags(make_model_dir, tmp_path)
     d, _ = make_model_dir("llama")
     with pytest.raises(BudgetError, match=r"--cpu-mem .* cannot run this model.*Raise --cpu-mem to"):
         InferenceEngine(d, InferConfig(cpu_mem="1MiB", dtype="fp32", nvme_dir=str(tmp_path / "n")),
-                        library_rss=0)
+                        library_rss=held_now())

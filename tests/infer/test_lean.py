@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from tierlm.infer.engine import InferConfig, InferenceEngine
+from ..memory import held_now
 
 SPREAD = {"initializer_range": 0.3}
 # sliding windows shorter than the sequences, so the per-layer masks matter
@@ -41,7 +42,7 @@ def make_model(arch: str, seed: int = 0, **over):
 def _engine(d, tmp_path, lean, **kw):
     cfg = InferConfig(dtype="fp32", cpu_mem="1GiB", nvme_dir=str(tmp_path / "nvme"), max_batch=2,
                       max_seq_len=32, lean=lean, fused=False, **kw)
-    return InferenceEngine(d, cfg, library_rss=0)
+    return InferenceEngine(d, cfg, library_rss=held_now())
 
 
 def _run(eng):
@@ -139,7 +140,7 @@ def test_lean_on_our_kernels_is_as_close_to_fp32_as_transformers_forward(arch, t
 def _logits(d, tmp_path, lean, dtype="bf16", weights="auto", kind=None):
     cfg = InferConfig(dtype=dtype, weights=weights, cpu_mem="1GiB", nvme_dir=str(tmp_path / "nvme"),
                       max_batch=2, max_seq_len=32, lean=lean, fused=False)
-    eng = InferenceEngine(d, cfg, library_rss=0)
+    eng = InferenceEngine(d, cfg, library_rss=held_now())
     try:
         if kind:
             assert {p.kind for layer in eng.lean.layers for p in layer[1:5]} == {kind}
@@ -159,7 +160,7 @@ def test_many_rows_take_the_modules_path_and_agree(tmp_path):
     for lean in (False, True):
         cfg = InferConfig(weights="int8", cpu_mem="1GiB", nvme_dir=str(tmp_path / "nvme"), max_batch=rows,
                           max_seq_len=16, lean=lean, fused=False)
-        eng = InferenceEngine(d, cfg, library_rss=0)
+        eng = InferenceEngine(d, cfg, library_rss=held_now())
         try:
             eng.step([[3 + r % 50, 7] for r in range(rows)], [0] * rows)
             out[lean] = eng.step([[(5 * r) % 128] for r in range(rows)], [2] * rows)
@@ -262,7 +263,7 @@ def test_the_self_check_holds_every_kind_of_layer_the_config_lists(tmp_path):
     with torch.no_grad():
         ref = model(torch.tensor([prompt + [7]])).logits[0, -1]
     eng = InferenceEngine(d, InferConfig(cpu_mem="1GiB", dtype="fp32", max_batch=1, max_seq_len=40,
-                                         nvme_dir=str(tmp_path / "nvme")), library_rss=0)
+                                         nvme_dir=str(tmp_path / "nvme")), library_rss=held_now())
     try:
         assert eng.lean is None and "differ" in eng.decode_path()
         eng.step([prompt], [0])

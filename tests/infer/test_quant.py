@@ -6,6 +6,7 @@ import torch
 from tierlm.infer.engine import InferConfig, InferenceEngine
 from tierlm.infer.quality import perplexity
 from tierlm.infer.quant import QLinear
+from ..memory import held_now
 
 # hidden 128: int4's groups (32..256 input elements) need widths they divide
 WIDE = {"hidden_size": 128, "intermediate_size": 256, "initializer_range": 0.05}
@@ -14,7 +15,7 @@ WIDE = {"hidden_size": 128, "intermediate_size": 256, "initializer_range": 0.05}
 def _engine(d, tmp_path, weights, **kw):
     kw.setdefault("cpu_mem", "1GiB")
     return InferenceEngine(d, InferConfig(dtype="fp32", weights=weights, max_seq_len=64,
-                                          nvme_dir=str(tmp_path / f"nvme-{weights}"), **kw), library_rss=0)
+                                          nvme_dir=str(tmp_path / f"nvme-{weights}"), **kw), library_rss=held_now())
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])

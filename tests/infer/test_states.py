@@ -11,6 +11,7 @@ from tierlm.hf.fields import shrunk
 from tierlm.infer.batcher import Batcher, Request
 from tierlm.infer.sampling import SamplingParams
 from tierlm.storage import BudgetError
+from ..memory import held_now
 
 # what sets each apart: Gated DeltaNet beside gated attention (and experts), OLMo's linear
 # attention, LFM2's short convolutions, Mamba (prompts whole), Mamba-2, Jamba's Mamba + attention +
@@ -43,8 +44,6 @@ STATE_FAMILIES = {
                          n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
                          swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16),
 }
-# The engines here get cpu_mem 4GiB: with library_rss=0, the pytest process's own RSS (near 1 GiB
-# late in a full run) counts as their baseline, and 1 GiB left no room for the planned compute.
 WHOLE_PROMPTS = {"mamba", "jamba"}  # their Mamba layers restart a prompt from zero
 
 

@@ -17,6 +17,7 @@ import torch
 
 from tierlm.infer import fused, gemv, lean, native
 from tierlm.infer.engine import InferConfig, InferenceEngine
+from ..memory import held_now
 
 # a prompt of 20 tokens: past UPCAST_MIN_ROWS, so a prefill where bf16 is slow converts to fp32
 PROMPTS = [[(7 * i + 3) % 120 + 1 for i in range(20)], [100, 7, 42]]
@@ -32,11 +33,10 @@ def _model(d):
 def _steps(d, store, resident, weights, rows):
     """`rows` sequences: their prefill, then 6 decode steps of all together on fixed tokens; the
     logits of every step, prefill included."""
-    # 4 GiB: with library_rss=0 the pytest process's own RSS (1.12 GiB here mid-way through a full
-    # run) is the baseline; the placements are named by resident_layers, not by the budget
+    # the placements are named by resident_layers, not by the budget
     cfg = InferConfig(cpu_mem="4GiB", nvme_dir=str(store), max_batch=rows, max_seq_len=40, weights=weights,
                       resident_layers=resident, prefetch=1)
-    eng = InferenceEngine(d, cfg, library_rss=0)
+    eng = InferenceEngine(d, cfg, library_rss=held_now())
     try:
         if resident is not None:
             assert eng.stream is not None and eng.placement.resident == resident

@@ -7,6 +7,7 @@ import torch
 from tierlm.infer.engine import InferConfig, InferenceEngine
 from tierlm.infer.weights import Piece, _reader, install_resident
 from tierlm.storage.aligned import HUGE, HUGE_BUFFERS, round_up
+from ..memory import held_now
 
 
 def _pieces_of(eng):
@@ -80,10 +81,9 @@ def test_what_transformers_keeps_in_fp32_stays_fp32_in_a_bf16_run(tmp_path, resi
     assert not torch.equal(want.bfloat16().float(), want)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.bfloat16)
     assert hf.get_parameter(name).dtype == torch.float32                # what transformers does
-    # 4 GiB: with library_rss=0 the pytest process's own RSS (near 1 GiB late in a full run) is the baseline
     eng = InferenceEngine(tmp_path / "m", InferConfig(cpu_mem="4GiB", dtype="bf16", max_batch=1, max_seq_len=16,
                                                       resident_layers=resident, nvme_dir=str(tmp_path / "nvme")),
-                          library_rss=0)
+                          library_rss=held_now())
     try:
         piece = next(p for p in eng.pieces[next(b.index for b in eng.blocks if b.name.endswith("1"))] if p.key == name)
         assert piece.spec == (torch.float32, tuple(want.shape))

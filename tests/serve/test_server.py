@@ -15,6 +15,7 @@ from tierlm.infer.batcher import Batcher, eos_ids_of
 from tierlm.infer.engine import InferConfig, InferenceEngine
 from tierlm.serve.server import make_app
 from tierlm.hf.checks import load_tokenizer
+from ..memory import held_now
 
 MODEL = "tiny-chat"
 
@@ -30,7 +31,7 @@ def server(tmp_path_factory):
     tok = load_tokenizer(d)
     # One layer streams from the store: the server path covers the streamed mode too.
     eng = InferenceEngine(d, InferConfig(cpu_mem="1GiB", dtype="fp32", max_batch=4, max_seq_len=128,
-                                         resident_layers=1, nvme_dir=str(root / "nvme")), library_rss=0)
+                                         resident_layers=1, nvme_dir=str(root / "nvme")), library_rss=held_now())
     batcher = Batcher(eng, tok, eos_ids_of(tok, d))
     batcher.start()
     with socket.socket() as s:  # a free port on loopback
