@@ -113,16 +113,23 @@ class Block:
 
 
 def find_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """(name, list) of the model's decoder layers: the list of num_hidden_layers entries, those of
+    transformers' layer class (GradientCheckpointingLayer) first; else the first list of one class
+    whose length divides that count (LongCat-Flash counts each layer's two attention sublayers,
+    its cache's layers: with one decoder layer, the sublayers' list of 2 matches the count exactly,
+    and only the layer class tells the decoder layers from them)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
     n = model.config.num_hidden_layers
     lists = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.ModuleList) and len(mod)]
-    for name, mod in lists:
-        if len(mod) == n:
-            return name, mod
-    # LongCat-Flash counts each layer's two attention sublayers (its cache's layers): the first list
-    # of which the count is a multiple
-    for name, mod in lists:
-        if n % len(mod) == 0 and len({type(x) for x in mod}) == 1:
-            return name, mod
+    layered = [(name, mod) for name, mod in lists if all(isinstance(x, GradientCheckpointingLayer) for x in mod)]
+    for candidates in (layered, lists):
+        for name, mod in candidates:
+            if len(mod) == n:
+                return name, mod
+        for name, mod in candidates:
+            if n % len(mod) == 0 and len({type(x) for x in mod}) == 1:
+                return name, mod
     raise ValueError(f"cannot find the {n} decoder layers of {type(model).__name__}")
 
 
