@@ -126,6 +126,27 @@ def test_finetune_computes_active_and_moves_every_parameter(mixtral):
     assert "active a token" in report.text(p)
 
 
+
+def test_the_engine_probes_time_counts_every_experts_state(mixtral):
+    """`tierlm plan`'s "about N s" for its engine-step probe: a mixture's idle experts compute
+    nothing but are updated, written and read back every step, so the estimate counts all of a
+    probe layer's parameters at the optimizer's and the drive's rates, not only its FLOPs."""
+    from tierlm.plan.finetune_time import INIT_PARAMS_PER_S, layout, probe_seconds
+    s, task = mixtral, Task(batch=1, seq_len=512, precision="bf16")
+    r = C.rates(Catalog().parse("4090-workstation"), C.Efficiency(), "bf16")
+    T, steps = 512, 8
+    P = s.embed_params + s.head_params + 2 * s.layer_params
+    est = probe_seconds(s, task, r, T, 2, steps, budget=0)
+    lay = layout(task)
+    per_step = 6.0 * T * (2 * s.active_layer_params + s.vocab * s.hidden) / r.cpu_flops + P / r.adam_elems \
+        + P * lay.state / r.ssd_read + P * (lay.state + lay.w_write + lay.grad) / r.ssd_write
+    assert est == pytest.approx(P / INIT_PARAMS_PER_S + P * lay.ssd_state / r.ssd_write + steps * per_step)
+    # the compute alone is a small part of it: 2 of mixtral's 8 experts a token
+    assert 6.0 * T * 2 * s.active_layer_params / r.cpu_flops * steps < 0.5 * est
+    # state the budget caches is not read back
+    assert probe_seconds(s, task, r, T, 2, steps, budget=P * lay.ram_state) == \
+        pytest.approx(est - steps * P * lay.state / r.ssd_read)
+
 def test_decode_reads_the_active_bytes_from_ram_when_everything_fits(mixtral):
     s = mixtral
     p = plan(s, Catalog().parse("cpu-2s-genoa"), Task(kind="serve", batch=1))

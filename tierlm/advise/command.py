@@ -5,6 +5,7 @@ no cached measurements measures the machine first, as `tierlm bench io` and `ben
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from ..bench.progress import Stages
 from ..config import to_dict
 from ..plan import cost as C
 from ..plan.catalog import CPU, Catalog, Drive, Hardware
+from ..plan.finetune_time import probe_seconds
 from ..plan.planner import Plan, Task, _usable_ram, plan
 from ..units import fmt_bytes, parse_bytes
 from . import report
@@ -184,12 +186,10 @@ def _train_probe(config, shape, task: Task, hw: Hardware, nvme: str | None, thre
     budget = _usable_ram(hw, task)  # the run's --cpu-mem, or what the plan assumes it would be
     key = model_step.engine_step_key(config, T, seq, dtype, budget, task.clip, task.state_cache)
     where = nvme or _existing((hw.measured.get("io") or {}).get("dir") or ".")
-    # The estimate: the FLOPs of a two-layer model's step at the reference layers' rate (the
-    # large-GEMM rate where there is none), per step, plus building it and writing its first state.
-    r = C.rates(hw, C.Efficiency(), precision)
-    rate = r.layer_rate(shape.hidden, T) or r.cpu_flops or 1e11
-    per = 6.0 * T * (model_step.ENGINE_PROBE_LAYERS * shape.active_layer_params + shape.vocab * shape.hidden)
-    est = per * model_step.ENGINE_PROBE_STEPS / rate + 5
+    # about how long: building the copy and writing its first state, then each step's compute,
+    # optimizer and state traffic for all its parameters (a mixture's idle experts too)
+    est = probe_seconds(shape, dataclasses.replace(task, precision=precision), C.rates(hw, C.Efficiency(), precision), T, model_step.ENGINE_PROBE_LAYERS,
+                        model_step.ENGINE_PROBE_STEPS, budget if budget else parse_bytes("4GiB")) + 5
     what = (f"this model's own training step through the engine ({config.model_type} code, "
             f"{model_step.ENGINE_PROBE_LAYERS} of its layers, {T} tokens in rows of {seq}, {precision}, {threads} "
             f"threads, {model_step.ENGINE_PROBE_STEPS} steps in {where})", est)

@@ -189,3 +189,28 @@ def _clip_redo(s: ModelShape, task: Task, r: C.Rates, resident: int, res: dict, 
                            P / r.adam_elems)
     traffic["ssd_read"], traffic["ssd_write"] = traffic["ssd_read"] + rr, traffic["ssd_write"] + rw
     return res["clip_redo"]
+
+
+# Parameters a second that transformers' from_config builds with random weights (its init_weights):
+# 23-49 M/s for a 133M llama and a 236M qwen3_moe on a 2-core AMD EPYC (AVX2) VM.
+INIT_PARAMS_PER_S = 30e6
+
+
+def probe_seconds(s: ModelShape, task: Task, r: C.Rates, T: int, layers: int, steps: int, budget: int) -> float:
+    """About how long the engine's step probe (bench.model_step.bench_engine_step) runs: building a
+    `layers`-layer copy of the model and writing its first state, then `steps` steps, each the
+    compute of the parameters a token goes through plus, for every parameter (a mixture's idle
+    experts too), the optimizer and the state written to the drive and read back beyond what
+    `budget` caches. (Counting only the compute said "about 48 s" for LongCat-Flash's default 512
+    experts, whose probe moves ~8 GB of state a step and ran past 15 min.)"""
+    P = s.embed_params + s.head_params + layers * s.layer_params
+    lay = layout(task)
+    rate = r.layer_rate(s.hidden, T) or r.cpu_flops or 1e11
+    compute = 6.0 * T * (layers * s.active_layer_params + s.vocab * s.hidden) / rate
+    resident = min(P, max(int(budget), 0) // lay.ram_state)
+    grad = lay.grad if task.clip != "off" else 0
+    rd, wr = (P - resident) * lay.state, P * (lay.state + lay.w_write + grad)
+    io = (rd / r.ssd_read if r.ssd_read else 0.0) + (wr / r.ssd_write if r.ssd_write else 0.0) \
+        + ((rd + wr) / r.crc if r.crc else 0.0)
+    build = P / INIT_PARAMS_PER_S + (P * lay.ssd_state / r.ssd_write if r.ssd_write else 0.0)
+    return build + steps * (compute + P / r.adam_elems + io)
