@@ -341,3 +341,32 @@ def test_the_plan_predicts_the_runs_own_settings(shape, tmp_path):
     for k in ("prefetch", "shard_elems", "io_threads"):
         assert p.settings[k] == ran[k], k
     assert ran["prefetch"]["value"] > 2 and ran["io_threads"]["value"] == 8  # the measurements' picks, not defaults
+
+
+def test_a_probe_that_would_move_a_many_expert_state_times_the_layer_alone(tmp_path):
+    """The engine-step probe runs a two-layer copy through the engine: for a mixture of many experts
+    that copy updates, writes and reads back every expert's state each step (Qwen3-30B-A3B's: 1.8B
+    parameters). Predicted past ENGINE_PROBE_MAX_S, the plan times the model's decoder layer alone
+    (bench_model_step, cached under its own key) and says how long the engine's probe would have
+    taken; a small dense model's probe goes through the engine. Nothing is run here."""
+    from tierlm.advise import command
+    from tierlm.advise.models import _config_for
+    from tierlm.bench import model_step
+    m = measurements()
+    m["io"]["write_gbps"] = 0.3
+    hw = hardware_from_measurements(m)
+    task = Task(batch=1, seq_len=512, precision="bf16")
+    moe = model_shape("qwen3-30b-a3b")
+    config, _ = _config_for("qwen3-30b-a3b")
+    key, (what, est), _ = command._train_probe(config, moe, task, hw, str(tmp_path), 2)
+    assert key == model_step.model_step_key(config, 512, 512, torch.bfloat16)
+    assert what.startswith("this model's own decoder layer") and "would take about" in what and est < 60
+    # two layers of 128 experts: 1.8B parameters, whose state at 0.3 GB/s takes the probe past the limit
+    from tierlm.plan import cost as C
+    from tierlm.plan.finetune_time import probe_seconds
+    P = moe.embed_params + moe.head_params + 2 * moe.layer_params
+    assert P > 1.5e9 and probe_seconds(moe, task, C.rates(hw, C.Efficiency(), "bf16"), 512, 2, 8,
+                                       24 << 30) > command.ENGINE_PROBE_MAX_S
+    config, _ = _config_for("smollm2-135m")
+    key, (what, est), _ = command._train_probe(config, model_shape("smollm2-135m"), task, hw, str(tmp_path), 2)
+    assert key.startswith("engine|") and "through the engine" in what and est < command.ENGINE_PROBE_MAX_S

@@ -6,6 +6,7 @@ no cached measurements measures the machine first, as `tierlm bench io` and `ben
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import sys
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from ..bench.progress import Stages
 from ..config import to_dict
 from ..plan import cost as C
 from ..plan.catalog import CPU, Catalog, Drive, Hardware
-from ..plan.finetune_time import probe_seconds
+from ..plan.finetune_time import probe_seconds, probe_store_bytes
 from ..plan.planner import Plan, Task, _usable_ram, plan
 from ..units import fmt_bytes, parse_bytes
 from . import report
@@ -84,6 +85,10 @@ def _existing(directory: str) -> str:
 # has run. The compute stages' seconds are about what they took on a 2-core EPYC Zen 4 (AVX-512)
 # with other work on it; a slower CPU takes a few times more.
 ASSUMED_DRIVE_BPS = 1.0e9
+# An engine-step probe predicted to take longer (plan.finetune_time.probe_seconds) times the model's
+# layer alone: Qwen3-30B-A3B's two-layer copy has 1.8B parameters, 54 GB of store and ~29 GB of
+# state traffic a step; LongCat-Flash's tiny default ran past 15 min.
+ENGINE_PROBE_MAX_S = 600.0
 COMPUTE_STAGES = [("matmul per dtype and the AdamW kernel", 8),
                   ("decoder layers fwd+bwd (3 widths x 2 token counts)", 50),
                   ("batch-1 decode (bf16, int8, int4)", 35), ("CRC32C", 1),
@@ -188,8 +193,20 @@ def _train_probe(config, shape, task: Task, hw: Hardware, nvme: str | None, thre
     where = nvme or _existing((hw.measured.get("io") or {}).get("dir") or ".")
     # about how long: building the copy and writing its first state, then each step's compute,
     # optimizer and state traffic for all its parameters (a mixture's idle experts too)
-    est = probe_seconds(shape, dataclasses.replace(task, precision=precision), C.rates(hw, C.Efficiency(), precision), T, model_step.ENGINE_PROBE_LAYERS,
-                        model_step.ENGINE_PROBE_STEPS, budget if budget else parse_bytes("4GiB")) + 5
+    est = probe_seconds(shape, dataclasses.replace(task, precision=precision), C.rates(hw, C.Efficiency(), precision),
+                        T, model_step.ENGINE_PROBE_LAYERS, model_step.ENGINE_PROBE_STEPS,
+                        budget if budget else parse_bytes("4GiB")) + 5
+    store = probe_store_bytes(shape, dataclasses.replace(task, precision=precision), model_step.ENGINE_PROBE_LAYERS)
+    free = shutil.disk_usage(where).free
+    if est > ENGINE_PROBE_MAX_S or store > free / 2:
+        # a many-expert mixture's probe copy moves its whole state every step and holds it on the
+        # drive: its layer alone instead, as where the engine cannot run it
+        key = model_step.model_step_key(config, T, seq, dtype)
+        what = (f"this model's own decoder layer, forward and backward ({config.model_type} code, {T} tokens in rows "
+                f"of {seq}, {precision}, {threads} threads; its step through the engine would take about "
+                f"{est / 60:.0f} min and {fmt_bytes(store)} of {where}'s {fmt_bytes(free)} free)",
+                2 * model_step.MODEL_PROBE_S + 10)
+        return key, what, lambda: _found(model_step.bench_model_step(config, T, seq, dtype))
     what = (f"this model's own training step through the engine ({config.model_type} code, "
             f"{model_step.ENGINE_PROBE_LAYERS} of its layers, {T} tokens in rows of {seq}, {precision}, {threads} "
             f"threads, {model_step.ENGINE_PROBE_STEPS} steps in {where})", est)
@@ -203,8 +220,12 @@ def _train_probe(config, shape, task: Task, hw: Hardware, nvme: str | None, thre
             res = None
         if res is None:  # the engine failed, or its probe model is too large to build quickly
             res = model_step.bench_model_step(config, T, seq, dtype)
-        return {"model_step": res} if res else {}
+        return _found(res)
     return key, what, probe
+
+
+def _found(res: dict | None) -> dict:
+    return {"model_step": res} if res else {}
 
 
 def own_measurements(model: str, shape, task: Task, hw: Hardware, quiet: bool = False,

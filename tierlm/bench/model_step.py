@@ -41,7 +41,10 @@ def model_step_key(config, tokens: int, seq: int, dtype: torch.dtype) -> str:
     d = config.to_dict()
     shape = {k: d.get(k) for k in ("model_type", "hidden_size", "n_embd", "intermediate_size", "n_inner",
                                     "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
-                                    "hidden_act", "tie_word_embeddings", "sliding_window")}
+                                    "hidden_act", "tie_word_embeddings", "sliding_window",
+                                    # a mixture's experts: how many, how wide, how many a token
+                                    "num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size",
+                                    "num_experts_per_tok")}
     return (json.dumps(shape, sort_keys=True) + f"|tokens={tokens}|seq={seq}|{str(dtype).removeprefix('torch.')}"
             f"|threads={torch.get_num_threads()}")
 

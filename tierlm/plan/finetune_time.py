@@ -203,7 +203,7 @@ def probe_seconds(s: ModelShape, task: Task, r: C.Rates, T: int, layers: int, st
     experts too), the optimizer and the state written to the drive and read back beyond what
     `budget` caches. (Counting only the compute said "about 48 s" for LongCat-Flash's default 512
     experts, whose probe moves ~8 GB of state a step and ran past 15 min.)"""
-    P = s.embed_params + s.head_params + layers * s.layer_params
+    P = _probe_params(s, layers)
     lay = layout(task)
     rate = r.layer_rate(s.hidden, T) or r.cpu_flops or 1e11
     compute = 6.0 * T * (layers * s.active_layer_params + s.vocab * s.hidden) / rate
@@ -214,3 +214,12 @@ def probe_seconds(s: ModelShape, task: Task, r: C.Rates, T: int, layers: int, st
         + ((rd + wr) / r.crc if r.crc else 0.0)
     build = P / INIT_PARAMS_PER_S + (P * lay.ssd_state / r.ssd_write if r.ssd_write else 0.0)
     return build + steps * (compute + P / r.adam_elems + io)
+
+
+def probe_store_bytes(s: ModelShape, task: Task, layers: int) -> int:
+    """The drive space the engine's step probe holds: its `layers`-layer copy's state, two slots."""
+    return int(_probe_params(s, layers) * layout(task).ssd_state)
+
+
+def _probe_params(s: ModelShape, layers: int) -> int:
+    return s.embed_params + s.head_params + layers * s.layer_params
