@@ -11,6 +11,8 @@ from tierlm.hf.fields import shrunk
 from tierlm.infer.batcher import Batcher, Request
 from tierlm.infer.sampling import SamplingParams
 from tierlm.storage import BudgetError
+from tierlm.units import fmt_bytes
+
 from ..memory import held_now
 
 # what sets each apart: Gated DeltaNet beside gated attention (and experts), OLMo's linear
@@ -131,8 +133,22 @@ def test_the_states_are_in_the_budget(state_dir, tmp_path):
         assert st.nbytes == StateSlots.bytes_for(eng.state_shapes, 3, torch.float32) > 0
         assert eng.cache.nbytes == st.nbytes + kv_bytes(model.config, 3, 40, torch.float32, eng.kv_layers)
         assert {s.layer for s in eng.state_shapes} | eng.kv_layers == set(range(model.config.num_hidden_layers))
+        assert f"+ KV cache and recurrent states {fmt_bytes(eng.placement.kv)} +" in eng.placement.describe()
     finally:
         eng.close()
+
+
+def test_a_model_without_attention_keeps_recurrent_states_not_a_kv_cache(state_dir, tmp_path):
+    """The placement line and a refused budget name what the cache holds: Mamba's conv and
+    recurrent states, no keys and values."""
+    d, _ = state_dir("mamba")
+    eng = _engine(d, tmp_path, cpu_mem="4GiB", max_batch=2, max_seq_len=40)
+    try:
+        assert "recurrent states" in eng.placement.describe() and "KV cache" not in eng.placement.describe()
+    finally:
+        eng.close()
+    with pytest.raises(BudgetError, match=r"embeddings and head .*, recurrent states .* for --max-batch"):
+        _engine(d, tmp_path, cpu_mem="1MiB", max_batch=2, max_seq_len=40)
 
 
 def test_the_check_sees_a_state_not_continued(monkeypatch, state_dir):

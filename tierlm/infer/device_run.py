@@ -66,10 +66,11 @@ class DeviceRun:
         there to copy while this one's is still held (two window buffers)."""
         return replace(self.cfg, prefetch=max(self.cfg.prefetch, 1), resident_layers=self.cfg.host_resident_layers)
 
-    def place(self, baseline: int, fixed: int, layer_bytes: int, layer_idx: list[int], kv: int, scratch: int):
+    def place(self, baseline: int, fixed: int, layer_bytes: int, layer_idx: list[int], kv: int, scratch: int,
+              kv_name: str = "KV cache"):
         """(host placement, layers read into RAM at load, layers streamed from the store)."""
         dp = plan_device_placement(self.budget(), fixed, layer_bytes, len(layer_idx), kv, scratch,
-                                   self.cfg.resident_layers)
+                                   self.cfg.resident_layers, kv_name)
         self.placement = dp
         self.on_device = set(layer_idx[: dp.resident])
         host = layer_idx[dp.resident:]

@@ -32,7 +32,7 @@ from ..hf.stacked import read_param
 from ..hf.safetensors_io import SafetensorsDir
 from ..hf.structure import discover_blocks, empty_model, find_layers
 from ..plan.expert_placement import plan_expert_placement
-from ..plan.inference import InferConfig, plan_placement, scratch_bytes
+from ..plan.inference import InferConfig, cache_name, plan_placement, scratch_bytes
 from ..storage import BudgetError, HostBufferPool
 from ..storage.aligned import round_up
 from . import packed as packed_attention
@@ -195,8 +195,9 @@ class InferenceEngine:
         self.library_rss = library_rss if library_rss is not None else library_baseline(config, self.dtype)
         baseline = max(rss.current_rss() - self.library_rss, 0)
         kv = kv_bytes(cache_config, cfg.max_batch, self.max_len, self.dtype, self.kv_layers)
-        if self.state_shapes:
-            kv += StateSlots.bytes_for(self.state_shapes, cfg.max_batch, self.dtype)
+        held = StateSlots.bytes_for(self.state_shapes, cfg.max_batch, self.dtype) if self.state_shapes else 0
+        kv_name = cache_name(kv, held)
+        kv += held
         # a recurrent model's step runs its rows in groups of one length (generic.row_groups): a
         # forward holds at most one prompt chunk's tokens, or the decoding rows' - as a packed one
         # does - except where prompts go whole (then several of one length may share a forward)
@@ -209,10 +210,11 @@ class InferenceEngine:
             scratch += StateSlots.transient_bytes(self.state_shapes, tokens, cfg.max_batch)
         self.experts = self.expert_placement = None
         if self.dev:  # the device under --gpu-mem, then the host under --cpu-mem
-            self.placement, resident, streamed = self.dev.place(baseline, fixed, lbytes, layer_idx, kv, scratch)
+            self.placement, resident, streamed = self.dev.place(baseline, fixed, lbytes, layer_idx, kv, scratch,
+                                                                kv_name)
             return resident, streamed
         try:
-            self.placement = plan_placement(cfg, baseline, fixed, lbytes, len(layer_idx), kv, scratch)
+            self.placement = plan_placement(cfg, baseline, fixed, lbytes, len(layer_idx), kv, scratch, kv_name)
         except BudgetError:
             if not self.moe:  # a mixture of experts needs no window of whole layers: its experts stream
                 raise
@@ -223,7 +225,7 @@ class InferenceEngine:
             dense = max(sum(round_up(p.nbytes) for p in self.pieces[i]) for i in layer_idx)
             self.expert_placement = plan_expert_placement(
                 cfg, baseline, fixed, dense, len(layer_idx), kv, scratch,
-                (self.expert_slot, max(m.experts for m in self.moe.values()), len(self.moe)))
+                (self.expert_slot, max(m.experts for m in self.moe.values()), len(self.moe)), kv_name)
             self.placement = self.expert_placement.placement
         resident = set(layer_idx[: self.placement.resident])
         return resident, [i for i in layer_idx if i not in resident]

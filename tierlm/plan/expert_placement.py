@@ -40,11 +40,12 @@ class ExpertPlacement:
                 f"({fmt_bytes(self.cache)}, {self.cached_share:.0%} of all); budget {fmt_bytes(p.budget)} = baseline "
                 f"{fmt_bytes(p.baseline)} + embeddings/head {fmt_bytes(p.fixed)} + dense parts "
                 f"{fmt_bytes(p.resident * p.layer_bytes)} + stream window {fmt_bytes(p.window)} + expert cache "
-                f"{fmt_bytes(self.cache)} + KV cache {fmt_bytes(p.kv)} + compute {fmt_bytes(p.scratch)}")
+                f"{fmt_bytes(self.cache)} + {p.kv_name} {fmt_bytes(p.kv)} + compute {fmt_bytes(p.scratch)}")
 
 
 def plan_expert_placement(cfg: InferConfig, baseline: int, fixed: int, dense_bytes: int, layers: int,
-                          kv: int, scratch: int, experts: tuple[int, int, int]) -> ExpertPlacement:
+                          kv: int, scratch: int, experts: tuple[int, int, int],
+                          kv_name: str = "KV cache") -> ExpertPlacement:
     """experts: (bytes of one expert, experts per layer, layers with experts)."""
     slot, per_layer, moe_layers = experts
     avail = cfg.cpu_mem - baseline - fixed - kv - scratch
@@ -56,7 +57,7 @@ def plan_expert_placement(cfg: InferConfig, baseline: int, fixed: int, dense_byt
         need = cfg.cpu_mem - avail + window + least
         raise BudgetError(
             f"--cpu-mem {fmt_bytes(cfg.cpu_mem)} cannot run this model: at least {fmt_bytes(need)} is needed "
-            f"(process baseline {fmt_bytes(baseline)}, embeddings and head {fmt_bytes(fixed)}, KV cache "
+            f"(process baseline {fmt_bytes(baseline)}, embeddings and head {fmt_bytes(fixed)}, {kv_name} "
             f"{fmt_bytes(kv)} for --max-batch {cfg.max_batch} x --max-seq-len, compute {fmt_bytes(scratch)}, "
             f"a stream window of {fmt_bytes(window)}, an expert cache of one layer's {per_layer} experts "
             f"{fmt_bytes(least)}). Raise --cpu-mem to {fmt_bytes(need * 1.05)}, or lower --max-batch / "
@@ -64,5 +65,5 @@ def plan_expert_placement(cfg: InferConfig, baseline: int, fixed: int, dense_byt
     resident = want if window == 0 else min(want, max(0, (avail - window - least) // max(dense_bytes, 1)))
     cache = min(avail - window - resident * dense_bytes, per_layer * moe_layers * slot)  # never past all experts
     cache -= cache % slot
-    dense = Placement(cfg.cpu_mem, baseline, fixed, kv, scratch, dense_bytes, layers, int(resident), window)
+    dense = Placement(cfg.cpu_mem, baseline, fixed, kv, scratch, dense_bytes, layers, int(resident), window, kv_name)
     return ExpertPlacement(dense, int(cache), slot, per_layer, moe_layers)

@@ -82,6 +82,7 @@ class Placement:
     layers: int
     resident: int       # decoder layers kept in RAM
     window: int         # stream window pool (0 when every layer is resident)
+    kv_name: str = "KV cache"  # what `kv` holds (cache_name)
 
     @property
     def streamed(self) -> int:
@@ -91,7 +92,7 @@ class Placement:
         return (f"{self.resident}/{self.layers} layers resident, {self.streamed} streamed; budget "
                 f"{fmt_bytes(self.budget)} = baseline {fmt_bytes(self.baseline)} + embeddings/head "
                 f"{fmt_bytes(self.fixed)} + layers {fmt_bytes(self.resident * self.layer_bytes)} + stream window "
-                f"{fmt_bytes(self.window)} + KV cache {fmt_bytes(self.kv)} + compute {fmt_bytes(self.scratch)}")
+                f"{fmt_bytes(self.window)} + {self.kv_name} {fmt_bytes(self.kv)} + compute {fmt_bytes(self.scratch)}")
 
 
 def scratch_bytes(config, cfg: InferConfig, max_len: int, dtype=None, eager: bool = False,
@@ -145,22 +146,30 @@ def largest_matrix(config, rows: int) -> int:
     return max(widest, config.vocab_size * h) if rows >= UPCAST_MIN_ROWS else widest
 
 
+def cache_name(kv: int, states: int) -> str:
+    """What a model's cache holds, by its bytes of keys and values and of recurrent states (a
+    state-space or linear-attention layer's conv and recurrent states)."""
+    if states and kv:
+        return "KV cache and recurrent states"
+    return "recurrent states" if states else "KV cache"
+
+
 def plan_placement(cfg: InferConfig, baseline: int, fixed: int, layer_bytes: int, layers: int,
-                   kv: int, scratch: int) -> Placement:
+                   kv: int, scratch: int, kv_name: str = "KV cache") -> Placement:
     avail = cfg.cpu_mem - baseline - fixed - kv - scratch
     want = cfg.resident_layers if cfg.resident_layers is not None else layers
     want = max(0, min(want, layers))
     if want == layers and layers * layer_bytes <= avail:
-        return Placement(cfg.cpu_mem, baseline, fixed, kv, scratch, layer_bytes, layers, layers, 0)
+        return Placement(cfg.cpu_mem, baseline, fixed, kv, scratch, layer_bytes, layers, layers, 0, kv_name)
     window = (cfg.prefetch + 1) * layer_bytes
     if avail < window:
         need = cfg.cpu_mem - avail + window
         raise BudgetError(
             f"--cpu-mem {fmt_bytes(cfg.cpu_mem)} cannot run this model: at least {fmt_bytes(need)} is needed "
-            f"(process baseline {fmt_bytes(baseline)}, embeddings and head {fmt_bytes(fixed)}, KV cache "
+            f"(process baseline {fmt_bytes(baseline)}, embeddings and head {fmt_bytes(fixed)}, {kv_name} "
             f"{fmt_bytes(kv)} for --max-batch {cfg.max_batch} x --max-seq-len, compute {fmt_bytes(scratch)}, "
             f"a stream window of {cfg.prefetch + 1} layers {fmt_bytes(window)}). Raise --cpu-mem to "
             f"{fmt_bytes(need * 1.05)}, or lower --max-batch / --max-seq-len / --step-tokens / --prefetch, "
             f"or use --weights int8 or int4")
     resident = min(want, max(0, (avail - window) // max(layer_bytes, 1)))
-    return Placement(cfg.cpu_mem, baseline, fixed, kv, scratch, layer_bytes, layers, int(resident), window)
+    return Placement(cfg.cpu_mem, baseline, fixed, kv, scratch, layer_bytes, layers, int(resident), window, kv_name)
