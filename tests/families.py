@@ -195,11 +195,17 @@ FAMILIES = {
     # Gemma 4 (the 26B-A4B and 31B shapes): per-layer head dims and KV heads (global layers wider,
     # one KV head), keys as values on the global layers, a dense MLP beside routed experts in every
     # layer, norms after blocks, soft-capped logits; the per-layer embeddings and shared KV of the
-    # small E2B/E4B shapes are off (refused: tests/hf/test_checks.py)
+    # small E2B/E4B shapes are off here (fine-tuned: tests/test_families.py, generated:
+    # tests/hf/test_kv_layout.py)
     "gemma4_text": dict(_BASE, head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
                         sliding_window=6, layer_types=["sliding_attention", "full_attention"],
                         hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4, top_k_experts=2,
                         moe_intermediate_size=32, final_logit_softcapping=30.0, pad_token_id=0),
+    # ZAYA: convolutional attention keeping conv states, a router whose states each layer hands
+    # the next (a tensor with a gradient beside the hidden states: engine.block_fn.BlockCall)
+    "zaya": dict(_BASE, head_dim=16, num_experts=4, num_experts_per_tok=1, moe_intermediate_size=32,
+                 router_hidden_size=16, layer_types=["hybrid", "hybrid"], pad_token_id=0, bos_token_id=2,
+                 eos_token_id=106),
 }
 
 
@@ -212,11 +218,15 @@ FAMILIES = {
 # - BLOOM: a LayerNorm on the embeddings before the layers (held through the step); its ALiBi
 #   biases are built from a 2-D padding mask, which tierlm's inference does not pass (its own masks
 #   are 4-D): the check on a small copy refuses it.
+# - CPM-Ant: its layers read a position bias made before them from weights (a tensor with a
+#   gradient beside the hidden states, carried into each layer's backward); its attention writes
+#   the cache in a shape of its own: the check on a small copy refuses it.
 FINE_TUNE_ONLY = {
     "deepseek_v4": (dict(n_routed_experts=4, num_experts_per_tok=2, index_n_heads=4, index_head_dim=16, index_topk=4,
                          compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4}),
                     "need attention masks tierlm's inference does not make"),
     "bloom": (dict(), "its forward fails on tierlm's KV cache and masks"),
+    "cpmant": (dict(), "its forward fails on tierlm's KV cache and masks"),
 }
 
 

@@ -9,6 +9,8 @@ at unpack time, so a saved graph never keeps a streamed weight in memory.
 from __future__ import annotations
 
 import contextlib
+import copy
+from collections.abc import MutableMapping
 
 import torch
 from torch import nn
@@ -79,24 +81,94 @@ class ParamRefHooks(torch.autograd.graph.saved_tensors_hooks):
 
 
 class BlockCall:
-    """What one call of a decoder layer needs: its engine, block, original forward and arguments."""
+    """What one call of a decoder layer needs: its engine, block, original forward and arguments.
 
-    __slots__ = ("engine", "block", "fn", "args", "kwargs", "policy", "recorded")
+    Tensors with a gradient that the layer reads beside its hidden states, made outside it (Gemma 4's
+    per-layer input, made from weights before the layers; ZAYA's router states, handed on by the
+    layer before; the keys and values an earlier layer left in Gemma 4's shared_kv_states), are
+    `carried`: inputs of BlockFunction, replaced inside the layer by leaves whose gradients its
+    backward returns, so autograd takes them to whatever made them. What the layer hands on with a
+    gradient (the floating tensors it returns after its hidden states, or writes into a mapping
+    among its arguments) is `left`: outputs of BlockFunction, so the gradients later layers send
+    them reach this layer's backward."""
+
+    __slots__ = ("engine", "block", "fn", "args", "kwargs", "policy", "recorded", "slots", "snaps", "tail", "writes",
+                 "returns")
 
     def __init__(self, engine, block, fn, args, kwargs, policy):
         self.engine, self.block, self.fn, self.args, self.kwargs, self.policy = engine, block, fn, args, kwargs, policy
         self.recorded: list = []  # [(key, tensor)] the model's recorders took inside the layer
+        # the mappings among the arguments as they were when the layer was called (a later layer may
+        # write into them before this one's backward runs it again)
+        self.snaps = {k: copy.copy(v) for k, v in kwargs.items() if isinstance(v, MutableMapping)}
+        self.slots: list[tuple] = []  # where each carried tensor goes (_bind)
+        self.returns: type | None = None  # tuple or list, where the layer returns one
+        self.tail: tuple = ()   # what the layer returned after its hidden states
+        self.writes: list = []  # [(argument, key, value)] what it wrote into a mapping argument
+
+    def carried(self) -> list[torch.Tensor]:
+        """The tensors with a gradient the layer reads beside its hidden states; notes their slots."""
+        out = []
+        for i, t in enumerate(self.args):
+            if _grad(t):
+                self.slots.append(("arg", i, None))
+                out.append(t)
+        for k, t in self.kwargs.items():
+            if _grad(t):
+                self.slots.append(("kw", k, None))
+                out.append(t)
+        for name, m in self.snaps.items():
+            for key, v in m.items():
+                for j, t in enumerate(v if isinstance(v, (tuple, list)) else (v,)):
+                    if _grad(t):
+                        self.slots.append(("map", name, key, j if isinstance(v, (tuple, list)) else None))
+                        out.append(t)
+        return out
+
+    def run(self, hidden: torch.Tensor, carried) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The layer on `hidden` with `carried` in their slots: its hidden states out, and the
+        floating tensors it left (returned after them, then written into mappings, in order)."""
+        args, kwargs = list(self.args), dict(self.kwargs)
+        copies = {name: copy.copy(m) for name, m in self.snaps.items()}
+        kwargs.update(copies)
+        for (kind, name, key, *j), t in zip(self.slots, carried):
+            if kind == "arg":
+                args[name] = t
+            elif kind == "kw":
+                kwargs[name] = t
+            else:
+                m, j = copies[name], j[0]
+                m[key] = t if j is None else type(m[key])(t if i == j else x for i, x in enumerate(m[key]))
+        out = self.fn(hidden, *args, **kwargs)
+        if isinstance(out, (tuple, list)):
+            self.returns, self.tail, out = type(out), tuple(out[1:]), out[0]
+        self.writes = [(name, key, v) for name, m in copies.items() for key, v in m.items()
+                       if key not in self.snaps[name] or self.snaps[name][key] is not v]
+        left = [t for t in self.tail if _floating(t)]
+        left += [t for _, _, v in self.writes for t in (v if isinstance(v, (tuple, list)) else (v,)) if _floating(t)]
+        return out, left
+
+
+def _grad(t) -> bool:
+    """A tensor with a gradient made outside the layer (a parameter handed in is the layer's to
+    use as its own: its gradient accumulates as the layer's weights' do)."""
+    return isinstance(t, torch.Tensor) and t.requires_grad and not isinstance(t, nn.Parameter)
+
+
+def _floating(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point()
 
 
 class BlockFunction(torch.autograd.Function):
-    """One decoder layer: its hidden states out, then what transformers recorded inside it.
+    """One decoder layer: its hidden states out, then what transformers recorded inside it, then
+    what the layer left for later layers (BlockCall); in: the hidden states, then the carried.
 
     A model that records a layer's inner outputs for its loss (a mixture of experts' router logits,
     for the load-balancing loss its causal LM adds) gets them back as outputs of this Function, so
     their gradient reaches the layer during the layer's backward, when its weights are loaded."""
 
     @staticmethod
-    def forward(ctx, call: BlockCall, hidden: torch.Tensor):
+    def forward(ctx, call: BlockCall, hidden: torch.Tensor, *carried: torch.Tensor):
         eng = call.engine
         ctx.call = call
         ctx.set_materialize_grads(False)
@@ -107,17 +179,19 @@ class BlockFunction(torch.autograd.Function):
                 # dropout on a GPU draws from that device's generator: replayed as well
                 ctx.dev_rng = torch.cuda.get_rng_state(hidden.device) if hidden.is_cuda else None
                 ctx.saved_input = hidden.detach()
+                ctx.saved_carried = [c.detach() for c in carried]
                 with eng.hooks, recorded() as extras:
-                    out = call.fn(hidden, *call.args, **call.kwargs)
+                    out, left = call.run(hidden, carried)
                 ctx.out = ctx.extras = None
                 call.recorded = extras
-                return (out, *[t for _, t in extras])
+                return (out, *[t for _, t in extras], *left)
             h = hidden.detach().requires_grad_(True)
+            leaves = [c.detach().requires_grad_(True) for c in carried]
             with torch.enable_grad(), eng.hooks, recorded() as extras:
-                out = call.fn(h, *call.args, **call.kwargs)
-            ctx.h, ctx.out, ctx.extras = h, out, [t for _, t in extras]
+                out, left = call.run(h, leaves)
+            ctx.h, ctx.leaves, ctx.out, ctx.extras = h, leaves, out, [t for _, t in extras] + left
             call.recorded = extras
-            return (out.detach(), *[t.detach() for _, t in extras])
+            return (out.detach(), *[t.detach() for _, t in extras], *[t.detach() for t in left])
         finally:
             eng.block_forward_end(call.block)
 
@@ -129,22 +203,23 @@ class BlockFunction(torch.autograd.Function):
         try:
             if call.policy == "recompute":
                 h = ctx.saved_input.requires_grad_(True)
+                leaves = [c.requires_grad_(True) for c in ctx.saved_carried]
                 devices = [h.device] if h.is_cuda else []
                 with torch.random.fork_rng(devices=devices), torch.enable_grad(), eng.hooks, \
                         recorded([k for k, _ in call.recorded]) as again:
                     torch.set_rng_state(ctx.rng)
                     if ctx.dev_rng is not None:
                         torch.cuda.set_rng_state(ctx.dev_rng, h.device)
-                    out = call.fn(h, *call.args, **call.kwargs)
-                extras = [t for _, t in again]
+                    out, left = call.run(h, leaves)
+                extras = [t for _, t in again] + left
             else:
-                h, out, extras = ctx.h, ctx.out, ctx.extras
-                ctx.h = ctx.out = ctx.extras = None
+                h, leaves, out, extras = ctx.h, ctx.leaves, ctx.out, ctx.extras
+                ctx.h = ctx.leaves = ctx.out = ctx.extras = None
             pairs = [(t, g) for t, g in zip([out, *extras], [grad_out, *grad_extras])
                      if g is not None and t.requires_grad]
             if pairs:
                 torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
-            return None, h.grad
+            return (None, h.grad, *[c.grad for c in leaves])
         finally:
             ctx.call = None
             eng.block_backward_end(call.block)
@@ -212,21 +287,12 @@ def wrap_layer(engine, block, layer: nn.Module) -> None:
 
     Layers that return a tuple (Falcon's: hidden states, then optional attention weights; GLM-5's and
     HY-V4's: hidden states, then the token indices their sparse attention picked, which the next
-    layer reads), or a list (OpenAI GPT's), give BlockFunction their hidden states and the model
-    the tuple or list back, the rest of it as the layer's forward made it (detached: no gradient
-    flows through it)."""
+    layer reads; ZAYA's: hidden states, then its router states), or a list (OpenAI GPT's), give
+    BlockFunction their hidden states and the model the tuple or list back, the rest of it as the
+    layer's forward made it; its floating tensors as BlockFunction's outputs, so a gradient a later
+    layer sends them reaches this one (BlockCall). So are the tensors the layer writes into a
+    mapping among its arguments (Gemma 4's shared_kv_states), written into the model's mapping."""
     layer_forward = layer.forward
-    returns: type | None = None  # tuple or list, where the layer returns one
-    tail: tuple = ()
-
-    def original(*args, **kwargs):
-        nonlocal returns, tail
-        out = layer_forward(*args, **kwargs)
-        if isinstance(out, (tuple, list)):
-            returns = list if isinstance(out, list) else tuple
-            tail = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in out[1:])
-            return out[0]
-        return out
 
     def forward(*args, **kwargs):
         if args:
@@ -240,15 +306,28 @@ def wrap_layer(engine, block, layer: nn.Module) -> None:
                     return layer_forward(hidden, *rest, **kwargs)
             finally:
                 engine.block_forward_end(block)
-        call = BlockCall(engine, block, original, rest, kwargs, engine.policy_for(block))
-        out, *extras = BlockFunction.apply(call, hidden)
-        if extras:  # the model's collector gets the Function's outputs in place of the inner tensors
+        call = BlockCall(engine, block, layer_forward, rest, kwargs, engine.policy_for(block))
+        out, *extras = BlockFunction.apply(call, hidden, *call.carried())
+        n = len(call.recorded)
+        recorded_out, left = extras[:n], iter(extras[n:])
+        if recorded_out:  # the model's collector gets the Function's outputs in place of the inner tensors
             from transformers.utils.output_capturing import _active_collector
             lists = _active_collector.get()
-            for (k, inner), t in zip(call.recorded, extras):
+            for (k, inner), t in zip(call.recorded, recorded_out):
                 lst = lists[k]
                 lst[next(i for i in range(len(lst) - 1, -1, -1) if lst[i] is inner)] = t
+        # what the layer left: the Function's outputs in place of its floating tensors (in the order
+        # BlockCall.run listed them); the rest as it made them, detached
+        tail = tuple(next(left) if _floating(t) else t.detach() if isinstance(t, torch.Tensor) else t
+                     for t in call.tail)
+        for name, key, v in call.writes:
+            if isinstance(v, (tuple, list)):
+                v = type(v)(next(left) if _floating(t) else t for t in v)
+            elif _floating(v):
+                v = next(left)
+            kwargs[name][key] = v
         call.recorded = [(k, None) for k, _ in call.recorded]  # keys only: no tensor kept
-        return returns((out, *tail)) if returns is not None else out
+        call.tail, call.writes = (), []
+        return call.returns((out, *tail)) if call.returns is not None else out
 
     layer.forward = forward

@@ -30,7 +30,7 @@ from ..hf.names import load_buffers, model_to_checkpoint
 from ..hf.stacked import read_param
 from ..hf.safetensors_io import SafetensorsDir
 from ..hf.structure import (discover_blocks, empty_model, fixed_params_to_buffers, module_param_slots,
-                            stacked_experts, trace_layers, weights_before_layers)
+                            stacked_experts, weights_before_layers)
 from ..plan.budget import chunk_tokens
 from ..plan.settings import Measured, TrainSettings
 from ..storage import HostBufferPool, TensorStore
@@ -104,18 +104,6 @@ class Engine(DurableState, Exports, BlockResidency):
     def _take_model(self, model: nn.Module, settings: TrainSettings) -> None:
         """The model's parameters become the engine's (empty until a block needs them), cut in
         the settings' shards; its layers, embedding and head get the engine's hooks."""
-        grad_inputs = trace_layers(model.config).grad_inputs
-        if grad_inputs:
-            raise ValueError(f"{model.config.model_type}: its decoder layers read {', '.join(grad_inputs)} beside the "
-                             "hidden states, made outside the layer with a gradient (from weights before the "
-                             "layers, or an earlier layer); the fine-tuning engine runs each layer's backward on "
-                             "its own and carries only the hidden states' gradient")
-        shared = getattr(model.config, "num_kv_shared_layers", 0)
-        if shared:
-            raise ValueError(f"{model.config.model_type}: its last {shared} layers attend with an earlier layer's keys "
-                             "and values (num_kv_shared_layers), so their gradients reach that layer; the "
-                             "fine-tuning engine runs each layer's backward on its own and does not carry them yet "
-                             "(generating runs it)")
         # parameters the modules keep fixed get no gradient, and the step would wait for one: they
         # become buffers, kept as they are (from_pretrained has done so before reading buffers)
         unread = [n for n, p in model.named_parameters() if not p.requires_grad and p.device.type == "meta"]
@@ -129,6 +117,12 @@ class Engine(DurableState, Exports, BlockResidency):
         # are needed again at the end of backward: the embed block's, held through the step
         self.blocks, params = discover_blocks(model, weights_before_layers(model.config))
         self.names = list(params)  # canonical order: model.parameters()
+        borrowed = [(b.name, n) for b in self.blocks if b.kind == "layer" for n in b.uses if n not in b.owns]
+        if borrowed:
+            # (Zamba's shared transformer block, run by every hybrid layer)
+            raise ValueError(f"{model.config.model_type}: its decoder layers share weights ({borrowed[0][0]} runs "
+                             f"{borrowed[0][1]}); the fine-tuning engine updates a weight when its own layer's "
+                             "backward ends and does not yet gather the gradients other layers send it")
         self.settings = settings
         self.shard_elems, self.shard_why = settings.shard_elems.value, settings.shard_elems.why
         self.prefetch, self.prefetch_why = settings.prefetch.value, settings.prefetch.why

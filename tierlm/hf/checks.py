@@ -15,7 +15,8 @@ TESTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"
           "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "glm4_moe", "hunyuan_v1_moe",
           "minimax_m2", "jetmoe", "flex_olmo", "cohere2_moe", "exaone_moe", "granitemoe", "granitemoeshared",
           "deepseek_v2", "dots1", "dbrx", "hy_v3", "ernie4_5_moe", "laguna", "afmoe", "gemma4_text",
-          "deepseek_v32", "glm_moe_dsa", "sarvam_moe", "mimo_v2_flash", "xglm", "longcat_flash")
+          "deepseek_v32", "glm_moe_dsa", "sarvam_moe", "mimo_v2_flash", "xglm", "longcat_flash",
+          "zaya")
 
 
 class ModelDirError(ValueError):

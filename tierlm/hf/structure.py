@@ -6,7 +6,6 @@ A block is the unit the engine streams: the input embeddings, each decoder layer
 from __future__ import annotations
 
 import contextlib
-import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -137,16 +136,13 @@ def find_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
 class LayerTrace:
     """What a forward of a two-layer tiny copy of the family shows (trace_layers)."""
     early: tuple[str, ...] = ()     # modules (not embeddings) whose weights run before the first layer
-    grad_inputs: tuple[str, ...] = ()  # what layers read beside the hidden states that carries a
-    #                                    gradient (made outside the layer: an earlier layer's output)
 
 
 _TRACES: dict[str, LayerTrace] = {}
 
 
 def trace_layers(config) -> LayerTrace:
-    """Run a tiny copy of the family (hf.fields.shrunk, two layers) forward with hooks, with
-    gradients on. Kept per config: every engine a process builds for the same model asks. A family
+    """Run a tiny copy of the family (hf.fields.shrunk, two layers) forward with hooks. Kept per config: every engine a process builds for the same model asks. A family
     with no tiny copy, or whose tiny forward fails, shows nothing."""
     key = config.to_json_string()
     if key not in _TRACES:
@@ -174,41 +170,26 @@ def _trace(config) -> LayerTrace:
         _, layers = find_layers(m)
     except Exception:  # noqa: BLE001 -- no tiny copy of this family: nothing known, nothing refused
         return LayerTrace()
-    seen, early, grad_inputs = {"layers": False}, [], set()
+    seen, early = {"layers": False}, []
 
     def note(mod, name):
         if not seen["layers"] and any(p is not None for p in mod._parameters.values()) \
                 and not isinstance(mod, nn.Embedding):
             early.append(name)
 
-    def reads(mod, args, kwargs):
-        try:  # the forward's own names for its positional arguments
-            named = [p for p in inspect.signature(mod.forward).parameters if p not in ("args", "kwargs")]
-        except (TypeError, ValueError):
-            named = []
-        names = [named[i] if i < len(named) else f"argument {i}" for i, t in enumerate(args) if i > 0 and _with_grad(t)]
-        names += [k for k, t in kwargs.items() if k != "hidden_states" and _with_grad(t)]
-        grad_inputs.update(names)
-
     layer_mods = {id(x) for x in layers.modules()}
     handles = [layers[0].register_forward_pre_hook(lambda *_: seen.update(layers=True))]
-    handles += [layer.register_forward_pre_hook(reads, with_kwargs=True) for layer in layers]
     handles += [mod.register_forward_pre_hook(lambda mod, _a, n=name: note(mod, n))
                 for name, mod in m.named_modules() if id(mod) not in layer_mods]
     try:
-        with torch.enable_grad():
+        with torch.no_grad():
             m(input_ids=torch.zeros(1, 4, dtype=torch.long), use_cache=False)
     except Exception:  # noqa: BLE001 -- as above
         return LayerTrace()
     finally:
         for h in handles:
             h.remove()
-    return LayerTrace(tuple(early), tuple(sorted(grad_inputs)))
-
-
-def _with_grad(t) -> bool:
-    import torch
-    return isinstance(t, torch.Tensor) and t.requires_grad
+    return LayerTrace(tuple(early))
 
 
 def discover_blocks(model: nn.Module, early: list[str] | tuple = ()) -> tuple[list[Block], dict[str, nn.Parameter]]:
