@@ -220,3 +220,32 @@ def test_layers_that_hand_later_layers_tensors_with_a_gradient_fine_tune_exactly
     reloaded = _aligned(AutoModelForCausalLM.from_pretrained(out).float().eval())
     with torch.no_grad():
         assert torch.equal(reloaded(input_ids=torch.tensor([PROMPT])).logits, logits)
+
+
+def test_layers_that_read_every_earlier_blocks_output_fine_tune_to_torchs_rounding(tmp_path):
+    """Inkling 2's layers attend over the outputs of every earlier block of layers (block_states,
+    concatenated by the model between layers), beside their hidden states. Carried across each
+    layer's autograd boundary, their gradients reach every earlier layer; autograd then adds a
+    layer's output's gradients in another order than one graph of the whole model does, so the
+    run equals torch's to fp32 rounding, not to the bit: the forward is bit-equal (the first
+    losses), later losses within 1e-6 and every master within 1e-4 of its largest value after two
+    steps. (Its head is unpadded on load by a conversion that reads the config: hf.stacked.)"""
+    from transformers import AutoConfig
+    cfg = AutoConfig.for_model("inkling2_text", vocab_size=VOCAB, unpadded_vocab_size=VOCAB, hidden_size=64,
+                               num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                               swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16,
+                               sliding_window_size=8, d_rel=4, rel_extent=16, log_scaling_n_floor=64,
+                               layer_types=["hybrid_sliding", "hybrid"] * 2, max_position_embeddings=256,
+                               moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+                               n_layers_per_attn_res_block=2, eos_token_id=1, initializer_range=0.02)
+    d = init_model(tmp_path / "model", cfg, seed=3)
+    model = AutoModelForCausalLM.from_pretrained(d).float()
+    data = batches(STEPS * ACCUM, vocab=VOCAB)
+    _, ref_master, ref_losses, _ = run_reference(model, data, lr=LR, wd=0.1, clip=0.5, accum=ACCUM, warmup=0,
+                                                 precision="fp32")
+    losses, masters, _, _ = _finetune(d, tmp_path, data)
+    assert losses[:ACCUM] == ref_losses[:ACCUM]
+    assert losses == pytest.approx(ref_losses, rel=1e-6)
+    assert set(masters) == set(ref_master)
+    for n, m in masters.items():
+        torch.testing.assert_close(m, ref_master[n], rtol=0, atol=1e-4 * ref_master[n].abs().max().item())

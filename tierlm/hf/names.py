@@ -80,7 +80,7 @@ def model_to_checkpoint(model, checkpoint: Iterable[str], wanted: Iterable[str],
             missing = sorted(set(conv.source_patterns) - set(sources))
             raise ValueError(f"{where}: {name} is made from tensors matching {conv.source_patterns}, and the "
                              f"checkpoint has none matching {missing}; is it complete?")
-        out[name] = Stacked(name, conv, sources)
+        out[name] = Stacked(name, conv, sources, model)
     return out
 
 

@@ -19,10 +19,12 @@ import torch
 class Stacked:
     """A parameter the family's conversion makes from file tensors, one group per expert."""
 
-    def __init__(self, name: str, converter, sources: dict[str, list[str]]):
+    def __init__(self, name: str, converter, sources: dict[str, list[str]], model=None):
         from transformers.core_model_loading import dot_natural_key
 
-        self.name, self.converter = name, converter
+        # model: what some conversions read (Inkling 2's unpadding of its head: the config's
+        # vocabulary and the parameter's dtype), as from_pretrained hands it to them
+        self.name, self.converter, self.model = name, converter, model
         # the file tensors of each source pattern, in expert order (experts.10 after experts.9)
         self.sources = {pat: sorted(names, key=dot_natural_key) for pat, names in sources.items()}
         counts = {len(v) for v in self.sources.values()}
@@ -39,7 +41,7 @@ class Stacked:
         for pat, ts in tensors.items():
             for n, t in zip(self.sources[pat], ts):
                 conv.add_tensor(self.name, n, pat, t)
-        out = conv.convert(self.name)
+        out = conv.convert(self.name, model=self.model, config=getattr(self.model, "config", None))
         if len(out) != 1:
             raise ValueError(f"{self.name}: the family's conversion made {sorted(out)} of it; tierlm expects "
                              "the one parameter")
