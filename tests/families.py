@@ -201,6 +201,12 @@ FAMILIES = {
                         sliding_window=6, layer_types=["sliding_attention", "full_attention"],
                         hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4, top_k_experts=2,
                         moe_intermediate_size=32, final_logit_softcapping=30.0, pad_token_id=0),
+    # Gemma 3n (E2B/E4B): per-layer inputs, the last layers attending with earlier layers' keys and
+    # values, AltUp's four hidden-state streams through every layer, LAuReL, an MLP width a layer
+    "gemma3n_text": dict(_BASE, intermediate_size=[96] * 4, num_hidden_layers=4, head_dim=16,
+                         vocab_size_per_layer_input=128, hidden_size_per_layer_input=16, num_kv_shared_layers=2,
+                         layer_types=["sliding_attention", "full_attention"] * 2, activation_sparsity_pattern=[0.0] * 4,
+                         laurel_rank=8, sliding_window=6, altup_num_inputs=4, pad_token_id=0),
     # ZAYA: convolutional attention keeping conv states, a router whose states each layer hands
     # the next (a tensor with a gradient beside the hidden states: engine.block_fn.BlockCall)
     "zaya": dict(_BASE, head_dim=16, num_experts=4, num_experts_per_tok=1, moe_intermediate_size=32,
@@ -239,7 +245,7 @@ def family_config(family: str, **over):
 
 # initializer_range at which each tiny random model's greedy continuation varies (so a wrong token
 # shows): wide for most; Gemma 2/3/4's scaled embeddings and soft-capping repeat the last token there.
-GREEDY_INIT = {"gemma2": 0.02, "gemma3_text": 0.02, "gemma4_text": 0.02}
+GREEDY_INIT = {"gemma2": 0.02, "gemma3_text": 0.02, "gemma4_text": 0.02, "gemma3n_text": 0.02}
 
 
 def greedy_init(family: str) -> float:

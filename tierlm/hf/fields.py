@@ -49,6 +49,14 @@ def get(config, role: str, default=None):
     return default if v is None else v
 
 
+def intermediate(config, default=None):
+    """The MLP's width: the widest layer's where the config gives one a layer (Gemma 3n's list)."""
+    v = get(config, "intermediate") or getattr(config, "n_inner", None)
+    if isinstance(v, (list, tuple)):
+        v = max(v) if v else None
+    return default if v is None else v
+
+
 def overrides(config) -> dict[int, dict]:
     """Per-layer values that differ from the global ones ({layer: {field: value}}); {} for the usual
     config whose layers all share its fields."""
@@ -77,12 +85,19 @@ def put(config, role: str, value) -> bool:
     f = _field(config, role)
     if f is None:
         return False
+    before = getattr(config, f, None) if role == "layers" else None  # (a per-layer field raises when read)
     setattr(config, f, value)
     if role == "layers":
         types = getattr(config, "layer_types", None)
         # transformers checks its length; lists indexed by layer (no_rope_layers) may be longer
         # and the other per-layer type lists it checks the same way (Kimi's mlp_layer_types)
         lists = {k: v for k, v in vars(config).items() if k.endswith("layer_types") and isinstance(v, (list, tuple))}
+        # numbers given a layer, as many as the layers were (Gemma 3n's intermediate_size and
+        # activation_sparsity_pattern): the pattern repeats too
+        if isinstance(before, int) and before > 1:
+            lists.update({k: v for k, v in vars(config).items() if not k.startswith("_") and "token" not in k
+                          and isinstance(v, (list, tuple)) and len(v) == before
+                          and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)})
         if types:
             lists["layer_types"] = types
         for k, v in lists.items():
@@ -134,7 +149,9 @@ def shrunk(config, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: 
     # multi-head attention stays so (DeepSeek's latent attention expands its keys to every head)
     mha = get(config, "kv_heads") in (None, get(config, "heads"))
     put(c, "kv_heads", heads if mha or heads % kv_heads else kv_heads)
-    if get(config, "intermediate") is not None:
+    if isinstance(get(config, "intermediate"), (list, tuple)):  # one a layer (Gemma 3n's)
+        put(c, "intermediate", [intermediate] * len(get(config, "intermediate")[:get(c, "layers") or None]))
+    elif get(config, "intermediate") is not None:
         put(c, "intermediate", intermediate)
     if get(config, "head_dim") is not None:
         # latent attention (DeepSeek) rotates head_dim = its rotary part of each head, kept as it is

@@ -13,7 +13,7 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING
 
-from .fields import get, put, rescale_overrides
+from .fields import get, intermediate, put, rescale_overrides
 from .preset_tables import (ARCH_CLASSES, ARCH_CONFIGS, FAMILIES, NATIVE_PRESETS, PRESETS, TINY, NativePreset,
                             Preset, Shape)
 
@@ -241,7 +241,7 @@ def _native(config, overrides: dict | None, what: str):
     heads, hidden = get(config, "heads"), get(config, "hidden")
     view = Preset(config.model_type, what,
                   Shape(get(config, "layers"), hidden, heads, get(config, "kv_heads") or heads,
-                        get(config, "intermediate") or 4 * hidden, get(config, "vocab"),
+                        intermediate(config, 4 * hidden), get(config, "vocab"),
                         get(config, "max_positions") or 0),
                   bool(getattr(config, "tie_word_embeddings", False)),
                   dtype_name(getattr(config, "dtype", None) or "float32"))
@@ -259,7 +259,10 @@ def _native(config, overrides: dict | None, what: str):
             continue
         put(config, role, r[key])
     if get(config, "intermediate") is not None or "intermediate" in o:
-        put(config, "intermediate", r["inter"])
+        inter = r["inter"]
+        if isinstance(get(config, "intermediate"), (list, tuple)):  # a width a layer (Gemma 3n's): each the same
+            inter = [inter] * r["layers"]
+        put(config, "intermediate", inter)
     if explicit_hd is not None and (r["hidden"] != view.shape.hidden or r["heads"] != view.shape.heads):
         put(config, "head_dim", r["hidden"] // r["heads"])  # a family whose head_dim is its own field
     elif "head_dim" in config.to_dict() and get(config, "head_dim") is None:

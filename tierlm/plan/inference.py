@@ -101,7 +101,7 @@ def scratch_bytes(config, cfg: InferConfig, max_len: int, dtype=None, eager: boo
     activations in fp32, attention scores over the whole cache, the logits, the kernels' caches,
     and the fused decode layer's buffers."""
     h = config.hidden_size
-    inter = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * h
+    inter = fields.intermediate(config, 4 * h)
     heads = getattr(config, "num_attention_heads", None) or 0  # none in a state-space model (Mamba)
     # a step feeds at most step_tokens of prompts beside one token of every other row; padded
     # (packed=False, or a model whose attention runs padded rows: packed.install), every row is as
@@ -140,7 +140,7 @@ def largest_matrix(config, rows: int) -> int:
     """Elements of the largest matrix a many-row product converts: a decoder layer's widest linear
     map, and the head's where `rows` sequences decode together in one step."""
     h = config.hidden_size
-    inter = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * h
+    inter = fields.intermediate(config, 4 * h)
     heads = fields.get(config, "heads") or 0  # none in a state-space model (Mamba)
     widest = max(inter, h, heads * fields.head_dim(config) if heads else 0) * h
     return max(widest, config.vocab_size * h) if rows >= UPCAST_MIN_ROWS else widest

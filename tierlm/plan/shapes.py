@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers import AutoModelForCausalLM
 
-from ..hf.fields import get, head_dim as head_dim_of
+from ..hf.fields import get, intermediate, head_dim as head_dim_of
 from ..hf.kv_layout import kv_token_bytes
 from ..hf.structure import find_layers
 from .moe import EXPERT_FIELDS, TOP_K_FIELDS, MoeShape, experts_in_config, experts_per_token, moe_shape
@@ -133,7 +133,7 @@ def shape_of(config, model_name: str, source: str) -> ModelShape:
     del m
     moe = _moe(config, model_name, per_layer, embed + head, routed, stacked)
     hidden, heads = get(config, "hidden"), get(config, "heads")
-    inter = get(config, "intermediate") or 4 * hidden
+    inter = intermediate(config, 4 * hidden)
     return ModelShape(
         name=model_name, model_type=config.model_type,
         source=source, params=sum(per_layer) + embed + head, embed_params=embed, head_params=head,
