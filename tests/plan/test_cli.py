@@ -176,6 +176,9 @@ def test_first_plan_on_this_machine_says_what_it_measures_and_for_how_long(tmp_p
         "layer_s": 0.1, "rest_s": 0.2, "step_s": 0.4, "layers": 2, "tokens": tokens, "probed_tokens": tokens,
         "seq": seq, "dtype": "bfloat16", "threads": 2, "model_type": config.model_type, "source": "engine",
         "steps": 4, "read_bytes": 0})
+    monkeypatch.setattr(model_step, "bench_model_step", lambda config, tokens, seq, dtype, *a: {
+        "layer_s": 0.1, "rest_s": 0.2, "model_s": 0.3, "tokens": tokens, "probed_tokens": tokens, "seq": seq,
+        "dtype": "bfloat16", "threads": 2, "model_type": config.model_type})
     Usage = __import__("collections").namedtuple("Usage", "total used free")
     monkeypatch.setattr("shutil.disk_usage", lambda p: Usage(8 << 30, 6 << 30, 2 << 30))
     assert main(["plan", "qwen2.5-0.5b", "--hardware", "this", "--batch", "1", "--seq-len", "64"]) == 0
@@ -183,7 +186,9 @@ def test_first_plan_on_this_machine_says_what_it_measures_and_for_how_long(tmp_p
     assert "nothing measured on this machine yet" in err
     assert "bench io: measures sequential write and read" in err and "about" in err
     assert "bench compute: measures matmul per dtype" in err and "[2/6] decoder layers" in err
-    assert "plan: measures this model's own training step through the engine (qwen2 code, 2 of its layers, 64 tokens" in err
+    # the two-layer copy's store (4.64 GiB) is more than half the 2 GiB free: the layer alone, and why
+    assert "plan: measures this model's own decoder layer, forward and backward (qwen2 code, 64 tokens" in err
+    assert "its step through the engine would take about" in err and "4.64 GiB of .'s 2.00 GiB free" in err
     assert max(sizes) <= (2 << 30) // 8  # at most an eighth of the free space on the drive measured
     # measured once: the next plan prints no such line
     assert main(["plan", "qwen2.5-0.5b", "--hardware", "this", "--batch", "1", "--seq-len", "64"]) == 0
