@@ -92,9 +92,10 @@ def put(config, role: str, value) -> bool:
         # transformers checks its length; lists indexed by layer (no_rope_layers) may be longer
         # and the other per-layer type lists it checks the same way (Kimi's mlp_layer_types)
         lists = {k: v for k, v in vars(config).items() if k.endswith("layer_types") and isinstance(v, (list, tuple))}
-        # numbers given a layer, as many as the layers were (Gemma 3n's intermediate_size and
-        # activation_sparsity_pattern): the pattern repeats too
-        if isinstance(before, int) and before > 1:
+        # numbers given a layer, as many as the layers were (Gemma 3n's activation_sparsity_pattern),
+        # where there are now more layers: the pattern repeats too (a longer list is left as it is:
+        # the modules index it by layer, as SmolLM3's no_rope_layers)
+        if isinstance(before, int) and 1 < before < value:
             lists.update({k: v for k, v in vars(config).items() if not k.startswith("_") and "token" not in k
                           and isinstance(v, (list, tuple)) and len(v) == before
                           and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)})
