@@ -193,10 +193,10 @@ def _train_probe(config, shape, task: Task, hw: Hardware, nvme: str | None, thre
     where = nvme or _existing((hw.measured.get("io") or {}).get("dir") or ".")
     # about how long: building the copy and writing its first state, then each step's compute,
     # optimizer and state traffic for all its parameters (a mixture's idle experts too)
-    est = probe_seconds(shape, dataclasses.replace(task, precision=precision), C.rates(hw, C.Efficiency(), precision),
-                        T, model_step.ENGINE_PROBE_LAYERS, model_step.ENGINE_PROBE_STEPS,
-                        budget if budget else parse_bytes("4GiB")) + 5
-    store = probe_store_bytes(shape, dataclasses.replace(task, precision=precision), model_step.ENGINE_PROBE_LAYERS)
+    run = dataclasses.replace(task, precision=precision)
+    est = probe_seconds(shape, run, C.rates(hw, C.Efficiency(), precision), T, model_step.ENGINE_PROBE_LAYERS,
+                        model_step.ENGINE_PROBE_STEPS, parse_bytes(budget or model_step.ENGINE_PROBE_BUDGET)) + 5
+    store = probe_store_bytes(shape, run, model_step.ENGINE_PROBE_LAYERS)
     free = shutil.disk_usage(where).free
     if est > ENGINE_PROBE_MAX_S or store > free / 2:
         # a many-expert mixture's probe copy moves its whole state every step and holds it on the

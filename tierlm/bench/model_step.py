@@ -210,6 +210,7 @@ ENGINE_PROBE_LAYERS = 2   # the probe model's depth: one layer beside the head, 
 # machine a two-layer probe's steps 2-4 still took 1.2-1.6x the steady ones (as a run's steps 2-3
 # do), so the median is of the steps after ENGINE_PROBE_WARMUP.
 ENGINE_PROBE_STEPS = 8
+ENGINE_PROBE_BUDGET = "4GiB"  # the probe engine's --cpu-mem where the task gives none
 ENGINE_PROBE_WARMUP = 3
 
 
@@ -318,7 +319,7 @@ def _engine_config(root: Path, dtype: torch.dtype, cpu_mem: int | None, clip: st
     # out of reach so that random weights' large norms do not redo every step (the planner adds the
     # redo where the task clips every step)
     optim = AdamWConfig(max_grad_norm=None if clip == "off" else 1e30)
-    return EngineConfig(nvme_dir=str(root / "nvme"), cpu_mem=cpu_mem if cpu_mem else "4GiB", precision=precision,
+    return EngineConfig(nvme_dir=str(root / "nvme"), cpu_mem=cpu_mem or ENGINE_PROBE_BUDGET, precision=precision,
                         activations="keep", optim=optim, state_cache=state_cache, tokens_per_micro_batch=rows * seq,
                         micro_batch_size=rows)
 
