@@ -16,7 +16,8 @@ TESTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"
           "minimax_m2", "jetmoe", "flex_olmo", "cohere2_moe", "exaone_moe", "granitemoe", "granitemoeshared",
           "deepseek_v2", "dots1", "dbrx", "hy_v3", "ernie4_5_moe", "laguna", "afmoe", "gemma4_text",
           "deepseek_v32", "glm_moe_dsa", "sarvam_moe", "mimo_v2_flash", "xglm", "longcat_flash",
-          "zaya", "gemma3n_text")
+          "zaya", "gemma3n_text", "bloom", "mpt", "doge",
+          "gpt_neox_japanese", "gpt_neo")
 
 
 class ModelDirError(ValueError):
@@ -83,6 +84,13 @@ def family_problem(cfg: dict) -> str | None:
                    f"(model_type {text['model_type']!r}) with the language model's weights, e.g. saved by "
                    f"transformers from the loaded model's language_model")
         return f"model_type {mt!r} is a multimodal wrapper, which tierlm does not run{way}"
+    # whole models' configs inside it and no width of its own (BLT's patcher, encoder, global and
+    # decoder; MusicGen's text and audio encoders and decoder), unlike a family that keeps parts of
+    # its own config apart (DBRX's attn_config) or beside its own decoder (Moshi's audio encoder)
+    nested = [k for k, v in cfg.items() if isinstance(v, dict) and v.get("model_type") in CONFIG_MAPPING]
+    if nested and not any(k in cfg for k in ("hidden_size", "n_embd", "d_model")):
+        return (f"model_type {mt!r} is built of several models ({', '.join(nested)}), which tierlm does not run: "
+                "it runs one decoder-only causal language model")
     if mt not in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return f"model_type {mt!r} has no causal language model class in transformers (AutoModelForCausalLM)"
     return None

@@ -33,7 +33,26 @@ def _field(config, role: str) -> str | None:
     # a transformers config, a planning shape's namespace (plan.cost.hf_like_config) or a dict
     own = config.to_dict() if hasattr(config, "to_dict") else vars(config) if hasattr(config, "__dict__") \
         else dict(config)
-    return next((f for f in ROLES[role] if f in own), None)
+    f = next((f for f in ROLES[role] if f in own), None)
+    if f is None and hasattr(config, "to_dict"):
+        # a transformers config may give a role only as an attribute it can also set: through its
+        # attribute_map (TrOCR's num_hidden_layers is its decoder_layers) or a property with a setter
+        # (Nemotron-H's layer count, from its pattern of layer types); not a value derived only
+        # (Falcon's head_dim)
+        cls = type(config)
+        f = next((f for f in ROLES[role] if (f in getattr(cls, "attribute_map", {}) or
+                                             getattr(getattr(cls, f, None), "fset", None) is not None)
+                  and _readable(config, f)), None)
+    return f
+
+
+def _readable(config, f: str) -> bool:
+    """Whether the config gives a value for `f` (XLNet's max_position_embeddings raises: it has
+    no such limit)."""
+    try:
+        return _read(config, f) is not None
+    except Exception:  # noqa: BLE001 -- a property that refuses to answer gives no value
+        return False
 
 
 def _read(config, f: str):
@@ -86,7 +105,10 @@ def put(config, role: str, value) -> bool:
     if f is None:
         return False
     before = getattr(config, f, None) if role == "layers" else None  # (a per-layer field raises when read)
-    setattr(config, f, value)
+    try:
+        setattr(config, f, value)
+    except NotImplementedError:  # a property the family will not set (XLNet's positions: it has no limit)
+        return False
     if role == "layers":
         types = getattr(config, "layer_types", None)
         # transformers checks its length; lists indexed by layer (no_rope_layers) may be longer

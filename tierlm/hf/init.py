@@ -16,6 +16,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, GenerationConfig
 from transformers import initialization as hf_init
 
+from tierlm.hf import fields
 from tierlm.hf.stacked import file_tensors, file_writes
 from tierlm.hf.presets import dtype_name
 from tierlm.hf.safetensors_io import SafetensorsWriter
@@ -174,7 +175,7 @@ def init_model(out_dir: str | os.PathLike, config, seed: int = 0, dtype: str | t
     config.dtype = dtype_name(dtype)
     gen_kw = {}
     if tokenizer:
-        max_len = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+        max_len = fields.get(config, "max_positions")
         tok = make_tokenizer(out, tokenizer_text, vocab_size=config.vocab_size, model_max_length=max_len)
         ids = special_token_ids(tok)
         config.bos_token_id, config.eos_token_id = ids["bos_token_id"], ids["eos_token_id"]

@@ -193,3 +193,21 @@ TINY: dict[str, Preset] = {
                       extra={"rms_norm_eps": 1e-5, "sliding_window": 128}),
     "gpt2": Preset("gpt2", "tiny test model", Shape(2, 64, 4, 4, 256, 512, 256), True, "float32"),
 }
+
+
+# What a family's default config (transformers') leaves unset, or sets so its small shape is
+# rejected, that its modules need: the tiny model's values (`make_config(arch)`: `tierlm init
+# --arch`), set after shrinking. Config data, not code: the family's own modules still compute.
+TINY_FIELDS: dict[str, dict] = {
+    # expert counts None by default
+    "dots1": dict(n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2),
+    # its default attention config has no rotary base; kv heads and experts live in sub-configs
+    "dbrx": dict(attn_config=dict(kv_n_heads=2, rope_theta=10000.0),
+                 ffn_config=dict(ffn_hidden_size=176, moe_num_experts=4, moe_top_k=2)),
+    # layer types None by default: a short convolution layer, then an attention one
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
+    # hidden * expand must equal heads * head_dim
+    "mamba2": dict(head_dim=16, expand=1, n_groups=2),
+    # a compressed pattern of layer types: one global layer, one local, repeated once
+    "gpt_neo": dict(attention_types=[[["global", "local"], 1]], window_size=8),
+}

@@ -14,8 +14,8 @@ import math
 from typing import TYPE_CHECKING
 
 from .fields import get, intermediate, put, rescale_overrides
-from .preset_tables import (ARCH_CLASSES, ARCH_CONFIGS, FAMILIES, NATIVE_PRESETS, PRESETS, TINY, NativePreset,
-                            Preset, Shape)
+from .preset_tables import (ARCH_CLASSES, ARCH_CONFIGS, FAMILIES, NATIVE_PRESETS, PRESETS, TINY, TINY_FIELDS,
+                            NativePreset, Preset, Shape)
 
 if TYPE_CHECKING:  # annotations only: building the command line must not import them
     import torch
@@ -107,7 +107,7 @@ def make_config(arch: str | None = None, preset: str | None = None,
             raise ValueError(f"preset {preset!r} is a {base.arch} model, not {arch!r}; drop one of them")
         return _native(base.config(), overrides, f"preset {preset!r}")
     if preset is None and arch is not None and arch not in TINY:
-        return _native(_tiny_family(arch), overrides, f"arch {arch!r}")
+        return _builds(arch, _native(_tiny_family(arch), overrides, f"arch {arch!r}"))
     base = _table_preset(arch, preset)
     cls = _config_class(base.arch)
     o = {str(k).replace("-", "_"): v for k, v in (overrides or {}).items()}
@@ -184,7 +184,15 @@ def _tiny_family(arch: str):
     if problem:
         raise ValueError(f"arch {arch!r}: {problem}")
     from .fields import shrunk
-    default = CONFIG_MAPPING[arch]()
+    try:
+        default = CONFIG_MAPPING[arch]()
+    except Exception as e:  # noqa: BLE001 -- transformers' own check of its own defaults
+        raise ValueError(f"arch {arch!r}: transformers cannot make the {arch} config from its own defaults "
+                         f"({_last_line(e)}); make the model with transformers and give tierlm its "
+                         "directory") from e
+    problem = family_problem(default.to_dict())  # what its defaults say: encoder-decoder, nested models
+    if problem:
+        raise ValueError(f"arch {arch!r}: {problem}")
     # layers of every type the family's pattern has (Qwen3.5's fourth layer is its first attention
     # one; Gemma 3's sixth its first global one), so `--layers N` repeats the family's own pattern
     types = getattr(default, "layer_types", None)
@@ -200,8 +208,37 @@ def _tiny_family(arch: str):
     for k, v in c.to_dict().items():
         if isinstance(v, float) and ("dropout" in k or k.endswith("pdrop")):
             setattr(c, k, 0.0)
+    for k, v in TINY_FIELDS.get(arch, {}).items():
+        sub = getattr(c, k, None)
+        if isinstance(v, dict) and hasattr(sub, "to_dict"):  # a sub-config (DBRX's attn_config): its fields
+            for kk, vv in v.items():
+                setattr(sub, kk, vv)
+        else:
+            setattr(c, k, v)
     c.dtype = "float32"
     return _family_checked(arch, default, c)
+
+
+def _last_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[-1].strip() if str(e).strip() else type(e).__name__
+
+
+def _builds(arch: str, c):
+    """`c`, once transformers has built its model from it (on `meta`: nothing allocated); a family
+    whose defaults leave unset what its modules need (or overrides that disagree with them) is
+    refused with the modules' complaint."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    try:
+        with torch.device("meta"):
+            AutoModelForCausalLM.from_config(copy.deepcopy(c))
+    except Exception as e:  # noqa: BLE001 -- the family's own modules; the reason goes into the refusal
+        raise ValueError(f"arch {arch!r}: transformers' {arch} modules cannot be built from its default config "
+                         f"made small and the overrides given ({type(e).__name__}: {_last_line(e)}); make the model "
+                         f"with transformers "
+                         f"(AutoConfig.for_model({arch!r}, ...), save_pretrained) and give tierlm its "
+                         "directory") from e
+    return c
 
 
 def _family_checked(arch: str, default, c):
@@ -222,7 +259,7 @@ def _family_checked(arch: str, default, c):
         type(made).from_dict(made.to_dict())
         return made
     except Exception as e:  # noqa: BLE001 -- the reason goes into the refusal
-        why = str(e).strip().splitlines()[-1].strip()
+        why = _last_line(e)
         raise ValueError(f"arch {arch!r}: transformers' check of the {arch} config rejects tierlm's small shape "
                          f"({why}); make the model with transformers (AutoConfig.for_model({arch!r}, ...), "
                          "save_pretrained) and give tierlm its directory") from e

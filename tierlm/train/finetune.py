@@ -27,7 +27,7 @@ from ..engine.engine import Engine, EngineConfig
 from ..engine.optimizer import AdamWConfig
 from ..engine.timeline import fmt_share
 from ..faults import fault
-from ..hf import checks  # called through the module: tests replace its checks
+from ..hf import checks, fields  # checks called through the module: tests replace them
 from ..hf.baseline import library_baseline
 from ..hf.presets import param_count
 from ..infer.sampling import generate
@@ -199,7 +199,7 @@ def _model_config(cfg: FinetuneConfig, dist):
         raise ValueError(f"--nvme {cfg.nvme} holds a data-parallel run's state (rank folders); continue it "
                          f"with --nproc N --resume auto (any N, 1 included), or choose another --nvme")
     hf_config = AutoConfig.from_pretrained(cfg.model)
-    max_pos = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
+    max_pos = fields.get(hf_config, "max_positions")
     if max_pos and cfg.seq_len > max_pos:
         raise ValueError(f"--seq-len {cfg.seq_len} is beyond the {max_pos} positions of {cfg.model}; "
                          f"use --seq-len {max_pos} or less")
