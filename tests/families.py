@@ -212,6 +212,31 @@ FAMILIES = {
     "zaya": dict(_BASE, head_dim=16, num_experts=4, num_experts_per_tok=1, moe_intermediate_size=32,
                  router_hidden_size=16, layer_types=["hybrid", "hybrid"], pad_token_id=0, bos_token_id=2,
                  eos_token_id=106),
+    # ALiBi biases built from a 2-D padding mask (inference: the model makes its own masks,
+    # infer.generic), a LayerNorm on the embeddings before the layers (held through the step), fused
+    # qkv, tied head
+    "bloom": dict(hidden_size=64, n_layer=2, n_head=4, vocab_size=128, hidden_dropout=0.0, attention_dropout=0.0),
+    # ALiBi over max_seq_len positions, a mask turned to booleans True where masked (it runs under
+    # transformers' eager name: infer.packed.install), fused qkv, no biases, qkv clipping
+    "mpt": dict(d_model=64, n_layers=2, n_heads=4, expansion_ratio=2, vocab_size=128, max_seq_len=64,
+                attn_config={"clip_qkv": 8.0}, resid_pdrop=0.0, emb_pdrop=0.0),
+    # dynamic mask attention (a mask a head from the values, added to the causal one: inference
+    # passes the model's own masks, infer.generic). Left at their defaults: keep_window_size (past
+    # it a query keeps its top keys, chosen before the causal mask) and is_moe (its product-key
+    # router splits the router's logits across tokens): either makes a token's logits depend on
+    # later tokens in transformers' own forward, which generating token by token cannot equal
+    "doge": dict(_BASE, num_key_value_heads=4),
+    # GPT-Neo: local attention (a window of 4) beside global layers, learned positions, unscaled
+    # attention scores
+    "gpt_neo": dict(hidden_size=64, num_layers=2, num_heads=4, vocab_size=128, max_position_embeddings=64,
+                    attention_types=[[["global", "local"], 1]], window_size=4, intermediate_size=96,
+                    embed_dropout=0.0, attention_dropout=0.0, resid_dropout=0.0),
+    # partial rotary, fused qkv, a bias added after the attention's output, an MLP width a multiple
+    "gpt_neox_japanese": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128,
+                              max_position_embeddings=64, intermediate_multiple_size=2,
+                              rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                               "rope_type": "default"},
+                              attention_dropout=0.0, hidden_dropout=0.0),
 }
 
 
@@ -221,9 +246,6 @@ FAMILIES = {
 # - DeepSeek-V4: compressed and sparse attention layers, hyper-connections, a checkpoint layout
 #   renamed on load (`.norm.` -> `.kv_norm.`, which the final `model.norm` must escape); refused by
 #   its layer types.
-# - BLOOM: a LayerNorm on the embeddings before the layers (held through the step); its ALiBi
-#   biases are built from a 2-D padding mask, which tierlm's inference does not pass (its own masks
-#   are 4-D): the check on a small copy refuses it.
 # - CPM-Ant: its layers read a position bias made before them from weights (a tensor with a
 #   gradient beside the hidden states, carried into each layer's backward); its attention writes
 #   the cache in a shape of its own: the check on a small copy refuses it.
@@ -231,7 +253,6 @@ FINE_TUNE_ONLY = {
     "deepseek_v4": (dict(n_routed_experts=4, num_experts_per_tok=2, index_n_heads=4, index_head_dim=16, index_topk=4,
                          compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4}),
                     "need attention masks tierlm's inference does not make"),
-    "bloom": (dict(), "its forward fails on tierlm's KV cache and masks"),
     "cpmant": (dict(), "its forward fails on tierlm's KV cache and masks"),
 }
 

@@ -154,19 +154,38 @@ def test_attention_writing_fewer_kv_heads_than_its_config_says(tmp_path):
         eng.close()
 
 
-def test_a_variant_the_generic_path_cannot_run_is_refused(tmp_path):
-    """Falcon-RW's ALiBi builds its position biases from a 2-D padding mask, which the engine's
-    4-D masks are not: the engine's check on a small copy refuses it by name."""
+@pytest.mark.parametrize("fam", ["falcon-rw", "bloom", "llama"])
+def test_alibi_families_make_their_own_masks(fam, tmp_path):
+    """Falcon-RW's and BLOOM's forwards build their ALiBi biases from a 2-D padding mask, which the
+    engine's 4-D masks are not: the check on a small copy finds them wrong and the model's own masks
+    right, so the steps pass none and run rows of one start together. Greedy decoding equals
+    transformers' generate (Falcon-RW's under its default SDPA: its eager attention adds the biases
+    twice), batched and streamed. A family the engine's masks serve keeps them."""
     from transformers import AutoModelForCausalLM
-    cfg = family_config("falcon", alibi=True, new_decoder_architecture=False, multi_query=True)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "m")
-    with pytest.raises(ValueError, match=r"falcon \(FalconForCausalLM\): tierlm's inference cannot run this model"):
-        InferenceEngine(tmp_path / "m", InferConfig(dtype="fp32", nvme_dir=str(tmp_path / "n")), library_rss=held_now())
+    cfg = family_config("falcon", alibi=True, new_decoder_architecture=False, multi_query=True,
+                        initializer_range=0.3) if fam == "falcon-rw" else family_config(fam, initializer_range=0.3)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).float().eval()
+    model.save_pretrained(tmp_path / "m")
+    refs = [_reference(model, p, NEW) for p in PROMPTS]
+    assert len({tuple(r) for r in refs}) > 1
+    for resident in (None, 0):
+        eng = _engine(tmp_path / "m", tmp_path, max_batch=3, max_seq_len=40, resident_layers=resident)
+        try:
+            assert eng.generic.own_masks == (fam != "llama")
+            if fam != "llama":  # rows at different positions: one forward each; one start: together
+                assert not eng.generic.packs
+                assert eng.generic.groups([[1], [2], [3]], [4, 7, 4]) == [(0, 1), (1, 2), (2, 3)]
+                assert eng.generic.groups([[1, 2], [3]], [0, 0]) == [(0, 2)]
+            assert _greedy(eng, PROMPTS, NEW) == refs, f"resident_layers={resident}"
+        finally:
+            eng.close()
 
 
 def test_the_check_sees_a_wrong_mask(monkeypatch):
     """The small copy's check compares logits, so a path that, say, forgot a sliding window (as
-    the engine once did for Starcoder2) is caught."""
+    the engine once did for Starcoder2) is caught: the model's own masks are taken, or, where they
+    too are wrong, the model refused."""
     from tierlm.hf.structure import empty_model
     from tierlm.infer import generic
     model = empty_model(family_config("starcoder2"))
@@ -174,6 +193,11 @@ def test_the_check_sees_a_wrong_mask(monkeypatch):
     assert generic.check(model) is None
     monkeypatch.setattr(generic, "_CHECKS", {})
     monkeypatch.setattr(generic, "sliding_window", lambda config: (None, False))
+    # the model's own masks (the fallback ALiBi families need) are right: taken, and said
+    assert generic.check(model) is None and generic.makes_own_masks(model)
+    monkeypatch.setattr(generic, "_CHECKS", {})
+    compare = generic._compare
+    monkeypatch.setattr(generic, "_compare", lambda *a, own_masks: compare(*a, own_masks=False))
     assert "differ from transformers'" in generic.check(model)
 
 

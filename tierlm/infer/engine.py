@@ -24,7 +24,7 @@ import torch
 from .. import rss
 from ..dist.tp import TensorParallel, init
 from ..heap import HeapGuard
-from ..hf import checks  # called through the module: tests replace its checks
+from ..hf import checks, fields  # checks called through the module: tests replace them
 from ..hf.baseline import library_baseline
 from ..hf.device import move_buffers, resolve_device
 from ..hf.names import load_buffers, model_to_checkpoint
@@ -38,7 +38,7 @@ from ..storage.aligned import round_up
 from . import packed as packed_attention
 from .gemv import use_gemv
 from . import states
-from .generic import GenericStep, check as generic_check, continues_prompts, reads_offset
+from .generic import GenericStep, check as generic_check, continues_prompts, makes_own_masks, reads_offset
 from .device_run import DeviceRun, refusal as device_refusal
 from .kvcache import SlotKVCache, kv_bytes
 from .states import StateShape, StateSlots
@@ -102,11 +102,13 @@ class InferenceEngine:
         self._load_weights(model_dir, resident, streamed)
         self.cache = SlotKVCache(cache_config, cfg.max_batch, self.max_len, self.dtype, device=self.device,
                                  states=self.state_shapes, kv_layers=self.kv_layers)
-        self.generic = GenericStep(self.model, config, self.cache, packed=cfg.packed)
+        self.generic = GenericStep(self.model, config, self.cache, packed=cfg.packed,
+                                   own_masks=makes_own_masks(self.model))
         self.base, self.head = self.generic.base, self.generic.head
         self._window, self._sliding = self.generic.window, self.generic.sliding
         # tierlm's native kernels are CPU code; the device schedule runs transformers' modules
-        self.lean = LeanDecoder.build(self) if cfg.lean and not self.dev else None
+        # (nor where the model makes its own masks: the native path attends with the engine's)
+        self.lean = LeanDecoder.build(self) if cfg.lean and not self.dev and not self.generic.own_masks else None
         rss.trim()
         self.heap = self._heap_guard()
 
@@ -147,7 +149,7 @@ class InferenceEngine:
         if getattr(config, "output_router_logits", False):
             config.output_router_logits = False
         self.config = config
-        limit = getattr(config, "max_position_embeddings", None) or 2048
+        limit = fields.get(config, "max_positions") or 2048  # (MPT: max_seq_len, its ALiBi's length)
         self.max_len = cfg.max_seq_len or min(limit, 2048)
         if self.max_len > limit:
             raise ValueError(f"--max-seq-len {self.max_len} exceeds the model's {limit} positions")
@@ -202,7 +204,7 @@ class InferenceEngine:
         # forward holds at most one prompt chunk's tokens, or the decoding rows' - as a packed one
         # does - except where prompts go whole (then several of one length may share a forward)
         packs = not self.whole_prompts if self.state_shapes else \
-            packed_attention.packs(self.model) and not reads_offset(self.model)
+            packed_attention.packs(self.model) and not reads_offset(self.model) and not makes_own_masks(self.model)
         scratch = scratch_bytes(config, cfg, self.max_len, self.dtype,
                                 eager=packed_attention.runs_eager(self.model), packs=packs)
         if self.state_shapes:
@@ -414,7 +416,10 @@ class InferenceEngine:
             if self.lean.fused is not None:
                 return "decode: native (tierlm's fused kernels)"
             return "decode: native (tierlm's lean decoder, a kernel call per product)"
-        if not self.cfg.lean:
+        if self.generic.own_masks:
+            why = ("its forward makes its own attention masks (ALiBi biases from a 2-D mask), so the rows of a "
+                   "step run in groups of one position")
+        elif not self.cfg.lean:
             why = "the native path is switched off (lean=False)"
         else:
             refusal = getattr(LeanDecoder, "refusal", None)

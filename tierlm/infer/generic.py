@@ -9,8 +9,15 @@ scaling) is its code, not ours.
 `check` runs the same step on a tiny random copy of the model (its class and options, small
 shapes: hf.fields.shrunk) and compares every logit with transformers' forward over each whole
 sequence: a family whose attention or position code takes something this path does not give it
-(Falcon-RW's ALiBi builds its biases from a 2-D padding mask) is refused by name instead of
-generating wrong tokens. Kept per config.
+is refused by name instead of generating wrong tokens. Kept per config.
+
+A family whose forward builds position biases from a 2-D padding mask (ALiBi: BLOOM, Falcon-RW)
+cannot take the engine's 4-D masks. Where the check fails with them, it runs again with the model
+making its own masks (`own_masks`): no mask is passed, so the model builds them, and its ALiBi, from
+the cache's sizes and its one query offset (SlotKVCache.get_query_offset), as transformers' caches
+answer. A key's index in a slot is its position, so biases by key index are biases by position.
+One offset for all rows: such a step runs its rows in groups of one start (row_groups), never
+packed. Whichever passes is kept with the check.
 """
 from __future__ import annotations
 
@@ -116,15 +123,21 @@ def reads_offset(model) -> bool:
 
 
 class GenericStep:
-    def __init__(self, model, config, cache: SlotKVCache, packed: bool = True):
+    def __init__(self, model, config, cache: SlotKVCache, packed: bool = True, own_masks: bool = False):
+        """own_masks: the model makes its masks from the cache (check's verdict: makes_own_masks)."""
         self.model, self.cache = model, cache
         self.states = cache.states is not None
-        self.offsets = reads_offset(model)
+        self.own_masks = own_masks
+        self.offsets = reads_offset(model) or own_masks
         # packed rows only where the model's attention runs packed.rows_attention (and no layer
         # keeps a recurrent state: row_groups)
         # (nor where a sparse-attention indexer scores a row's queries against its cached keys)
-        self.packs = packed_attention.install(model, config, cache) and packed and not self.states \
-            and not self.offsets and not cache.indexed
+        if own_masks:  # the model's masks are made for transformers' default attention: it runs
+            packed_attention.use_defaults(model, config)
+            self.packs = False
+        else:
+            self.packs = packed_attention.install(model, config, cache) and packed and not self.states \
+                and not self.offsets and not cache.indexed
         # a model without attention (Mamba) takes no mask: its layers would apply a 4-D one as padding
         self.attends = bool(packed_attention.attention_modules(model))
         types = getattr(config.get_text_config(), "layer_types", None) or []
@@ -153,7 +166,7 @@ class GenericStep:
             ids = torch.tensor([t + [t[-1]] * (q - len(t)) for t in tokens], dtype=torch.long)
         pos, mask = self.cache.begin_step(starts, lens, self.window, self.sliding, packed=packed, first=first,
                                           chunk=self.chunk, chunk_layers=self.chunk_layers)
-        if not self.attends:
+        if not self.attends or self.own_masks:
             mask = None
         elif isinstance(mask, dict):  # a mask for every layer type the model looks up
             mask.update(dict.fromkeys(self.maskless_types))
@@ -207,17 +220,24 @@ class GenericStep:
         return self.head(self.base(input_ids=input_ids, use_cache=False).last_hidden_state).float()
 
 
-def check(model) -> str | None:
-    """Why this path does not compute what transformers computes for `model`'s family (on a tiny
-    copy), or None; None too where no tiny copy can be made and run (nothing to compare)."""
+def _verdict(model) -> tuple[str | None, bool | None, bool]:
+    """The check's (why or None, whether prompts may go in chunks, whether the model makes its own
+    masks) for `model`'s config, run once per config; (None, None, False) where no small copy of
+    the config can be made (nothing to compare)."""
     try:
         cfg = shrunk(model.config, layers=2, every_kind=True)
         key = (type(model), json.dumps(cfg.to_dict(), sort_keys=True, default=str))
     except Exception:  # noqa: BLE001 -- a config that cannot be copied small is not checked
-        return None
+        return None, None, False
     if key not in _CHECKS:
         _CHECKS[key] = _check(type(model), cfg)
-    return _CHECKS[key][0]
+    return _CHECKS[key]
+
+
+def check(model) -> str | None:
+    """Why this path does not compute what transformers computes for `model`'s family (on a tiny
+    copy), or None; None too where no tiny copy can be made and run (nothing to compare)."""
+    return _verdict(model)[0]
 
 
 def continues_prompts(model) -> bool:
@@ -225,19 +245,19 @@ def continues_prompts(model) -> bool:
     fed whole: true of attention, and of the recurrent layers whose prompt path starts from the
     state kept (Gated DeltaNet's); Mamba's restarts from zero, so its prompts must go in one step.
     Checked on the tiny copy (`check` runs first); False where no copy could be checked."""
-    try:
-        cfg = shrunk(model.config, layers=2, every_kind=True)
-        key = (type(model), json.dumps(cfg.to_dict(), sort_keys=True, default=str))
-    except Exception:  # noqa: BLE001 -- as in check
-        return False
-    if key not in _CHECKS:
-        _CHECKS[key] = _check(type(model), cfg)
-    return bool(_CHECKS[key][1])
+    return bool(_verdict(model)[1])
 
 
-def _check(cls, cfg) -> tuple[str | None, bool]:
+def makes_own_masks(model) -> bool:
+    """Whether the steps leave the masks to the model (GenericStep's own_masks): only where the
+    engine's masks failed the check on the tiny copy and the model's own passed it."""
+    return _verdict(model)[2]
+
+
+def _check(cls, cfg) -> tuple[str | None, bool | None, bool]:
     """(why the step differs from transformers' or None, whether prompts may go in chunks: None
-    where the copy could not be run)."""
+    where the copy could not be run, whether the model makes its own masks): the engine's masks
+    first, then, where they fail, the model's own."""
     from transformers import AutoModelForCausalLM
     cfg._attn_implementation = "eager"  # transformers' reference attention (soft-capping and all)
     # two rows of different lengths (a packed prefill), then a decode step of both; past the
@@ -255,22 +275,45 @@ def _check(cls, cfg) -> tuple[str | None, bool]:
             with torch.no_grad():
                 ref = [tiny(torch.tensor([t])).logits[0, -2:].float() for t in ids]
         except Exception:  # noqa: BLE001 -- a class transformers cannot run small is not checked
-            return None, None
+            return None, None, False
     ref = torch.stack(ref)  # [rows, 2 (after the prompt, after one more token), vocab]
     use_gemv(tiny)  # the engine's linear modules, as it runs them (gemv.use_gemv swaps some subclasses)
     use_expert_rows(tiny)  # ... and its experts' implementation
+    why, chunks = _compare(tiny, cfg, ids, ref, own_masks=False)
+    if why is None:
+        return None, chunks, False
+    mine, chunks_mine = _compare(tiny, cfg, ids, ref, own_masks=True)
+    if mine is None:
+        return None, chunks_mine, True
+    return why, chunks, False
+
+
+def _compare(tiny, cfg, ids, ref, own_masks: bool) -> tuple[str | None, bool]:
+    """(why the steps' logits differ from `ref` or None, whether prompts may go in chunks)."""
+    seqs = [len(t) - 1 for t in ids]
+    n = seqs[0]
     try:
         attn = packed_attention.attention_modules(tiny)
         shapes = states.probe(cfg, bool(attn)) if states.keeps_states(tiny) else None
         kv_layers = states.kv_layers(attn) if shapes else None  # as the engine makes it
         step = GenericStep(tiny, cfg, SlotKVCache(cfg, len(seqs), n + 1, torch.float32, states=shapes,
-                                                  kv_layers=kv_layers))
+                                                  kv_layers=kv_layers), own_masks=own_masks)
         first = step([t[:-1] for t in ids], [0] * len(seqs))
         second = step([t[-1:] for t in ids], seqs)
     except Exception as e:  # noqa: BLE001 -- transformers ran it; ours did not
         return f"its forward fails on tierlm's KV cache and masks ({type(e).__name__}: {e})", True
+    got = torch.stack([first, second], 1)
     scale = max(ref.abs().max().item(), 1e-6)
-    err = (torch.stack([first, second], 1) - ref).abs().max().item() / scale
+    err = (got - ref).abs().max().item() / scale
+    if not err <= CHECK_TOL and tiny.config._attn_implementation == "sdpa":
+        # the steps run the model's own SDPA branch (packed.install: Falcon's), which transformers'
+        # eager path may not equal (Falcon-RW's eager attention adds its ALiBi twice, once in its
+        # scores and once in the mask its forward built; its SDPA branch, transformers' default for
+        # it, once): compared with transformers' forward through that branch
+        with torch.no_grad():
+            ref = torch.stack([tiny(torch.tensor([t])).logits[0, -2:].float() for t in ids])
+        scale = max(ref.abs().max().item(), 1e-6)
+        err = (got - ref).abs().max().item() / scale
     if not err <= CHECK_TOL:
         return (f"on a small copy of the model its logits through tierlm's KV cache and masks differ from "
                 f"transformers' by {err:.1e} of the largest"), True

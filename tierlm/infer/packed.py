@@ -53,8 +53,24 @@ def dispatches_by_name(attn) -> bool:
 
 def attention_modules(model) -> list:
     """The modules that keep a KV cache: transformers' attention classes, each knowing its layer
-    (LongCat-Flash's latent attention is called ...MLA)."""
-    return [m for m in model.modules() if hasattr(m, "layer_idx") and type(m).__name__.endswith(("Attention", "MLA"))]
+    (LongCat-Flash's latent attention is called ...MLA; GPT-Neo's knows it as layer_id, and its
+    wrapper, which knows it too, is left out for the self-attention inside that writes the cache)."""
+    named = lambda m: type(m).__name__.endswith(("Attention", "MLA"))  # noqa: E731
+    out = [m for m in model.modules() if hasattr(m, "layer_idx") and named(m)]
+    # (one that writes a cache, not RWKV's, whose state is an object of its own)
+    by_id = [m for m in model.modules() if not hasattr(m, "layer_idx") and hasattr(m, "layer_id") and named(m)
+             and _writes_cache(type(m))]
+    ids = {id(m) for m in by_id}
+    return out + [m for m in by_id if not any(id(c) in ids for c in m.modules() if c is not m)]
+
+
+@functools.cache
+def _writes_cache(cls) -> bool:
+    """An attention class whose forward hands its keys and values to a cache's `update`."""
+    try:
+        return ".update(" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
 
 
 _memo: list = [None, None, None]  # (boolean mask, dtype, additive mask): every layer of a step shares one
@@ -208,6 +224,14 @@ def _sdpa_apart(cls) -> bool:
         return False
 
 
+def use_defaults(model, config) -> None:
+    """Run the model's attention and mask creation as transformers does by default: SDPA where the
+    class supports it, else eager (for a model that makes its own masks: infer.generic)."""
+    name = "sdpa" if getattr(model, "_supports_sdpa", False) else "eager"
+    for c in {id(config): config, id(model.config): model.config}.values():
+        c._attn_implementation = name
+
+
 def install(model, config, cache) -> bool:
     """Route the model's attention through `rows_attention`, which reads `cache.segments`; returns
     whether steps may be packed (False: the model's attention does not dispatch by name, and runs
@@ -218,7 +242,9 @@ def install(model, config, cache) -> bool:
         # eager attention, the one function that computes all it asks (sinks too), with additive
         # masks (GenericStep), as does one whose inline attention adds its mask (XGLM); one with an
         # inline SDPA branch (Falcon, whose own branch is named "sdpa") keeps SDPA
-        name = "eager" if _eager_by_name(mods) else "sdpa"
+        # (and one whose class never runs SDPA, MPT's, whose masks are then additive: it turns them
+        # to booleans True where masked)
+        name = "eager" if _eager_by_name(mods) or not getattr(model, "_supports_sdpa", True) else "sdpa"
         for c in {id(config): config, id(model.config): model.config}.values():
             c._attn_implementation = name
         return False

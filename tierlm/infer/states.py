@@ -45,7 +45,8 @@ def keeps_states(model) -> bool:
 def kv_layers(attention_modules) -> set[int]:
     """The layers that keep keys and values: those of the attention modules that are not linear
     attention (Kimi's KimiDeltaAttention is named like attention and keeps states)."""
-    return {m.layer_idx for m in attention_modules if not stores_states(m)}
+    return {getattr(m, "layer_idx", None) if hasattr(m, "layer_idx") else m.layer_id
+            for m in attention_modules if not stores_states(m)}
 
 
 def probe(config, attends: bool) -> list[StateShape]:
