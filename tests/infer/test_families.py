@@ -154,11 +154,13 @@ def test_attention_writing_fewer_kv_heads_than_its_config_says(tmp_path):
         eng.close()
 
 
-@pytest.mark.parametrize("fam", ["falcon-rw", "bloom", "llama"])
-def test_alibi_families_make_their_own_masks(fam, tmp_path):
-    """Falcon-RW's and BLOOM's forwards build their ALiBi biases from a 2-D padding mask, which the
-    engine's 4-D masks are not: the check on a small copy finds them wrong and the model's own masks
-    right, so the steps pass none and run rows of one start together. Greedy decoding equals
+@pytest.mark.parametrize("fam,masks", [("falcon-rw", "own"), ("bloom", "layers"), ("llama", "engine")])
+def test_alibi_families_run_the_masks_the_check_chose(fam, masks, tmp_path):
+    """BLOOM's and Falcon-RW's forwards build their ALiBi biases from a 2-D padding mask, which the
+    engine's 4-D masks are not: the check on a small copy finds the engine's masks wrong. BLOOM's
+    layers take the engine's masks once its forward has built its biases from a 2-D mask of the
+    keys ("layers": rows at any positions together); Falcon-RW folds its biases into the mask its
+    forward makes, so it makes its own ("own": rows of one start together). Greedy decoding equals
     transformers' generate (Falcon-RW's under its default SDPA: its eager attention adds the biases
     twice), batched and streamed. A family the engine's masks serve keeps them."""
     from transformers import AutoModelForCausalLM
@@ -172,10 +174,12 @@ def test_alibi_families_make_their_own_masks(fam, tmp_path):
     for resident in (None, 0):
         eng = _engine(tmp_path / "m", tmp_path, max_batch=3, max_seq_len=40, resident_layers=resident)
         try:
-            assert eng.generic.own_masks == (fam != "llama")
-            if fam != "llama":  # rows at different positions: one forward each; one start: together
-                assert not eng.generic.packs
-                assert eng.generic.groups([[1], [2], [3]], [4, 7, 4]) == [(0, 1), (1, 2), (2, 3)]
+            assert eng.generic.masks == masks
+            if masks != "engine":
+                assert not eng.generic.packs and "decode: generic" in eng.decode_path()
+                # rows at different positions: one forward each where the model makes its masks
+                together = [(0, 3)] if masks == "layers" else [(0, 1), (1, 2), (2, 3)]
+                assert eng.generic.groups([[1], [2], [3]], [4, 7, 4]) == together
                 assert eng.generic.groups([[1, 2], [3]], [0, 0]) == [(0, 2)]
             assert _greedy(eng, PROMPTS, NEW) == refs, f"resident_layers={resident}"
         finally:
@@ -194,10 +198,10 @@ def test_the_check_sees_a_wrong_mask(monkeypatch):
     monkeypatch.setattr(generic, "_CHECKS", {})
     monkeypatch.setattr(generic, "sliding_window", lambda config: (None, False))
     # the model's own masks (the fallback ALiBi families need) are right: taken, and said
-    assert generic.check(model) is None and generic.makes_own_masks(model)
+    assert generic.check(model) is None and generic.mask_mode(model) != "engine"
     monkeypatch.setattr(generic, "_CHECKS", {})
     compare = generic._compare
-    monkeypatch.setattr(generic, "_compare", lambda *a, own_masks: compare(*a, own_masks=False))
+    monkeypatch.setattr(generic, "_compare", lambda *a, masks: compare(*a, masks="engine"))
     assert "differ from transformers'" in generic.check(model)
 
 

@@ -38,7 +38,7 @@ from ..storage.aligned import round_up
 from . import packed as packed_attention
 from .gemv import use_gemv
 from . import states
-from .generic import GenericStep, check as generic_check, continues_prompts, makes_own_masks, reads_offset
+from .generic import GenericStep, check as generic_check, continues_prompts, mask_mode, reads_offset
 from .device_run import DeviceRun, refusal as device_refusal
 from .kvcache import SlotKVCache, kv_bytes
 from .states import StateShape, StateSlots
@@ -103,12 +103,12 @@ class InferenceEngine:
         self.cache = SlotKVCache(cache_config, cfg.max_batch, self.max_len, self.dtype, device=self.device,
                                  states=self.state_shapes, kv_layers=self.kv_layers)
         self.generic = GenericStep(self.model, config, self.cache, packed=cfg.packed,
-                                   own_masks=makes_own_masks(self.model))
+                                   masks=mask_mode(self.model))
         self.base, self.head = self.generic.base, self.generic.head
         self._window, self._sliding = self.generic.window, self.generic.sliding
         # tierlm's native kernels are CPU code; the device schedule runs transformers' modules
         # (nor where the model makes its own masks: the native path attends with the engine's)
-        self.lean = LeanDecoder.build(self) if cfg.lean and not self.dev and not self.generic.own_masks else None
+        self.lean = LeanDecoder.build(self) if cfg.lean and not self.dev and self.generic.masks == "engine" else None
         rss.trim()
         self.heap = self._heap_guard()
 
@@ -204,7 +204,7 @@ class InferenceEngine:
         # forward holds at most one prompt chunk's tokens, or the decoding rows' - as a packed one
         # does - except where prompts go whole (then several of one length may share a forward)
         packs = not self.whole_prompts if self.state_shapes else \
-            packed_attention.packs(self.model) and not reads_offset(self.model) and not makes_own_masks(self.model)
+            packed_attention.packs(self.model) and not reads_offset(self.model) and mask_mode(self.model) == "engine"
         scratch = scratch_bytes(config, cfg, self.max_len, self.dtype,
                                 eager=packed_attention.runs_eager(self.model), packs=packs)
         if self.state_shapes:
@@ -416,9 +416,11 @@ class InferenceEngine:
             if self.lean.fused is not None:
                 return "decode: native (tierlm's fused kernels)"
             return "decode: native (tierlm's lean decoder, a kernel call per product)"
-        if self.generic.own_masks:
-            why = ("its forward makes its own attention masks (ALiBi biases from a 2-D mask), so the rows of a "
-                   "step run in groups of one position")
+        if self.generic.masks == "layers":
+            why = "its forward builds attention biases from a 2-D mask (ALiBi); its layers take the engine's masks"
+        elif self.generic.own_masks:
+            why = ("its forward makes its own attention masks (the engine's failed the load-time check), so the rows "
+                   "of a step run in groups of one position")
         elif not self.cfg.lean:
             why = "the native path is switched off (lean=False)"
         else:

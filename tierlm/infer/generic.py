@@ -12,12 +12,16 @@ sequence: a family whose attention or position code takes something this path do
 is refused by name instead of generating wrong tokens. Kept per config.
 
 A family whose forward builds position biases from a 2-D padding mask (ALiBi: BLOOM, Falcon-RW)
-cannot take the engine's 4-D masks. Where the check fails with them, it runs again with the model
-making its own masks (`own_masks`): no mask is passed, so the model builds them, and its ALiBi, from
-the cache's sizes and its one query offset (SlotKVCache.get_query_offset), as transformers' caches
-answer. A key's index in a slot is its position, so biases by key index are biases by position.
-One offset for all rows: such a step runs its rows in groups of one start (row_groups), never
-packed. Whichever passes is kept with the check.
+cannot take the engine's 4-D masks. Where the check fails with them, it tries (`masks`):
+- "layers": the model is given a 2-D mask of every key a step's rows read, from which it builds its
+  biases (a key's index in a slot is its position, so biases by key index are biases by
+  position), and each decoder layer the engine's 4-D mask in place of the one the model made
+  (a pre-hook on its `attention_mask` argument). Rows at any positions run together (BLOOM);
+- "own": no mask at all: the model makes its masks, and its biases, from the cache's sizes and one
+  query offset (SlotKVCache.get_query_offset), as transformers' caches answer, so a step's rows
+  run in groups of one start (row_groups) (Falcon-RW, which folds its biases into the mask its
+  forward builds; Doge, which adds a mask of its own).
+Neither packs rows. The first that passes is kept with the check.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ import json
 import torch
 
 from ..hf.fields import shrunk
+from ..hf.structure import find_layers
 from ..hf.meta_forward import cache_kwarg
 from . import packed as packed_attention
 from . import states
@@ -122,22 +127,32 @@ def reads_offset(model) -> bool:
     return False
 
 
+MASKS = ("engine", "layers", "own")
+
+
 class GenericStep:
-    def __init__(self, model, config, cache: SlotKVCache, packed: bool = True, own_masks: bool = False):
-        """own_masks: the model makes its masks from the cache (check's verdict: makes_own_masks)."""
+    def __init__(self, model, config, cache: SlotKVCache, packed: bool = True, masks: str = "engine"):
+        """masks: whose masks the steps run (one of MASKS; the check's verdict: mask_mode)."""
+        if masks not in MASKS:
+            raise ValueError(f"masks={masks!r}: one of {', '.join(MASKS)}")
         self.model, self.cache = model, cache
         self.states = cache.states is not None
-        self.own_masks = own_masks
-        self.offsets = reads_offset(model) or own_masks
+        self.masks = masks
+        self.own_masks = masks == "own"
+        self.offsets = reads_offset(model) or self.own_masks
         # packed rows only where the model's attention runs packed.rows_attention (and no layer
         # keeps a recurrent state: row_groups)
         # (nor where a sparse-attention indexer scores a row's queries against its cached keys)
-        if own_masks:  # the model's masks are made for transformers' default attention: it runs
+        if self.own_masks:  # the model's masks are made for transformers' default attention: it runs
             packed_attention.use_defaults(model, config)
             self.packs = False
         else:
             self.packs = packed_attention.install(model, config, cache) and packed and not self.states \
-                and not self.offsets and not cache.indexed
+                and not self.offsets and not cache.indexed and masks == "engine"
+        self._layer_mask = None  # "layers": the step's mask, which each decoder layer is handed
+        if masks == "layers":
+            for layer in find_layers(model)[1]:
+                layer.register_forward_pre_hook(self._hand_mask, with_kwargs=True)
         # a model without attention (Mamba) takes no mask: its layers would apply a 4-D one as padding
         self.attends = bool(packed_attention.attention_modules(model))
         types = getattr(config.get_text_config(), "layer_types", None) or []
@@ -186,6 +201,11 @@ class GenericStep:
         rows = len(lens)
         at = torch.tensor(lens)
         at = at.cumsum(0) - 1 if packed else at - 1  # each row's last token (in the packed row)
+        if self.masks == "layers" and mask is not None:
+            # the model builds its biases from a 2-D mask of the keys (all read: the 4-D masks,
+            # handed to each layer, hide what a row must not see)
+            self._layer_mask = mask
+            mask = torch.ones((ids.shape[0], mask.shape[-1]), dtype=torch.long, device=ids.device)
         try:
             if self.keeps:
                 # the positions some row ends at; row b's logits are those of its own
@@ -197,8 +217,15 @@ class GenericStep:
                             use_cache=True, **{self.cache_kw: self.cache})
         finally:
             self.cache.segments = None  # a later forward without begin_step (perplexity) is not packed
+            self._layer_mask = None
         h = out.last_hidden_state
         return self.head(h[0, at] if packed else h[torch.arange(rows), at]).float()
+
+    def _hand_mask(self, module, args, kwargs):
+        """A decoder layer's pre-hook ("layers"): the step's 4-D mask for the one the model made."""
+        if self._layer_mask is None or "attention_mask" not in kwargs:
+            return None
+        return args, dict(kwargs, attention_mask=self._layer_mask)
 
     def groups(self, tokens: list[list[int]], starts: list[int]) -> list[tuple[int, int]]:
         """The row ranges this step runs as separate forwards (row_groups)."""
@@ -220,15 +247,15 @@ class GenericStep:
         return self.head(self.base(input_ids=input_ids, use_cache=False).last_hidden_state).float()
 
 
-def _verdict(model) -> tuple[str | None, bool | None, bool]:
-    """The check's (why or None, whether prompts may go in chunks, whether the model makes its own
-    masks) for `model`'s config, run once per config; (None, None, False) where no small copy of
-    the config can be made (nothing to compare)."""
+def _verdict(model) -> tuple[str | None, bool | None, str]:
+    """The check's (why or None, whether prompts may go in chunks, whose masks the steps run) for
+    `model`'s config, run once per config; (None, None, "engine") where no small copy of the config
+    can be made (nothing to compare)."""
     try:
         cfg = shrunk(model.config, layers=2, every_kind=True)
         key = (type(model), json.dumps(cfg.to_dict(), sort_keys=True, default=str))
     except Exception:  # noqa: BLE001 -- a config that cannot be copied small is not checked
-        return None, None, False
+        return None, None, "engine"
     if key not in _CHECKS:
         _CHECKS[key] = _check(type(model), cfg)
     return _CHECKS[key]
@@ -248,16 +275,16 @@ def continues_prompts(model) -> bool:
     return bool(_verdict(model)[1])
 
 
-def makes_own_masks(model) -> bool:
-    """Whether the steps leave the masks to the model (GenericStep's own_masks): only where the
-    engine's masks failed the check on the tiny copy and the model's own passed it."""
+def mask_mode(model) -> str:
+    """Whose masks the steps run (GenericStep's `masks`): "engine" unless the engine's failed the
+    check on the tiny copy and "layers" or "own" passed it."""
     return _verdict(model)[2]
 
 
-def _check(cls, cfg) -> tuple[str | None, bool | None, bool]:
+def _check(cls, cfg) -> tuple[str | None, bool | None, str]:
     """(why the step differs from transformers' or None, whether prompts may go in chunks: None
-    where the copy could not be run, whether the model makes its own masks): the engine's masks
-    first, then, where they fail, the model's own."""
+    where the copy could not be run, whose masks the steps run): the engine's masks first, then,
+    where they fail, each other mode in turn (MASKS)."""
     from transformers import AutoModelForCausalLM
     cfg._attn_implementation = "eager"  # transformers' reference attention (soft-capping and all)
     # two rows of different lengths (a packed prefill), then a decode step of both; past the
@@ -275,20 +302,20 @@ def _check(cls, cfg) -> tuple[str | None, bool | None, bool]:
             with torch.no_grad():
                 ref = [tiny(torch.tensor([t])).logits[0, -2:].float() for t in ids]
         except Exception:  # noqa: BLE001 -- a class transformers cannot run small is not checked
-            return None, None, False
+            return None, None, "engine"
     ref = torch.stack(ref)  # [rows, 2 (after the prompt, after one more token), vocab]
     use_gemv(tiny)  # the engine's linear modules, as it runs them (gemv.use_gemv swaps some subclasses)
     use_expert_rows(tiny)  # ... and its experts' implementation
-    why, chunks = _compare(tiny, cfg, ids, ref, own_masks=False)
-    if why is None:
-        return None, chunks, False
-    mine, chunks_mine = _compare(tiny, cfg, ids, ref, own_masks=True)
-    if mine is None:
-        return None, chunks_mine, True
-    return why, chunks, False
+    first = None
+    for masks in MASKS:
+        why, chunks = _compare(tiny, cfg, ids, ref, masks=masks)
+        if why is None:
+            return None, chunks, masks
+        first = first or (why, chunks)
+    return first[0], first[1], "engine"  # (why the engine's masks fail)
 
 
-def _compare(tiny, cfg, ids, ref, own_masks: bool) -> tuple[str | None, bool]:
+def _compare(tiny, cfg, ids, ref, masks: str) -> tuple[str | None, bool]:
     """(why the steps' logits differ from `ref` or None, whether prompts may go in chunks)."""
     seqs = [len(t) - 1 for t in ids]
     n = seqs[0]
@@ -297,7 +324,7 @@ def _compare(tiny, cfg, ids, ref, own_masks: bool) -> tuple[str | None, bool]:
         shapes = states.probe(cfg, bool(attn)) if states.keeps_states(tiny) else None
         kv_layers = states.kv_layers(attn) if shapes else None  # as the engine makes it
         step = GenericStep(tiny, cfg, SlotKVCache(cfg, len(seqs), n + 1, torch.float32, states=shapes,
-                                                  kv_layers=kv_layers), own_masks=own_masks)
+                                                  kv_layers=kv_layers), masks=masks)
         first = step([t[:-1] for t in ids], [0] * len(seqs))
         second = step([t[-1:] for t in ids], seqs)
     except Exception as e:  # noqa: BLE001 -- transformers ran it; ours did not
