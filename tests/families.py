@@ -231,6 +231,15 @@ FAMILIES = {
     "gpt_neo": dict(hidden_size=64, num_layers=2, num_heads=4, vocab_size=128, max_position_embeddings=64,
                     attention_types=[[["global", "local"], 1]], window_size=4, intermediate_size=96,
                     embed_dropout=0.0, attention_dropout=0.0, resid_dropout=0.0),
+    # GPT-J: interleaved partial rotary (rotary_dim), attention and MLP in parallel from one norm
+    "gptj": dict(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_inner=96, vocab_size=128, n_positions=64,
+                 bos_token_id=0, eos_token_id=0),
+    # CodeGen: GPT-J's layer with q, k and v fused in a layout of its own (mp_num blocks)
+    "codegen": dict(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_inner=96, vocab_size=128, n_positions=64,
+                    n_ctx=64, bos_token_id=0, eos_token_id=0),
+    # Persimmon: partial rotary, q/k LayerNorms, squared-ReLU MLP
+    "persimmon": dict(_BASE, num_key_value_heads=4, hidden_act="relu2", qk_layernorm=True,
+                      rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 0.5, "rope_type": "default"}),
     # partial rotary, fused qkv, a bias added after the attention's output, an MLP width a multiple
     "gpt_neox_japanese": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128,
                               max_position_embeddings=64, intermediate_multiple_size=2,

@@ -417,7 +417,8 @@ class InferenceEngine:
                 return "decode: native (tierlm's fused kernels)"
             return "decode: native (tierlm's lean decoder, a kernel call per product)"
         if self.generic.masks == "layers":
-            why = "its forward builds attention biases from a 2-D mask (ALiBi); its layers take the engine's masks"
+            why = ("its forward builds attention biases from a 2-D key mask (BLOOM's ALiBi, Doge's dynamic mask) "
+                   "and its layers take the engine's masks")
         elif self.generic.own_masks:
             why = ("its forward makes its own attention masks (the engine's failed the load-time check), so the rows "
                    "of a step run in groups of one position")
