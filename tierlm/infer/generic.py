@@ -16,11 +16,12 @@ cannot take the engine's 4-D masks. Where the check fails with them, it tries (`
 - "layers": the model is given a 2-D mask of every key a step's rows read, from which it builds its
   biases (a key's index in a slot is its position, so biases by key index are biases by
   position), and each decoder layer the engine's 4-D mask in place of the one the model made
-  (a pre-hook on its `attention_mask` argument). Rows at any positions run together (BLOOM);
+  (a pre-hook on its `attention_mask` argument). Rows at any positions run together (BLOOM;
+  Doge, which adds a mask of its own made from it);
 - "own": no mask at all: the model makes its masks, and its biases, from the cache's sizes and one
   query offset (SlotKVCache.get_query_offset), as transformers' caches answer, so a step's rows
   run in groups of one start (row_groups) (Falcon-RW, which folds its biases into the mask its
-  forward builds; Doge, which adds a mask of its own).
+  forward builds; GPT-Neo, whose local attention indexes a window table by the key count).
 Neither packs rows. The first that passes is kept with the check.
 """
 from __future__ import annotations
