@@ -1,9 +1,33 @@
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_configure(config):
+    """The session's own cache of measured rates ($TIERLM_CACHE_DIR), so what a test sees does not
+    depend on what `tierlm bench` left in the user's cache: the first run that plans activations
+    probes the drive and keeps it there for the runs after it, as a user's runs do. Compiled
+    kernels stay shared with the user's cache (a compile takes seconds and changes no result)."""
+    if "TIERLM_CACHE_DIR" in os.environ:
+        return
+    user = Path.home() / ".cache" / "tierlm"
+    (user / "kernels").mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix="tierlm-test-cache-"))
+    (root / "kernels").symlink_to(user / "kernels", target_is_directory=True)
+    os.environ["TIERLM_CACHE_DIR"] = config._tierlm_cache = str(root)
+
+
+def pytest_unconfigure(config):
+    root = getattr(config, "_tierlm_cache", None)
+    if root:
+        os.environ.pop("TIERLM_CACHE_DIR", None)
+        shutil.rmtree(root, ignore_errors=True)
 
 TINY = {
     "llama": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,

@@ -68,6 +68,30 @@ def test_drive_probe_measures_within_its_size(monkeypatch, tmp_path):
     assert seen and seen[0][-1] == str(48 << 20)
     assert r.ssd_read > 0 and "measured" in r.source and "48 MiB" in said[0]
 
+    # kept for the runs after it, on the same file system: they plan with it and measure nothing
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("the probe ran again"))
+    again = act_rates.activation_rates(tmp_path / "other", say=said.append)
+    assert (again.ssd_read, again.ssd_write, again.host_copy) == (r.ssd_read, r.ssd_write, r.host_copy)
+    assert "earlier run's drive probe" in again.source and len(said) == 2
+    m = act_rates.measured(tmp_path / "a-run")
+    assert m.probe is None and m.activation_rates == again
+    # not for another file system: there the run measures its own
+    from tierlm.bench import cache
+    monkeypatch.setattr(cache, "mount_point", lambda p: "/elsewhere")
+    assert act_rates.measured(tmp_path / "a-run").probe is not None
+
+
+def test_an_unreadable_kept_probe_leaves_the_run_measuring(monkeypatch, tmp_path):
+    from tierlm.bench import cache
+    monkeypatch.setenv("TIERLM_CACHE_DIR", str(tmp_path / "cache"))
+    cache.keep_probe(tmp_path, {"read_gbps": "fast"})
+    assert cache.probe_for(tmp_path) == {"read_gbps": "fast"}
+    assert act_rates.measured(tmp_path).probe is not None
+    cache.cache_path().write_text("{ not json")
+    assert act_rates.measured(tmp_path).probe is not None
+    cache.keep_probe(tmp_path, {"read_gbps": 1.0})  # an unreadable cache is left as it is
+    assert cache.cache_path().read_text() == "{ not json"
+
 
 def test_a_failing_drive_probe_does_not_stop_a_training_run(make_model_dir, tmp_path, monkeypatch, capsys):
     from tests.engine.test_exactness import batches, run_engine

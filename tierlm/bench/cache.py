@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 NAME = "bench.json"
+PROBES = "drive_probes"  # section: mount point -> a run's first-step drive probe (bench.rates)
 
 
 def cache_path() -> Path:
@@ -29,14 +31,41 @@ def update(section: str, values: dict, also_next_to: str | os.PathLike | None = 
     """Merge one section ("io" or "compute") into the cache; returns the cache file."""
     data = load()
     data[section] = values
-    path = cache_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    path = _write(data)
     if also_next_to is not None:
         (Path(also_next_to) / f"tierlm-{NAME}").write_text(json.dumps({section: values}, indent=2) + "\n")
     return path
+
+
+def _write(data: dict) -> Path:
+    """The cache replaced whole by `data`, through a file of this process's own: runs that start
+    together (a data-parallel job, a test's concurrent runs) each write a complete cache."""
+    path = cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{NAME}.", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def probe_for(path: str | os.PathLike) -> dict | None:
+    """The drive probe an earlier run made of the file system `path` is on (keep_probe), else None."""
+    try:
+        return load().get(PROBES, {}).get(mount_point(path))
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def keep_probe(path: str | os.PathLike, values: dict) -> None:
+    """Keep a run's drive probe of the file system `path` is on, by mount point, for the runs after
+    it. A cache that cannot be read or written leaves the run as it was: it measured its rates."""
+    try:
+        data = load()
+        data.setdefault(PROBES, {})[mount_point(path)] = values
+        _write(data)
+    except (OSError, ValueError, TypeError):
+        pass
 
 
 def mount_point(path: str | os.PathLike) -> str:

@@ -16,21 +16,35 @@ from .measure import GB, probe_size
 
 def measured(root: str | Path, probe: bool = True) -> Measured:
     """The cached `bench io` of the file system `root` is on and `bench compute`, and the activation
-    planner's drive and memory rates: cached, else (probe) measured when the planner first asks."""
+    planner's drive and memory rates: cached (by `bench io`, else by an earlier run's probe), else
+    (probe) measured when the planner first asks."""
     io = cache.io_for(root)
     try:
         compute = cache.load().get("compute")
     except ValueError:  # an unreadable cache: the run goes on with the defaults
         compute = None
-    rates = None
-    if io and io.get("read_gbps") and io.get("mem_gbps"):
-        rates = P.Rates(io["read_gbps"] * GB, io["write_gbps"] * GB, io["mem_gbps"] * GB / 2,
-                        "tierlm bench io (cached)")
+    rates = _cached_rates(root, io)
     return Measured(io=io, compute=compute, activation_rates=rates,
                     probe=(lambda: activation_rates(Path(root))) if probe and rates is None else None)
 
 
 PROBE_BYTES = 256 << 20
+
+
+def _cached_rates(root, io: dict | None) -> P.Rates | None:
+    """The planner's rates from `bench io` of root's file system, else from the probe an earlier
+    run made of it (a brief one; `bench io` measures longer); None where neither is cached. The
+    rates choose where activations go and how often state is committed, which change no bit."""
+    if io and io.get("read_gbps") and io.get("mem_gbps"):
+        return P.Rates(io["read_gbps"] * GB, io["write_gbps"] * GB, io["mem_gbps"] * GB / 2,
+                       "tierlm bench io (cached)")
+    kept = cache.probe_for(root)
+    try:
+        return P.Rates(kept["read_gbps"] * GB, kept["write_gbps"] * GB, kept["mem_gbps"] * GB / 2,
+                       f"an earlier run's drive probe ({kept.get('when', '?')}, cached; "
+                       f"`tierlm bench io --nvme DIR` measures longer)")
+    except (TypeError, KeyError):
+        return None
 
 
 def _say(msg: str) -> None:
@@ -55,9 +69,9 @@ def activation_rates(root: Path, say=_say) -> P.Rates:
         io = cache.io_for(root) or {}
     except Exception:  # an unreadable cache is `bench io`'s to report, not this run's
         io = {}
-    if io.get("read_gbps") and io.get("mem_gbps"):
-        return P.Rates(io["read_gbps"] * GB, io["write_gbps"] * GB, io["mem_gbps"] * GB / 2,
-                       "tierlm bench io (cached)")
+    rates = _cached_rates(root, io)
+    if rates is not None:
+        return rates
     try:
         size, why = probe_size(root, PROBE_BYTES)
     except OSError as e:
@@ -79,6 +93,8 @@ def activation_rates(root: Path, say=_say) -> P.Rates:
         io = json.loads(out.stdout.strip().splitlines()[-1])
         rates = P.Rates(io["read_gbps"] * GB, io["write_gbps"] * GB, io["mem_gbps"] * GB / 2,
                         f"measured at the first step ({why}, a child process)")
+        cache.keep_probe(root, {k: io[k] for k in ("read_gbps", "write_gbps", "mem_gbps")}
+                         | {"size": why, "when": time.strftime("%Y-%m-%d %H:%M")})
     except Exception as e:  # noqa: BLE001 - whatever went wrong, the run goes on
         return _default_rates(f"the drive probe failed ({type(e).__name__}: {e})", say)
     say(f"activation planner: drive read {io['read_gbps']:.2f} GB/s, write {io['write_gbps']:.2f} GB/s, "
