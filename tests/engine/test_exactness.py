@@ -16,10 +16,11 @@ def batches(n, vocab=128, bsz=2, seq=12, seed=1):
     return [torch.randint(0, vocab, (bsz, seq), generator=g) for _ in range(n)]
 
 
-def reference_loop(model, data, *, clip, accum, precision, make_step):
+def reference_loop(model, data, *, clip, accum, precision, make_step, keep_fp32=()):
     """Plain PyTorch: the model in memory, clip_grad_norm_, and `make_step(params)`'s optimizer
     step (called with the step index after clipping; it zeroes the gradients).
-    bf16: bf16 model, fp32 master copies hold the optimizer state, gradients upcast and accumulated in fp32."""
+    bf16: bf16 model, fp32 master copies hold the optimizer state, gradients upcast and accumulated
+    in fp32; the parameters named in keep_fp32 stay fp32 (as transformers' bf16 load keeps them)."""
     model = copy.deepcopy(model)
     # parameters the modules keep fixed (requires_grad=False) get no gradient and no update
     trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -29,8 +30,9 @@ def reference_loop(model, data, *, clip, accum, precision, make_step):
         # fp32 masters from the fp32 checkpoint; bf16 copies for compute (weights only: buffers
         # such as the rotary frequencies stay fp32)
         params = [p.detach().clone().requires_grad_(True) for _, p in trained]
-        for _, p in trained:
-            p.data = p.data.to(torch.bfloat16)
+        for n, p in trained:
+            if n not in keep_fp32:
+                p.data = p.data.to(torch.bfloat16)
     step = make_step(params)
     losses, norms = [], []
     for s in range(len(data) // accum):
@@ -53,7 +55,7 @@ def reference_loop(model, data, *, clip, accum, precision, make_step):
     return model, masters, losses, norms
 
 
-def run_reference(model, data, *, lr, wd, clip, accum, warmup, precision, impl="fused"):
+def run_reference(model, data, *, lr, wd, clip, accum, warmup, precision, impl="fused", keep_fp32=()):
     """The reference loop with torch.optim.AdamW and LambdaLR."""
     flags = {"fused": dict(fused=True), "foreach": dict(foreach=True), "single": dict(foreach=False)}[impl]
 
@@ -66,7 +68,8 @@ def run_reference(model, data, *, lr, wd, clip, accum, warmup, precision, impl="
             sched.step()
             opt.zero_grad()
         return step
-    return reference_loop(model, data, clip=clip, accum=accum, precision=precision, make_step=make_step)
+    return reference_loop(model, data, clip=clip, accum=accum, precision=precision, make_step=make_step,
+                          keep_fp32=keep_fp32)
 
 
 def run_engine(model_dir, tmp_path, data, *, lr, wd, clip, accum, warmup, precision, impl="fused",

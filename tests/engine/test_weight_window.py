@@ -99,7 +99,7 @@ def test_prefetch_does_not_evict_weights_kept_for_the_next_forward(tmp_path):
     store = TensorStore(tmp_path / "st", HostBufferPool(1 << 20, name="io"), direct_io=False)
     for n in names:
         store.write(f"w/{n}.0", torch.full((1024,), float(n[1:]))).result()
-    win = WeightWindow(store, HostBufferPool(3 * 4096, name="window"), infos, torch.float32,
+    win = WeightWindow(store, HostBufferPool(3 * 4096, name="window"), infos, lambda n: torch.float32,
                        lambda n, k: f"w/{n}.{k}")
     try:
         for n in ("p2", "p1", "p0"):  # backward: the first blocks last
@@ -138,7 +138,7 @@ def test_a_large_weight_lands_in_resident_pages_and_moves_what_was_read_ahead(tm
     for i, n in enumerate(small):
         store.write(f"w/{n}.0", torch.full((1024,), float(i))).result()
     store.write("w/E.0", torch.arange(6 * 1024, dtype=torch.float32)).result()
-    win = WeightWindow(store, HostBufferPool(10 * 4096, name="window", arena=True), infos, torch.float32,
+    win = WeightWindow(store, HostBufferPool(10 * 4096, name="window", arena=True), infos, lambda n: torch.float32,
                        lambda n, k: f"w/{n}.{k}")
     try:
         for n in ("p0", "p1", "p2"):
@@ -180,7 +180,7 @@ def test_new_weights_of_a_block_still_computing_are_stashed_until_it_lets_go(tmp
         store.write(f"w/{n}.0", torch.full((1024,), 1.0)).result()
     try:
         for stash, room, kept in ((True, 4, {"a", "b"}), (True, 2, set()), (False, 4, set())):
-            win = WeightWindow(store, HostBufferPool(room * 4096, name="window"), infos, torch.float32,
+            win = WeightWindow(store, HostBufferPool(room * 4096, name="window"), infos, lambda n: torch.float32,
                                lambda n, k: f"w/{n}.{k}", stash=stash)
             held = win.acquire(["a", "b"])
             win.offer("a", 0, torch.full((1024,), 2.0))

@@ -158,8 +158,8 @@ def share_weights(engine, updated: list[str]) -> None:
         owner = dist.owners[name]
         new = 1 - opt.slots[name]
         for k, (a, b) in enumerate(engine.infos[name].shards):
-            buf = engine.opt_pool.acquire((b - a) * engine.dtype.itemsize)
-            t = buf.view(engine.dtype, (b - a,))
+            buf = engine.opt_pool.acquire((b - a) * engine.wdtype(name).itemsize)
+            t = buf.view(engine.wdtype(name), (b - a,))
             if owner == dist.rank:
                 store.read_into(key(engine._wkind(name), name, k, new), t, owns_padding=True).result()
             if dist.world > 1:

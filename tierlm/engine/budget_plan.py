@@ -20,9 +20,9 @@ def packed_bytes(eng) -> int:
     """RAM the store's small tensors take (storage/packed.py): of each shard under the threshold,
     both slots of master, m, v and the working weights, a saved gradient and an accumulator."""
     below, mode = eng.cfg.pack_below, eng.cfg.optim_states
-    w = nbytes(eng.dtype, 1) if eng.dtype != torch.float32 else 0
     total = 0
-    for info in eng.infos.values():
+    for name, info in eng.infos.items():
+        w = nbytes(eng.wdtype(name), 1) if eng.dtype != torch.float32 else 0
         for k in range(len(info.shards)):
             n = info.shard_numel(k)
             for b, copies in ((4 * n, 2), (SQ.stored_nbytes(mode, n), 4), (w * n, 2), (4 * n, 2)):
@@ -40,7 +40,7 @@ def whole_model_bytes(eng) -> tuple[int | None, int]:
         for k in range(len(info.shards)):
             n = info.shard_numel(k)
             state += round_up(4 * n) + 2 * round_up(SQ.stored_nbytes(mode, n))
-    weights = sum(round_up(nbytes(eng.dtype, i.numel)) for i in eng.infos.values())
+    weights = sum(round_up(nbytes(eng.wdtype(n), i.numel)) for n, i in eng.infos.items())
     return (state if eng.cfg.state_cache else None), weights
 
 
@@ -51,20 +51,23 @@ def plan_budget(eng, baseline: int) -> tuple[B.Split, int]:
     baseline += packed_bytes(eng)
     # weights used before the first layer are held through the step (residency: _hold_early),
     # beside whichever block computes
-    early = {n: round_up(nbytes(eng.dtype, eng.infos[n].numel)) for n in eng.early}
-    max_w = max(sum(nbytes(eng.dtype, eng.infos[n].numel) for n in {*b.uses, *early}) for b in eng.blocks)
+    early = {n: round_up(nbytes(eng.wdtype(n), eng.infos[n].numel)) for n in eng.early}
+    max_w = max(sum(nbytes(eng.wdtype(n), eng.infos[n].numel) for n in {*b.uses, *early}) for b in eng.blocks)
     # each parameter has its own page-aligned buffer in the window's pool
-    win = B.window_size([{**early, **{n: round_up(nbytes(eng.dtype, eng.infos[n].numel)) for n in b.uses}}
+    win = B.window_size([{**early, **{n: round_up(nbytes(eng.wdtype(n), eng.infos[n].numel)) for n in b.uses}}
                          for b in eng.blocks], eng.prefetch)
-    max_g = max(sum(nbytes(eng.dtype, eng.infos[n].numel) for n in b.owns) for b in eng.blocks)
-    layer_g = max(sum(nbytes(eng.dtype, eng.infos[n].numel) for n in b.owns) for b in eng.blocks
+    max_g = max(sum(nbytes(eng.wdtype(n), eng.infos[n].numel) for n in b.owns) for b in eng.blocks)
+    layer_g = max(sum(nbytes(eng.wdtype(n), eng.infos[n].numel) for n in b.owns) for b in eng.blocks
                   if b.kind == "layer")
     shard = min(eng.shard_elems, max(i.numel for i in eng.infos.values()))
     item = shard_buffer_bytes(shard, None if eng.dtype == torch.float32 else eng.dtype, eng.cfg.optim_states)
+    if eng.dtype != torch.float32 and eng.kept32:  # fp32 working weights: a wider shard in flight
+        wide = min(eng.shard_elems, max(eng.infos[n].numel for n in eng.kept32))
+        item = max(item, shard_buffer_bytes(wide, torch.float32, eng.cfg.optim_states))
     n_layers = sum(b.kind == "layer" for b in eng.blocks)
     # a weight the head uses but another block owns (tied): its head gradient is held
     # (engine/tied.py) until the owner's arrives at the end of backward
-    held = sum(nbytes(eng.dtype, eng.infos[n].numel) for b in eng.blocks if b.kind == "head"
+    held = sum(nbytes(eng.wdtype(n), eng.infos[n].numel) for b in eng.blocks if b.kind == "head"
                for n in b.uses if n not in b.owns)
     state_total, weights_total = whole_model_bytes(eng)
 

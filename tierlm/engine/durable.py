@@ -31,7 +31,9 @@ class DurableState:
                 "params": {n: list(i.shape) for n, i in self.infos.items()},
                 # only with stacked experts, cut by expert: states committed before stay dense-cut
                 **({"expert_shards": experts} if (experts := {n: i.experts for n, i in self.infos.items()
-                                                              if i.experts}) else {})}
+                                                              if i.experts}) else {}),
+                # only where a bf16 run keeps working weights in fp32 (their files are fp32)
+                **({"fp32_weights": sorted(self.kept32)} if self.kept32 else {})}
 
     def _load_or_import(self, source, resume: bool, overwrite: bool) -> dict:
         if self.dist is not None:
@@ -65,7 +67,7 @@ class DurableState:
                 if self._owned(name):
                     futs.append(self.store.write(key("master", name, k, 0), flat[a:b]))
                 if self._wkind(name) == "w":
-                    futs.append(self.store.write(key("w", name, k, 0), flat[a:b].to(self.dtype)))
+                    futs.append(self.store.write(key("w", name, k, 0), flat[a:b].to(self.wdtype(name))))
             for f in futs:
                 f.result()
             del master, flat
@@ -170,7 +172,10 @@ class DurableState:
 
 def _fingerprint_diff(old: dict, new: dict) -> str:
     diffs = [f"{k}: {old.get(k)!r} there, {new.get(k)!r} here" for k in sorted(set(old) | set(new))
-             if k != "params" and old.get(k) != new.get(k)]
+             if k not in ("params", "fp32_weights") and old.get(k) != new.get(k)]
+    if old.get("fp32_weights") != new.get("fp32_weights"):
+        diffs.append(f"working weights kept in fp32: {len(old.get('fp32_weights') or [])} there (an earlier "
+                     f"tierlm trained a mixture's router weights in bf16), {len(new.get('fp32_weights') or [])} here")
     if old.get("params") != new.get("params"):
         diffs.append("parameter shapes differ")
     return "; ".join(diffs)

@@ -29,8 +29,8 @@ from ..hf.baseline import library_baseline
 from ..hf.names import load_buffers, model_to_checkpoint
 from ..hf.stacked import read_param
 from ..hf.safetensors_io import SafetensorsDir
-from ..hf.structure import (discover_blocks, empty_model, fixed_params_to_buffers, module_param_slots,
-                            stacked_experts, weights_before_layers)
+from ..hf.structure import (discover_blocks, empty_model, fixed_params_to_buffers, kept_fp32,
+                            module_param_slots, stacked_experts, weights_before_layers)
 from ..plan.budget import chunk_tokens
 from ..plan.settings import Measured, TrainSettings
 from ..storage import HostBufferPool, TensorStore
@@ -132,6 +132,9 @@ class Engine(DurableState, Exports, BlockResidency):
         experts = stacked_experts(model)
         self.infos = {n: make_param_info(n, tuple(p.shape), self.shard_elems, experts.get(n, 0))
                       for n, p in params.items()}
+        # what transformers keeps in fp32 when it loads the family in this dtype (a mixture's
+        # router weights: their modules compute in fp32): trained with fp32 working weights
+        self.kept32 = frozenset(kept_fp32(model, self.dtype) & set(params))
         self._install_params(model)
         self.hooks = ParamRefHooks()
         self.next_rows: NextRows | None = None  # the next forward's embedding rows (expect)
@@ -173,7 +176,7 @@ class Engine(DurableState, Exports, BlockResidency):
                           on_new_weights=self._new_weights, on_unchanged=self._unchanged_weights),
             self.infos, [n for n in backward_order if self._owned(n)], self.names, cfg.optim, self.state["optim"],
             OutOfCoreOptions(weight_dtype, cfg.optim_states, max_pending_grad_bytes=self.split.pending_grads,
-                             clip_path=cfg.clip_path))
+                             clip_path=cfg.clip_path, fp32_weights=self.kept32))
         if dist is not None:
             self.reducer = make_reducer(dist, backward_order, self.optimizer, self.split.pending_grads,
                                         {n: i.shape for n, i in self.infos.items()})
@@ -181,7 +184,7 @@ class Engine(DurableState, Exports, BlockResidency):
         self.optimizer.every_step = self.commits.every_step
         self.force_commit = False  # the trainer's: the next step commits whatever the interval
         self._durable = True
-        self.window = WeightWindow(self.store, self.window_pool, self.infos, self.dtype,
+        self.window = WeightWindow(self.store, self.window_pool, self.infos, self.wdtype,
                                    lambda n, k: key(self._wkind(n), n, k, self.optimizer.weights_slot(n, k)),
                                    stash=self.split.weights_kept > 0)
         self.uploads = Uploads(self.device, self.window) if self.on_gpu else None
@@ -254,7 +257,7 @@ class Engine(DurableState, Exports, BlockResidency):
         self._grad_hooks = []
         name_shape = {n: i.shape for n, i in self.infos.items()}
         for name, slots in module_param_slots(model).items():
-            p = nn.Parameter(self._placeholder(name_shape[name]))
+            p = nn.Parameter(self._placeholder(name, name_shape[name]))
             self._grad_hooks.append(p.register_post_accumulate_grad_hook(lambda prm, n=name: self._on_grad(n, prm)))
             for mod, attr in slots:
                 mod._parameters[attr] = p
@@ -451,6 +454,10 @@ class Engine(DurableState, Exports, BlockResidency):
     def _owned(self, name: str) -> bool:
         """Does this process hold the parameter's master weights and moments?"""
         return self.dist is None or self.dist.owns(name)
+
+    def wdtype(self, name: str) -> torch.dtype:
+        """The dtype of a parameter's working weights: the run's, or fp32 where the family keeps it so."""
+        return torch.float32 if name in self.kept32 else self.dtype
 
     def _wkind(self, name: str) -> str:
         """The store kind of the working weights: fp32 runs use the master where it is here."""

@@ -14,6 +14,7 @@ import torch
 from .. import rss
 from ..hf.names import saved_buffers
 from ..hf.stacked import file_tensors, file_writes
+from ..hf.structure import kept_fp32
 from ..hf.safetensors_io import SafetensorsWriter
 from ..storage.layout import key
 
@@ -43,7 +44,7 @@ class Exports:
 
     def weights(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The current working weights of one parameter, read from the store (a copy)."""
-        out = self._read_param(self._wkind(name), name, self.dtype)
+        out = self._read_param(self._wkind(name), name, self.wdtype(name))
         return out if dtype is None else out.to(dtype)
 
     def master(self, name: str) -> torch.Tensor:
@@ -69,15 +70,19 @@ class Exports:
         out.mkdir(parents=True, exist_ok=True)
         # the family's own tensors (GPT-NeoX's head is `embed_out` in its files; a mixture of experts'
         # stacked experts are one tensor per expert and projection)
-        files = {n: file_tensors(self.model, n, self.infos[n].shape, dtype) for n in self.names}
+        # what the family keeps in fp32 in a model of `dtype` (a router's weights) is saved in fp32, as
+        # transformers' save of that model writes it
+        wide = kept_fp32(self.model, dtype)
+        dt = {n: torch.float32 if n in wide else dtype for n in self.names}
+        files = {n: file_tensors(self.model, n, self.infos[n].shape, dt[n]) for n in self.names}
         # (a fused tensor several parameters are cut from is declared once: hf.split_tensors)
-        specs = list({f: (f, dtype, shape) for n in self.names for f, shape in files[n].items()}.values())
+        specs = list({f: (f, dt[n], shape) for n in self.names for f, shape in files[n].items()}.values())
         # persistent buffers (DeepSeek-V3's router correction bias) as they are: training moves none
         bufs = {n: b.detach() for n, b in saved_buffers(self.model).items()}
         specs += [(f, b.dtype, b.shape) for n, b in bufs.items() for f in file_tensors(self.model, n, b.shape, b.dtype)]
         with SafetensorsWriter(out, specs) as w:
             for n in self.names:
-                for f, t, row in file_writes(self.model, n, self.weights(n, dtype)):
+                for f, t, row in file_writes(self.model, n, self.weights(n, dt[n])):
                     w.write(f, t, row)
             for n, b in bufs.items():
                 for f, t, row in file_writes(self.model, n, b):

@@ -37,7 +37,7 @@ class ShardReader:
         for tag in self._needs(mode, micro, saved_dtype):
             if tag in it.bufs:
                 continue
-            size = nbytes(saved_dtype, n) if tag == "gl" else self.fmt.size(tag, n)
+            size = nbytes(saved_dtype, n) if tag == "gl" else self.fmt.size(tag, n, it.name)
             if not self._acquire(it, tag, size, blocking):
                 self.abandon(it)
                 return False

@@ -62,12 +62,15 @@ class OutOfCoreOptions:
     """How the optimizer holds and paces its state. weight_dtype: the working weights' dtype, or
     None when they are the fp32 master (full fp32); optim_states: how m and v are stored (fp32 |
     bf16 | int8, state_quant); lookahead: shards read ahead of the one being updated;
-    max_pending_grad_bytes: gradient bytes backward may hand over before it waits for the optimizer."""
+    max_pending_grad_bytes: gradient bytes backward may hand over before it waits for the optimizer;
+    fp32_weights: parameters whose working weights are fp32 whatever weight_dtype is (what the family
+    keeps in fp32 in a bf16 model: hf.structure.kept_fp32)."""
     weight_dtype: torch.dtype | None = None
     optim_states: str = "fp32"
     lookahead: int = 4
     max_pending_grad_bytes: int = 1 << 62
     clip_path: str = "auto"  # auto | speculate | hold: how an exact clip learns its factor (optimizer.clip_path)
+    fp32_weights: frozenset[str] = frozenset()
 
 
 EARLY = "\x00early"  # the arrival of a parameter's shards whose gradient is final before the rest
@@ -80,9 +83,15 @@ class OptimizerError(RuntimeError):
 @dataclass(frozen=True)
 class StateFormat:
     """The form of a shard's state in its buffers: fp32 master, m and v (and their stored form in a
-    compressed mode: tags qm, qv), the working weights (w) in weight_dtype, fp32 gradients (g)."""
+    compressed mode: tags qm, qv), the working weights (w) in weight_dtype (fp32 for the parameters
+    in fp32_weights), fp32 gradients (g)."""
     weight_dtype: torch.dtype | None
     states: str = "fp32"
+    fp32_weights: frozenset[str] = frozenset()
+
+    def wdtype(self, name: str | None) -> torch.dtype | None:
+        """The dtype of the working weights (w) of parameter `name`."""
+        return torch.float32 if self.weight_dtype is not None and name in self.fp32_weights else self.weight_dtype
 
     @property
     def quant(self) -> bool:
@@ -93,10 +102,10 @@ class StateFormat:
         """The tags whose buffers hold the state between steps: fp32 m/v, or their stored form."""
         return ("master", "qm", "qv") if self.quant else ("master", "m", "v")
 
-    def size(self, tag: str, n: int) -> int:
-        """Bytes of the buffer `tag` of an n-element shard."""
+    def size(self, tag: str, n: int, name: str | None = None) -> int:
+        """Bytes of the buffer `tag` of an n-element shard (of parameter `name`)."""
         if tag == "w":
-            return nbytes(self.weight_dtype, n)
+            return nbytes(self.wdtype(name), n)
         if tag in ("qm", "qv"):
             return SQ.stored_nbytes(self.states, n)
         return nbytes(torch.float32, n)
@@ -163,11 +172,12 @@ class ShardItem:
 
 
 def total_state_bytes(infos: dict[str, ParamInfo], weight_dtype: torch.dtype | None,
-                      optim_states: str = "fp32") -> int:
+                      optim_states: str = "fp32", fp32_weights: frozenset[str] = frozenset()) -> int:
     """Bytes on NVMe per slot: fp32 master, m and v as stored, plus working weights when not fp32."""
-    w = torch.empty((), dtype=weight_dtype).element_size() if weight_dtype is not None else 0
-    return sum(4 * i.numel + 2 * SQ.stored_nbytes(optim_states, i.shard_numel(k)) + w * i.numel
-               for i in infos.values() for k in range(len(i.shards)))
+    fmt = StateFormat(weight_dtype, optim_states, fp32_weights)
+    return sum(4 * i.shard_numel(k) + 2 * SQ.stored_nbytes(optim_states, i.shard_numel(k))
+               + (fmt.size("w", i.shard_numel(k), n) if weight_dtype is not None else 0)
+               for n, i in infos.items() for k in range(len(i.shards)))
 
 
 def shard_buffer_bytes(shard: int, weight_dtype: torch.dtype | None, optim_states: str = "fp32") -> int:

@@ -88,7 +88,7 @@ class ShardUpdate:
                        self.store.write(key("v", it.name, it.shard, new), v)]
         w = master
         if self.fmt.weight_dtype is not None:
-            w = it.bufs["w"].view(self.fmt.weight_dtype, (n,))
+            w = it.bufs["w"].view(self.fmt.wdtype(it.name), (n,))
             w.copy_(master)  # the same rounding as `param.data.copy_(master)`
             writes.append(self.store.write(key("w", it.name, it.shard, new), w))
         written = {"master", "w"} | ({"qm", "qv"} if self.fmt.quant else {"m", "v"})

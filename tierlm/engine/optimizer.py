@@ -59,7 +59,7 @@ class OutOfCoreAdamW(NormsMixin, ExpertsMixin):
         self.steps: dict[str, int] = state.setdefault("steps", {n: 0 for n in infos})
         self.lookahead = opts.lookahead
         self.lr = cfg.lr
-        fmt = StateFormat(opts.weight_dtype, opts.optim_states)
+        fmt = StateFormat(opts.weight_dtype, opts.optim_states, opts.fp32_weights)
         fmt.check_shards(infos)
         self.cache = StateCache(deps.state_cache, fmt)
         self.fmt = fmt

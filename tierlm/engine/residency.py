@@ -33,7 +33,7 @@ class BlockResidency:
                 if kind == "embed":
                     if len(mods) == 1 and len(names) == 1 and names == [n for n in blk.uses if n not in self.early] \
                             and NextRows.usable(mod):
-                        self.next_rows = NextRows(names[0], self.infos[names[0]], self.dtype)
+                        self.next_rows = NextRows(names[0], self.infos[names[0]], self.wdtype(names[0]))
                     mod.register_forward_pre_hook(lambda m, a, ns=names: self._embed_in(m, a, ns))
                     mod.register_forward_hook(lambda m, a, o, ns=names: self._embed_out(m, a, ns))
                 else:
@@ -107,16 +107,16 @@ class BlockResidency:
             if self._pins[n] == 0:  # a tied weight stays while another block still uses it
                 p = self.params[n]
                 self.hooks.untrack(p)
-                p.data = self._placeholder(p.shape)
+                p.data = self._placeholder(n, p.shape)
                 if self.uploads is not None:
                     self.uploads.drop(n)
         if self.uploads is None:
             self.window.release(names)
 
-    def _placeholder(self, shape) -> torch.Tensor:
-        """An unloaded parameter: the right shape (autograd checks it when accumulating a
-        gradient) over a single element of memory."""
-        return torch.zeros(1, dtype=self.dtype, device=self.device).expand(shape)
+    def _placeholder(self, name: str, shape) -> torch.Tensor:
+        """An unloaded parameter: the right shape and dtype (autograd checks them when accumulating
+        a gradient) over a single element of memory."""
+        return torch.zeros(1, dtype=self.wdtype(name), device=self.device).expand(shape)
 
     def _hold_head(self, names) -> None:
         self.heap.check()

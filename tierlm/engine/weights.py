@@ -41,12 +41,13 @@ class _Entry:
 
 class WeightWindow:
     def __init__(self, store: TensorStore, pool: HostBufferPool, infos: dict[str, ParamInfo],
-                 dtype: torch.dtype, key_fn, stash: bool = False):
-        """key_fn(name, shard) -> the store key of the current working weights of that shard.
+                 dtype_of, key_fn, stash: bool = False):
+        """dtype_of(name) -> the dtype of a parameter's working weights; key_fn(name, shard) -> the
+        store key of the current working weights of that shard.
         stash: keep the new values of entries a block holds at the offer (the window has room for
         every weight: budget.Split.weights_kept); without room to spare the copies would take the
         room that reading ahead needs."""
-        self.store, self.pool, self.infos, self.dtype, self.key_fn = store, pool, infos, dtype, key_fn
+        self.store, self.pool, self.infos, self.dtype_of, self.key_fn = store, pool, infos, dtype_of, key_fn
         self.stash = stash
         self._entries: dict[str, _Entry] = {}
         self._lock = threading.RLock()
@@ -60,7 +61,7 @@ class WeightWindow:
         self.kept_bytes = 0     # bytes of entries that survived the last commit
 
     def _bytes(self, name: str) -> int:
-        return nbytes(self.dtype, self.infos[name].numel)
+        return nbytes(self.dtype_of(name), self.infos[name].numel)
 
     def _load(self, name: str, blocking: bool) -> _Entry | None:
         size = self._bytes(name)
@@ -86,7 +87,7 @@ class WeightWindow:
         if buf is None:
             return None
         info = self.infos[name]
-        flat = buf.view(self.dtype, (info.numel,))
+        flat = buf.view(self.dtype_of(name), (info.numel,))
         reads = []
         for k, (a, b) in enumerate(info.shards):
             reads.append(self.store.read_into(self.key_fn(name, k), flat[a:b], owns_padding=k == len(info.shards) - 1))
@@ -132,7 +133,7 @@ class WeightWindow:
             self._drop(name)  # read again when needed (a failed read raises then)
             return
         info = self.infos[name]
-        flat = buf.view(self.dtype, (info.numel,))
+        flat = buf.view(self.dtype_of(name), (info.numel,))
         flat.copy_(e.tensor.view(-1))
         old, e.buffer, e.tensor, e.reads = e.buffer, buf, flat.view(info.shape), []
         old.release()
@@ -294,7 +295,7 @@ class WeightWindow:
                 if buf is None:
                     return
                 info = self.infos[name]
-                flat, held = buf.view(self.dtype, (info.numel,)), e.tensor.view(-1)
+                flat, held = buf.view(self.dtype_of(name), (info.numel,)), e.tensor.view(-1)
                 # only the shards renewed in place before the block took the entry: the others are
                 # offered into the stash, or the entry is not whole at the commit and is dropped
                 for k in e.renewed:
