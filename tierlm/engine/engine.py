@@ -195,7 +195,14 @@ class Engine(DurableState, Exports, BlockResidency):
         # ... and so does a held step's update, block by block ahead of the forward that reads them
         self.optimizer.defer_apply = self.optimizer.defer_writes
         self.optimizer.on_apply_failed = self._apply_failed
-        self.optimizer.on_apply_start = self.window.await_renewal
+        self.optimizer.on_apply_start = self._apply_starts
+
+    def _apply_starts(self, names: list[str]) -> None:
+        """A held step's update is about to run beside the next forward: the window's entries and
+        the expected embedding rows await its offers (before its first one)."""
+        self.window.await_renewal(names)
+        if self.next_rows is not None:
+            self.next_rows.update_starts()
 
     def _apply_failed(self, error: BaseException) -> None:
         """A deferred update stopped: blocks and a lookup waiting for its weights give up."""

@@ -110,6 +110,15 @@ class NextRows:
                 self.awaiting = False
                 self._cv.notify_all()
 
+    def update_starts(self) -> None:
+        """A held step's deferred update is about to offer its shards. Its thread may offer them
+        before the main thread's commit() says the update is deferred: the rows expected for it
+        take its offers from now on (without this, offers in between were dropped, and under a
+        busy CPU the next forward read the whole embedding)."""
+        with self._cv:
+            if self.ids is not None and not self.committed:
+                self.awaiting = len(self.seen) < len(self.info.shards)
+
     def commit(self, applied: bool, deferred: bool = False) -> None:
         """The step is the state (applied) or was dropped: only a fully renewed copy is kept.
         deferred: the step's update runs from now on, beside the next forward; its offers complete
