@@ -121,3 +121,21 @@ def test_auto_interval_keeps_the_commit_within_five_percent():
     assert n == 5 and cost <= 0.05 * n * 10.0 and cost > 0.05 * (n - 1) * 10.0
     assert auto_interval(0.0, 10.0) == 1
     assert auto_interval(1e6, 1.0) == 1000  # never more steps than AUTO_MAX_STEPS to replay
+
+
+def test_the_first_steps_probe_prices_the_auto_interval_where_nothing_was_measured():
+    """A first run on a file system measures the drive after step 1, before auto picks the
+    interval (after step 2): the pick prices commits at the measured write rate, not an assumed
+    one; what `bench io` measured is kept."""
+    from tierlm.engine.commit_schedule import CommitSchedule
+    from tierlm.plan.activations import Rates
+    from tierlm.plan.settings import Measured
+
+    probe = Rates(2e9, 0.7e9, 7e9, "measured at the first step (256 MiB, a child process)")
+    s = CommitSchedule("auto", Measured())
+    assert "an assumed" in s.rate_why
+    s.measured_rates(probe)
+    assert s.write_bps == 0.7e9 and "0.70 GB/s (measured at the first step" in s.rate_why
+    benched = CommitSchedule("auto", Measured(io={"write_gbps": 1.5}))
+    benched.measured_rates(probe)
+    assert benched.write_bps == 1.5e9 and "bench io" in benched.rate_why

@@ -275,6 +275,8 @@ class ActivationPlanner:
                 t = time.perf_counter()
                 self.rates = self._measure_rates()
                 self.measure_s += time.perf_counter() - t
+                if getattr(self.eng, "commits", None) is not None:
+                    self.eng.commits.measured_rates(self.rates)  # before the interval is picked
             if self.auto:
                 pool = self._auto_pool()
                 if self.on_gpu:

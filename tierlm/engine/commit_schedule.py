@@ -22,6 +22,7 @@ class CommitSchedule:
             every, self.forced_why = CommitEvery(steps=1), "data-parallel ranks commit every step"
         self.every = every
         self.write_bps, self.rate_why = _write_rate(measured)
+        self._assumed = self.rate_why.startswith("an assumed")
         self.auto_steps = 1
         self.why = self._describe()
         self.steps_since = 0
@@ -30,6 +31,13 @@ class CommitSchedule:
         self._t_step = time.perf_counter()
         self.step_s: list[float] = []
         self.manifest_s: list[float] = []
+
+    def measured_rates(self, rates) -> None:
+        """The drive's rates, measured after the schedule was made (the activation planner's probe
+        after step 1, before the interval is picked): they price the commits where nothing did."""
+        if self._assumed and rates is not None and rates.ssd_write > 0:
+            self.write_bps, self.rate_why = rates.ssd_write, f"{rates.ssd_write / 1e9:.2f} GB/s ({rates.source})"
+            self._assumed = False
 
     @property
     def every_step(self) -> bool:
