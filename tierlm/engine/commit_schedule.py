@@ -21,8 +21,7 @@ class CommitSchedule:
             # ranks agree on each commit through collectives; a per-rank clock or cost could differ
             every, self.forced_why = CommitEvery(steps=1), "data-parallel ranks commit every step"
         self.every = every
-        self.write_bps, self.rate_why = _write_rate(measured)
-        self._assumed = self.rate_why.startswith("an assumed")
+        self.write_bps, self.rate_why, self._assumed = _write_rate(measured)
         self.auto_steps = 1
         self.why = self._describe()
         self.steps_since = 0
@@ -81,11 +80,13 @@ class CommitSchedule:
         return f"--commit-every {self.every.steps}"
 
 
-def _write_rate(measured) -> tuple[float, str]:
+def _write_rate(measured) -> tuple[float, str, bool]:
+    """(bytes/s, where it came from, whether it is assumed: nothing measured it)."""
     io = getattr(measured, "io", None) or {}
     if io.get("write_gbps"):
-        return io["write_gbps"] * 1e9, f"{io['write_gbps']:.2f} GB/s (tierlm bench io)"
+        return io["write_gbps"] * 1e9, f"{io['write_gbps']:.2f} GB/s (tierlm bench io)", False
     rates = getattr(measured, "activation_rates", None)
     if rates is not None:
-        return rates.ssd_write, f"{rates.ssd_write / 1e9:.2f} GB/s ({rates.source})"
-    return DEFAULT_RATES[1], f"an assumed {DEFAULT_RATES[1] / 1e9:.1f} GB/s (`tierlm bench io --nvme DIR` measures it)"
+        return rates.ssd_write, f"{rates.ssd_write / 1e9:.2f} GB/s ({rates.source})", False
+    return (DEFAULT_RATES[1], f"an assumed {DEFAULT_RATES[1] / 1e9:.1f} GB/s (`tierlm bench io --nvme DIR` measures it)",
+            True)
