@@ -139,3 +139,22 @@ def test_the_first_steps_probe_prices_the_auto_interval_where_nothing_was_measur
     benched = CommitSchedule("auto", Measured(io={"write_gbps": 1.5}))
     benched.measured_rates(probe)
     assert benched.write_bps == 1.5e9 and "bench io" in benched.rate_why
+
+
+def test_the_drive_probe_between_two_steps_is_not_the_next_steps_time():
+    """The probe runs after step 1 ends; the interval is priced on step 2's time, which it must not
+    inflate (on a 2-core VM a 5 s probe made a 2 s step read 7 s, and the interval too short)."""
+    import time
+
+    from tierlm.engine.commit_schedule import CommitSchedule
+    from tierlm.plan.activations import Rates
+    from tierlm.plan.settings import Measured
+
+    s = CommitSchedule("auto", Measured())
+    s.step_ended(True, 0)
+    t = time.perf_counter()
+    time.sleep(0.3)  # the probe
+    s.measured_rates(Rates(2e9, 0.7e9, 7e9, "measured at the first step"), time.perf_counter() - t)
+    s.step_ended(True, 0)
+    assert s.step_s[-1] < 0.1
+    assert "x 0.0" in s.why  # the picked interval's message names the step's own time

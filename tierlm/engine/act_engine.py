@@ -274,9 +274,10 @@ class ActivationPlanner:
             if self.rates is None:
                 t = time.perf_counter()
                 self.rates = self._measure_rates()
-                self.measure_s += time.perf_counter() - t
+                took = time.perf_counter() - t
+                self.measure_s += took
                 if getattr(self.eng, "commits", None) is not None:
-                    self.eng.commits.measured_rates(self.rates)  # before the interval is picked
+                    self.eng.commits.measured_rates(self.rates, took)  # before the interval is picked
             if self.auto:
                 pool = self._auto_pool()
                 if self.on_gpu:

@@ -31,9 +31,12 @@ class CommitSchedule:
         self.step_s: list[float] = []
         self.manifest_s: list[float] = []
 
-    def measured_rates(self, rates) -> None:
+    def measured_rates(self, rates, took_s: float = 0.0) -> None:
         """The drive's rates, measured after the schedule was made (the activation planner's probe
-        after step 1, before the interval is picked): they price the commits where nothing did."""
+        after step 1, before the interval is picked): they price the commits where nothing did.
+        `took_s`, the probe's own time, falls between two steps' ends: it is not the next step's, whose
+        time prices the interval (a 5 s probe had made a 2 s step read 7 s)."""
+        self._t_step += took_s
         if self._assumed and rates is not None and rates.ssd_write > 0:
             self.write_bps, self.rate_why = rates.ssd_write, f"{rates.ssd_write / 1e9:.2f} GB/s ({rates.source})"
             self._assumed = False
