@@ -22,7 +22,7 @@ import torch
 from ..bench.cpu_time import CpuClock
 from ..config import add_arguments, from_args
 from ..hf import checks  # called through the module: tests replace its checks
-from ..hf.structure import causal_lm
+from ..hf.structure import causal_lm, kept_fp32
 from ..rss import peak_rss
 from .data import Batches, load_dataset
 from .finetune import FinetuneConfig, _resolve
@@ -55,8 +55,12 @@ def run(cfg) -> dict:
     model.train()
     masters = [p.detach().clone().requires_grad_(True) for p in model.parameters()]
     if cfg.precision == "bf16":
-        for p in model.parameters():  # weights only: buffers (rotary frequencies) stay fp32
-            p.data = p.data.to(torch.bfloat16)
+        # weights only: buffers (rotary frequencies) stay fp32, and so do what transformers keeps in
+        # fp32 in a bf16 model (a mixture's routers), as tierlm's engine does
+        kept = kept_fp32(model, torch.bfloat16)
+        for n, p in model.named_parameters():
+            if n not in kept:
+                p.data = p.data.to(torch.bfloat16)
     flags = {"fused": dict(fused=True), "foreach": dict(foreach=True), "single": dict(foreach=False)}[cfg.optim_impl]
     opt = torch.optim.AdamW(masters, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                             weight_decay=cfg.weight_decay, **flags)
