@@ -19,21 +19,28 @@ from ..units import fmt_bytes
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
 
 
-def _cpuinfo() -> tuple[str, set[str]]:
-    """The CPU's model name and feature flags as Linux lists them; ('', set()) where it does not."""
-    name, flags = "", set()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            text = f.read()
-    except OSError:
-        return name, flags
+def _cpuinfo(text: str | None = None) -> tuple[str, set[str]]:
+    """The CPU's model name and feature flags as Linux lists them; ('', set()) where it does not.
+    An x86 name gets its family and model numbers: a VM may name only 'AMD EPYC', which is Zen 3,
+    Zen 4 (family 25) or Zen 5 (family 26) and runs a step at very different speeds."""
+    name, flags, ids = "", set(), {}
+    if text is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+                text = f.read()
+        except OSError:
+            return name, flags
     for line in text.splitlines():
         key, _, value = line.partition(":")
         key = key.strip()
         if key == "model name" and not name:
             name = value.strip()
+        elif key in ("cpu family", "model") and key not in ids:
+            ids[key] = value.strip()
         elif key in ("flags", "Features") and not flags:
             flags = set(value.split())
+    if name and len(ids) == 2:
+        name = f"{name} (family {ids['cpu family']} model {ids['model']})"
     return name, flags
 
 
@@ -51,7 +58,8 @@ def machine_kind() -> dict:
 
 
 def machine_line(kind: dict | None = None) -> str:
-    """`machine_kind()` as one line, e.g. 'AMD EPYC 9R14, 2 cores, 23.5 GiB RAM; avx2 avx512f ...'."""
+    """`machine_kind()` as one line, e.g. 'AMD EPYC 9R14 (family 25 model 17), 2 cores, 23.5 GiB RAM;
+    ISA: avx2 avx512f ...'."""
     k = kind or machine_kind()
     isa = " ".join(k["isa"]) or "none of " + " ".join(ISA_FLAGS)
     return f"{k['cpu']}, {k['cores']} cores, {fmt_bytes(k['ram_bytes'])} RAM; ISA: {isa}"
