@@ -36,6 +36,11 @@ from . import fp32_product, native, qgemm
 
 MODES = ("int8", "int4")
 NATIVE_MAX_ROWS = 32  # ours measured faster up to 16 rows (2.4 against 1.8 GB/s), level at 32
+# PyTorch's CPU int8 kernel (aten._weight_int8pack_mm, torch 2.13) reads past the end of a row whose
+# width K its vector width does not divide: on a Zen 5 (AVX-512) a K of 24 crashed the process or
+# gave inf, on AVX2 a K of 100 did; widths a multiple of 32 ran right on both. Other widths (tiny
+# models, odd projections) multiply the dequantised weights instead.
+TORCH_INT8_K = 32
 INT4_GROUPS = (32, 64, 128, 256)
 _integer_rows = True  # use_integer_rows(False): benchmarks compare with the fallback in one process
 
@@ -161,7 +166,9 @@ def qproduct(q, x2: torch.Tensor) -> torch.Tensor:
             w = dequant_int4(q.qweight, q.scales, q.group)
         return fp32_product.product(x2.float(), w).to(x2.dtype)
     if q.mode == "int8":
-        return torch.ops.aten._weight_int8pack_mm(x2, q.qweight, q.scales)
+        if q.in_features % TORCH_INT8_K == 0:
+            return torch.ops.aten._weight_int8pack_mm(x2, q.qweight, q.scales)
+        return F.linear(x2, device_weight(q, x2.dtype))
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, q.qweight, q.group, q.scales)
 
 
