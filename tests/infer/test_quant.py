@@ -85,3 +85,25 @@ def test_int8_products_of_any_width_equal_the_dequantised_product(k, rows, ours,
     assert torch.isfinite(got).all()
     # bf16 output, and x rounded to 8 bits a group on the integer path
     assert (got - ref).abs().max() <= 0.02 * ref.abs().max()
+
+
+@pytest.mark.parametrize("ours", [True, False])
+def test_int4_without_our_kernels_leaves_widths_torch_cannot_pack(ours, monkeypatch):
+    """PyTorch's int4 packing (the layout without our kernels) refuses 24 outputs; such a map stays
+    in the compute dtype there, and is held in int4 where our kernels build."""
+    from torch import nn
+
+    from tierlm.infer import native
+    from tierlm.infer.quant import quantizable, replace_linears
+    if not ours:
+        monkeypatch.setattr(native, "available", lambda: False)
+    elif not native.available():
+        pytest.skip("our kernels do not build here")
+    layer = nn.Module()
+    layer.narrow, layer.wide = nn.Linear(64, 24, bias=False), nn.Linear(64, 32, bias=False)
+    assert set(quantizable(layer, "int4")) == ({"narrow", "wide"} if ours else {"wide"})
+    for name, (q, _, old) in replace_linears(layer, "int4", 32).items():
+        for n, t in q.quantize(old.weight.detach(), None, torch.bfloat16).items():
+            setattr(q, n, t)
+        x = torch.randn(3, 64, dtype=torch.bfloat16)
+        assert torch.isfinite(q(x)).all()

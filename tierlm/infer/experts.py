@@ -29,7 +29,7 @@ from torch import nn
 
 from ..hf.structure import experts_modules
 from ..storage.aligned import aligned_empty, round_up
-from .quant import QLinear, int4_group_for, qproduct
+from .quant import QLinear, int4_group_for, qproduct, torch_int4_fits
 
 POLICIES = ("lfu", "lru")
 
@@ -115,7 +115,7 @@ def quantizers(mod: nn.Module, attrs: list[str], mode: str | None) -> dict[str, 
             continue
         n, k = (p.shape[2], p.shape[1]) if getattr(mod, "is_transposed", False) else (p.shape[1], p.shape[2])
         g = int4_group_for(k) if mode == "int4" else 0
-        if mode == "int4" and g is None:
+        if mode == "int4" and (g is None or not torch_int4_fits(n)):
             continue
         out[a] = QLinear(k, n, mode, g)
     return out

@@ -41,6 +41,7 @@ NATIVE_MAX_ROWS = 32  # ours measured faster up to 16 rows (2.4 against 1.8 GB/s
 # gave inf, on AVX2 a K of 100 did; widths a multiple of 32 ran right on both. Other widths (tiny
 # models, odd projections) multiply the dequantised weights instead.
 TORCH_INT8_K = 32
+TORCH_INT4_N = 16  # aten._convert_weight_to_int4pack_for_cpu packs outputs 16 at a time
 INT4_GROUPS = (32, 64, 128, 256)
 _integer_rows = True  # use_integer_rows(False): benchmarks compare with the fallback in one process
 
@@ -93,6 +94,12 @@ def _int4(w: torch.Tensor, dtype: torch.dtype, group: int, layout: str) -> dict[
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
     sz = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(dtype)  # [k/group, n, 2]
     return {"qweight": packed, "scales": sz}
+
+
+def torch_int4_fits(n: int) -> bool:
+    """Whether n outputs can be held in int4 in the layout in use: PyTorch's packing (without our
+    kernels) refuses widths it does not divide into 16 ("expect N to be dividable by 16")."""
+    return int4_layout() != "torch" or n % TORCH_INT4_N == 0
 
 
 def int4_group_for(k: int, want: int = 128) -> int | None:
@@ -237,15 +244,17 @@ def quantizable(layer: nn.Module, mode: str) -> dict[str, tuple[nn.Module, bool]
         if isinstance(mod, nn.Linear):
             if mod.out_features in experts and mod.out_features < mod.in_features:
                 continue  # a router: see _expert_counts
-            k = mod.in_features
+            k, n = mod.in_features, mod.out_features
             conv = False
         elif isinstance(mod, Conv1D):
-            k = mod.weight.shape[0]
+            k, n = mod.weight.shape
             conv = True
         else:
             continue
         if mode == "int4" and int4_group_for(k) is None:
             continue  # widths without a supported group stay in the compute dtype
+        if mode == "int4" and not torch_int4_fits(n):
+            continue
         out[name] = (mod, conv)
     return out
 
