@@ -104,3 +104,25 @@ def test_a_mixture_of_experts_in_chunks_keeps_its_routers_loss(tmp_path, activat
     _, plain_master, _, _ = run_reference(model, data, **kw)
     router = next(n for n in ref_master if n.endswith("mlp.gate.weight"))
     assert not torch.allclose(plain_master[router], ref_master[router], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [5, 64])
+def test_bf16_chunks_take_the_weight_gradient_on_bf16_products_within_rounding(chunk):
+    """In bf16 each chunk's head-weight gradient is a bf16 product (in slices of rows that fit the
+    chunk's fp32 logits buffer: 20 slices of 15 rows at 5 tokens here), summed in fp32: within bf16
+    rounding of the exact gradient, as HF's bf16 path is."""
+    torch.manual_seed(0)
+    head = nn.Linear(64, 300, bias=False).bfloat16()
+    hidden = torch.randn(2, 40, 64, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, 300, (2, 40))
+    exact_head = nn.Linear(64, 300, bias=False).double()
+    exact_head.weight.data.copy_(head.weight.data)
+    exact_h = hidden.detach().double().requires_grad_(True)
+    ref = hf_loss(exact_h, exact_head, labels)
+    ref_grads = torch.autograd.grad(ref, [exact_h, exact_head.weight])
+    bf_grads = torch.autograd.grad(hf_loss(hidden, head, labels), [hidden, head.weight])  # HF's bf16 path
+    grads = torch.autograd.grad(causal_lm_loss(hidden, head, labels, chunk), [hidden, head.weight])
+    for g, bf, r in zip(grads, bf_grads, ref_grads):
+        assert g.dtype == torch.bfloat16
+        err, hf_err = ((x.double() - r).norm() / r.norm() for x in (g, bf))
+        assert err < 1e-2 and err <= 2 * hf_err + 1e-3, (err, hf_err)

@@ -21,6 +21,25 @@ from torch import nn
 IGNORE = -100
 
 
+def _add_low_product(grad_w: torch.Tensor, g: torch.Tensor, h: torch.Tensor, scratch: torch.Tensor) -> None:
+    """grad_w (fp32) += g^T h for a bf16/fp16 chunk, on the CPU's low-precision products (fp32 sums
+    inside each product, rounded once to the compute dtype a chunk and slice of rows, as autograd
+    rounds a micro-batch's gradient), added in fp32. The fp32 product of upcast operands ran at a
+    quarter of the speed (271M llama, 4x512 tokens in bf16, Zen 5: 0.70 s a step against 0.17).
+    `scratch`: fp32 memory free meanwhile (the chunk's logits buffer, once g is rounded) that holds a
+    slice's product and its fp32 copy (adding the low-precision product to fp32 directly converts
+    on a slow path: 2.6 against 0.9 ms for 4096 x 1024), so no weight-sized temporary exists."""
+    hdim = h.shape[1]
+    flat = scratch.reshape(-1)
+    rows = min(grad_w.shape[0], max(1, flat.numel() * 2 // (3 * hdim)))
+    wide = flat[:rows * hdim].view(rows, hdim)
+    narrow = flat[rows * hdim:].view(g.dtype)[:rows * hdim].view(rows, hdim)
+    for v0 in range(0, grad_w.shape[0], rows):
+        v1 = min(v0 + rows, grad_w.shape[0])
+        out = torch.mm(g[:, v0:v1].t(), h, out=narrow[:v1 - v0])
+        grad_w[v0:v1] += wide[:v1 - v0].copy_(out)
+
+
 class _HeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, head, chunk):
@@ -57,8 +76,11 @@ class _HeadLoss(torch.autograd.Function):
                 g = low[:r].copy_(g)
             grad_h[s:s + chunk] = g @ weight
             # the rounded gradient, back in fp32 where the head's gradient is summed in fp32
-            g_sum = g if g.dtype == grad_w.dtype else f32[:r].copy_(g)
-            grad_w.addmm_(g_sum.t(), h.to(grad_w.dtype))
+            if g.element_size() == 2 and grad_w.dtype == torch.float32:
+                _add_low_product(grad_w, g, h, f32)  # the logits' fp32 buffer: g is in `low` now
+            else:
+                g_sum = g if g.dtype == grad_w.dtype else f32[:r].copy_(g)
+                grad_w.addmm_(g_sum.t(), h.to(grad_w.dtype))
             if grad_b is not None:
                 grad_b += g.sum(0).to(grad_b.dtype)
         ctx.save_for_backward(grad_h, grad_w.to(weight.dtype), None if grad_b is None else grad_b.to(bias.dtype))
