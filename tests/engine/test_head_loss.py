@@ -126,3 +126,17 @@ def test_bf16_chunks_take_the_weight_gradient_on_bf16_products_within_rounding(c
         assert g.dtype == torch.bfloat16
         err, hf_err = ((x.double() - r).norm() / r.norm() for x in (g, bf))
         assert err < 1e-2 and err <= 2 * hf_err + 1e-3, (err, hf_err)
+
+
+def test_bf16_one_token_chunks_of_a_vocabulary_narrower_than_the_hidden_size():
+    """A chunk's fp32 logits buffer (1 x 10 here) cannot hold a slice of the 64-wide product: the
+    weight gradient takes a temporary of one slice instead (it raised a shape error)."""
+    torch.manual_seed(0)
+    head = nn.Linear(64, 10, bias=False).bfloat16()
+    hidden = torch.randn(1, 6, 64, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, 10, (1, 6))
+    exact_head = nn.Linear(64, 10, bias=False).double()
+    exact_head.weight.data.copy_(head.weight.data)
+    ref = torch.autograd.grad(hf_loss(hidden.detach().double(), exact_head, labels), [exact_head.weight])[0]
+    got = torch.autograd.grad(causal_lm_loss(hidden, head, labels, 1), [head.weight])[0]
+    assert (got.double() - ref).norm() / ref.norm() < 1e-2
