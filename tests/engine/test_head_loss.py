@@ -106,20 +106,26 @@ def test_a_mixture_of_experts_in_chunks_keeps_its_routers_loss(tmp_path, activat
     assert not torch.allclose(plain_master[router], ref_master[router], rtol=1e-4, atol=1e-5)
 
 
+def _bf16_head_and_exact(vocab, batch, tokens, hidden=64):
+    """A bf16 head, bf16 hidden states and labels, and the exact gradients of HF's loss on the same
+    values in float64: (head, hidden, labels, d loss / d hidden, d loss / d weight)."""
+    torch.manual_seed(0)
+    head = nn.Linear(hidden, vocab, bias=False).bfloat16()
+    h = torch.randn(batch, tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, vocab, (batch, tokens))
+    exact_head = nn.Linear(hidden, vocab, bias=False).double()
+    exact_head.weight.data.copy_(head.weight.data)
+    exact_h = h.detach().double().requires_grad_(True)
+    ref_grads = torch.autograd.grad(hf_loss(exact_h, exact_head, labels), [exact_h, exact_head.weight])
+    return head, h, labels, *ref_grads
+
+
 @pytest.mark.parametrize("chunk", [5, 64])
 def test_bf16_chunks_take_the_weight_gradient_on_bf16_products_within_rounding(chunk):
     """In bf16 each chunk's head-weight gradient is a bf16 product (in slices of rows that fit the
     chunk's fp32 logits buffer: 20 slices of 15 rows at 5 tokens here), summed in fp32: within bf16
     rounding of the exact gradient, as HF's bf16 path is."""
-    torch.manual_seed(0)
-    head = nn.Linear(64, 300, bias=False).bfloat16()
-    hidden = torch.randn(2, 40, 64, dtype=torch.bfloat16, requires_grad=True)
-    labels = torch.randint(0, 300, (2, 40))
-    exact_head = nn.Linear(64, 300, bias=False).double()
-    exact_head.weight.data.copy_(head.weight.data)
-    exact_h = hidden.detach().double().requires_grad_(True)
-    ref = hf_loss(exact_h, exact_head, labels)
-    ref_grads = torch.autograd.grad(ref, [exact_h, exact_head.weight])
+    head, hidden, labels, *ref_grads = _bf16_head_and_exact(300, 2, 40)
     bf_grads = torch.autograd.grad(hf_loss(hidden, head, labels), [hidden, head.weight])  # HF's bf16 path
     grads = torch.autograd.grad(causal_lm_loss(hidden, head, labels, chunk), [hidden, head.weight])
     for g, bf, r in zip(grads, bf_grads, ref_grads):
@@ -131,12 +137,6 @@ def test_bf16_chunks_take_the_weight_gradient_on_bf16_products_within_rounding(c
 def test_bf16_one_token_chunks_of_a_vocabulary_narrower_than_the_hidden_size():
     """A chunk's fp32 logits buffer (1 x 10 here) cannot hold a slice of the 64-wide product: the
     weight gradient takes a temporary of one slice instead (it raised a shape error)."""
-    torch.manual_seed(0)
-    head = nn.Linear(64, 10, bias=False).bfloat16()
-    hidden = torch.randn(1, 6, 64, dtype=torch.bfloat16, requires_grad=True)
-    labels = torch.randint(0, 10, (1, 6))
-    exact_head = nn.Linear(64, 10, bias=False).double()
-    exact_head.weight.data.copy_(head.weight.data)
-    ref = torch.autograd.grad(hf_loss(hidden.detach().double(), exact_head, labels), [exact_head.weight])[0]
+    head, hidden, labels, _, ref = _bf16_head_and_exact(10, 1, 6)
     got = torch.autograd.grad(causal_lm_loss(hidden, head, labels, 1), [head.weight])[0]
     assert (got.double() - ref).norm() / ref.norm() < 1e-2
