@@ -277,7 +277,8 @@ def test_every_causal_family_makes_a_tiny_model_or_is_refused_by_name():
     """`tierlm init --arch X` for every family transformers has a causal LM class for: a config
     transformers builds (on meta), or a refusal that names the family and why; never a traceback.
     Every tested family builds, and those whose transformers defaults leave what their modules
-    need unset (DBRX's rotary base, dots.llm1's expert counts, LFM2-MoE's layer types) get it from
+    need unset (DBRX's rotary base, dots.llm1's expert counts, LFM2-MoE's layer types) or rejected
+    at a small shape (Kolibri 1.1's indexer heads) get it from
     the tiny table; Nemotron-H's layer count (a property) and TrOCR's (an attribute_map entry)
     are read and set by role."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL
@@ -299,5 +300,6 @@ def test_every_causal_family_makes_a_tiny_model_or_is_refused_by_name():
         assert c.model_type == arch or (arch, c.model_type) == ("gpt-sw3", "gpt2")  # GPT-SW3's config is GPT-2's
     assert unbuilt <= _UNBUILT, unbuilt - _UNBUILT
     assert not (unbuilt | refused) & set(TESTED)
-    assert {"dbrx", "dots1", "lfm2_moe", "mamba2", "gpt_neo", "nemotron_h", "trocr"}.isdisjoint(unbuilt | refused)
+    assert {"dbrx", "dots1", "lfm2_moe", "mamba2", "gpt_neo", "kolibri1_1", "nemotron_h", "trocr"}.isdisjoint(
+        unbuilt | refused)
     assert {"blt", "musicgen", "whisper"} <= refused   # nested models; a decoder of an encoder-decoder

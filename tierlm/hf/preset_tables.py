@@ -210,4 +210,7 @@ TINY_FIELDS: dict[str, dict] = {
     "mamba2": dict(head_dim=16, expand=1, n_groups=2),
     # a compressed pattern of layer types: one global layer, one local, repeated once
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]], window_size=8),
+    # its indexer's heads per key head must not exceed the query heads per key head (12 of 12 by
+    # default; 2 at the tiny shape): one is valid at every shape
+    "kolibri1_1": dict(index_num_heads=1),
 }
