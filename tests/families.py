@@ -209,6 +209,15 @@ FAMILIES = {
                          laurel_rank=8, sliding_window=6, altup_num_inputs=4, pad_token_id=0),
     # ZAYA: convolutional attention keeping conv states, a router whose states each layer hands
     # the next (a tensor with a gradient beside the hidden states: engine.block_fn.BlockCall)
+    # Kolibri 1.1: sliding layers with rotary beside indexed ones without (NoPE) whose indexer
+    # keeps a few keys of a pool; the last layer reads the second's keys and values and reuses its
+    # indexer's pool (tensors a layer hands a later one, by name: engine.block_fn.BlockCall); a
+    # dense first layer, then experts beside a shared one
+    "kolibri1_1": dict(_BASE, head_dim=16, num_hidden_layers=4, num_local_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[0],
+                       layer_types=["sliding_attention", "indexed_attention"] * 2, index_layers=[1],
+                       kv_source_layers=[0, 1, 2, 1], index_num_heads=1, index_topk=3, index_pool_size=6,
+                       index_compression=2, index_num_local_tokens=2, index_num_sink_tokens=1, sliding_window=4),
     "zaya": dict(_BASE, head_dim=16, num_experts=4, num_experts_per_tok=1, moe_intermediate_size=32,
                  router_hidden_size=16, layer_types=["hybrid", "hybrid"], pad_token_id=0, bos_token_id=2,
                  eos_token_id=106),

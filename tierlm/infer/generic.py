@@ -141,25 +141,28 @@ class GenericStep:
         self.masks = masks
         self.own_masks = masks == "own"
         self.offsets = reads_offset(model) or self.own_masks
+        types = getattr(config.get_text_config(), "layer_types", None) or []
+        self.indexed_types = "indexed_attention" in types
         # packed rows only where the model's attention runs packed.rows_attention (and no layer
-        # keeps a recurrent state: row_groups)
-        # (nor where a sparse-attention indexer scores a row's queries against its cached keys)
+        # keeps a recurrent state: row_groups), nor where a sparse-attention indexer scores a row's
+        # queries against its cached keys: DeepSeek-V3.2's indexer keys (cache.indexed), or, in
+        # indexed_attention layers, the keys and the mask the layer is given (Kolibri 1.1's indexer
+        # picks them per batch row before attention runs, so in a packed step, one batch row of every
+        # row's tokens, it would score all queries against the first slot's keys)
         if self.own_masks:  # the model's masks are made for transformers' default attention: it runs
             packed_attention.use_defaults(model, config)
             self.packs = False
         else:
             self.packs = packed_attention.install(model, config, cache) and packed and not self.states \
-                and not self.offsets and not cache.indexed and masks == "engine"
+                and not self.offsets and not cache.indexed and not self.indexed_types and masks == "engine"
         self._layer_mask = None  # "layers": the step's mask, which each decoder layer is handed
         if masks == "layers":
             for layer in find_layers(model)[1]:
                 layer.register_forward_pre_hook(self._hand_mask, with_kwargs=True)
         # a model without attention (Mamba) takes no mask: its layers would apply a 4-D one as padding
         self.attends = bool(packed_attention.attention_modules(model))
-        types = getattr(config.get_text_config(), "layer_types", None) or []
         self.maskless_types = {t for t in types if t not in ("full_attention", "sliding_attention", "chunked_attention",
                                                              "indexed_attention")}
-        self.indexed_types = "indexed_attention" in types
         self.base = model.base_model
         self.head = model.get_output_embeddings()
         self.cache_kw = cache_kwarg(self.base)
