@@ -79,6 +79,12 @@ class _Recorder:
     def is_recording_past(self, layer_idx) -> bool:
         return False
 
+    def get_recurrent_states_to_keep(self, layer_idx=None) -> int:
+        return 0
+
+    def increase_count(self, layer_idx, state_idx=0) -> None:
+        pass
+
     def update_conv_state(self, conv_states, layer_idx, state_idx=0, conv_kernel_size=None, **kwargs):
         k = conv_kernel_size or conv_states.shape[-1]
         self._note(layer_idx, state_idx, "conv", tuple(conv_states.shape[1:-1]) + (k,), conv_states.dtype)
@@ -87,6 +93,8 @@ class _Recorder:
         return conv_states
 
     def update_recurrent_state(self, recurrent_states, layer_idx, state_idx=0, **kwargs):
+        if not isinstance(recurrent_states, torch.Tensor):  # a prompt's last states, the final one last
+            recurrent_states = recurrent_states[-1]
         self._note(layer_idx, state_idx, "recurrent", tuple(recurrent_states.shape[1:]), recurrent_states.dtype)
         return recurrent_states
 

@@ -248,6 +248,15 @@ class SlotKVCache:
     def is_recording_past(self, layer_idx: int) -> bool:
         return False
 
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        """How many of a prompt's intermediate states a recurrence hands `update_recurrent_state`
+        (transformers 5.25, for rolling back speculative tokens): none, the last one only."""
+        return 0
+
+    def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
+        """A one-token convolution step updated its state in place (transformers 5.25 counts the
+        cache's tokens there); the engine counts positions itself."""
+
     def get_conv_state(self, layer_idx: int, state_idx: int = 0):
         return None if self._fresh else self._state(layer_idx, state_idx, "conv")
 
@@ -268,9 +277,11 @@ class SlotKVCache:
         kept.copy_(full[..., -k:])
         return full
 
-    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
+    def update_recurrent_state(self, recurrent_states, layer_idx: int, state_idx: int = 0, **kwargs):
         kept = self._state(layer_idx, state_idx, "recurrent")
-        kept.copy_(recurrent_states)
+        # a list: the prompt's last intermediate states (none asked: get_recurrent_states_to_keep),
+        # the final one last
+        kept.copy_(recurrent_states if isinstance(recurrent_states, torch.Tensor) else recurrent_states[-1])
         return kept
 
     # ---- slots --------------------------------------------------------------------------

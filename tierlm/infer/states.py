@@ -14,7 +14,11 @@ layer stores. The slots are allocated and touched once, inside the budget, like 
 """
 from __future__ import annotations
 
+import ast
+import functools
 import inspect
+import re
+import sys
 
 import torch
 
@@ -23,17 +27,53 @@ from ..hf.meta_forward import STATE_CALLS, StateShape  # noqa: F401 -- StateShap
 
 
 _STORES: dict[type, bool] = {}
+_CALLED = re.compile(r"(self\.)?\b([A-Za-z_]\w*)\s*\(")
+
+
+@functools.cache
+def _module_functions(name: str) -> dict[str, str]:
+    """The source of each function defined at the top of module `name`, by its name: read from the
+    file, as a decorator may have made the name something else (transformers 5.25 makes its
+    `use_kernel_forward_from_hub` functions modules of the `kernels` package)."""
+    try:
+        src = inspect.getsource(sys.modules[name])
+    except (KeyError, OSError, TypeError):
+        return {}
+    return {n.name: ast.get_source_segment(src, n) or "" for n in ast.parse(src).body if isinstance(n, ast.FunctionDef)}
+
+
+def _source(fn) -> str:
+    try:
+        return inspect.getsource(fn)
+    except (OSError, TypeError):
+        return ""
 
 
 def stores_states(module) -> bool:
-    """Whether this module's own forward stores a conv or recurrent state through the cache."""
+    """Whether this module's own forward stores a conv or recurrent state through the cache: in its
+    own code, or in the methods and module functions it calls (two calls deep: transformers 5.25's
+    Mamba and Gated DeltaNet layers call `causal_conv1d_forward`, which stores the conv state)."""
     cls = type(module)
     if cls not in _STORES:
-        try:
-            src = inspect.getsource(cls.forward)
-        except (OSError, TypeError):
-            src = ""
-        _STORES[cls] = any(c in src for c in STATE_CALLS)
+        found, seen = False, set()
+        todo = [(_source(cls.forward), getattr(cls.forward, "__module__", None), 0)]
+        while todo and not found:
+            src, mod, depth = todo.pop()
+            found = any(c in src for c in STATE_CALLS)
+            if depth == 2:
+                continue
+            funcs = _module_functions(mod) if mod else {}
+            for own, name in set(_CALLED.findall(src)):
+                if (own, name) in seen:
+                    continue
+                seen.add((own, name))
+                if own:
+                    fn = getattr(cls, name, None)
+                    if inspect.isfunction(fn):
+                        todo.append((_source(fn), fn.__module__, depth + 1))
+                elif name in funcs:
+                    todo.append((funcs[name], mod, depth + 1))
+        _STORES[cls] = found
     return _STORES[cls]
 
 
