@@ -103,10 +103,13 @@ def test_bf16_int8_int4_run(fam, family_dir, tmp_path):
     d, model = family_dir(fam)
     with torch.no_grad():
         ref = model(torch.tensor([PROMPTS[0]])).logits[0, -1]
-        own_bf16 = _rel(copy.deepcopy(model).to(torch.bfloat16)(torch.tensor([PROMPTS[0]])).logits[0, -1].float(), ref)
+        own_bf16_logits = copy.deepcopy(model).to(torch.bfloat16)(torch.tensor([PROMPTS[0]])).logits[0, -1].float()
+    own_bf16 = _rel(own_bf16_logits, ref)
     # relative distances to fp32's logits measured 0.008-0.03 (bf16), 0.02-0.06 (int8); int4's
     # 0.2-0.9 at this init say little, so int4 only has to run. Where transformers' own bf16 model
-    # is farther from fp32 (GLM-4 0.16, GraniteMoeShared 0.20 at this init), bf16 may be as far.
+    # is farther from fp32 (GLM-4 0.16, GraniteMoeShared 0.20 at this init), bf16 may be as far,
+    # and int8 (which computes in bf16) is held to its distance from that bf16 model's logits where
+    # nearer (LongCat-Flash with transformers 5.25: own bf16 0.66 from fp32, int8 0.035 from it)
     bf16_tol = max(0.1, 1.25 * own_bf16)
     for weights, tol, resident in (("bf16", bf16_tol, None), ("int8", INT8_TOL.get(fam, 0.15), 0),
                                    ("int4", None, None)):
@@ -117,7 +120,8 @@ def test_bf16_int8_int4_run(fam, family_dir, tmp_path):
             assert eng.dtype == torch.bfloat16 and (resident is None or eng.stream is not None)
             logits = eng.step([PROMPTS[0]], [0])[0]
             assert torch.isfinite(logits).all()
-            assert tol is None or _rel(logits, ref) < tol, f"{fam} {weights}: {_rel(logits, ref):.3f}"
+            far = _rel(logits, ref) if weights != "int8" else min(_rel(logits, ref), _rel(logits, own_bf16_logits))
+            assert tol is None or far < tol, f"{fam} {weights}: {far:.3f}"
             out = _greedy(eng, PROMPTS, 3)
             assert all(len(o) == 3 and all(0 <= t < model.config.vocab_size for t in o) for o in out)
         finally:
