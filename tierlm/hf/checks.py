@@ -66,7 +66,8 @@ def family_problem(cfg: dict) -> str | None:
                     "transformers if this family has been added to it")
         import transformers
         return (f"model_type {mt!r} is unknown to the installed transformers {transformers.__version__}; "
-                "upgrade transformers (pip install -U transformers) if the family is newer")
+                "a newer family needs a newer transformers: upgrade tierlm, which installs the newest "
+                "transformers its tests have passed on")
     if cfg.get("is_encoder_decoder") or mt in auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
         return (f"model_type {mt!r} is an encoder-decoder model; tierlm fine-tunes and serves decoder-only "
                 "causal language models")
