@@ -107,3 +107,28 @@ def test_int4_without_our_kernels_leaves_widths_torch_cannot_pack(ours, monkeypa
             setattr(q, n, t)
         x = torch.randn(3, 64, dtype=torch.bfloat16)
         assert torch.isfinite(q(x)).all()
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.o_proj = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+
+
+class _ReadsAWeight(torch.nn.Module):
+    """A layer whose forward reads a descendant's weight, as Ergo's reads its attention output's dtype."""
+
+    def __init__(self):
+        super().__init__()
+        self.self_attn, self.gate = _Attention(), torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        dtype = self.self_attn.o_proj.weight.dtype
+        return self.gate.weight.sum() + x.to(dtype)
+
+
+def test_maps_whose_weight_a_module_reads_stay_in_the_compute_dtype():
+    """Their forward reads `.weight` (a QLinear has none): its own child's or a descendant's by path."""
+    from tierlm.infer.quant import quantizable
+    for mode in ("int8", "int4"):
+        assert set(quantizable(_ReadsAWeight(), mode)) == {"self_attn.q_proj"}

@@ -207,7 +207,7 @@ def _expert_counts(layer: nn.Module) -> set[int]:
     return counts
 
 
-_READS = re.compile(r"self\.(\w+)\.weight\b")
+_READS = re.compile(r"self\.((?:\w+\.)*\w+)\.weight\b")
 
 
 @functools.cache
@@ -219,14 +219,19 @@ def _reads_of(cls) -> frozenset[str]:
 
 
 def _weights_read(layer: nn.Module) -> set[str]:
-    """The linear maps whose `.weight` their parent module's forward reads itself (DeepSeek-V3.2's
-    indexer casts its input to `weights_proj.weight.dtype`, a projection GLM-5 keeps in fp32): they
-    stay in the compute dtype, where the weight is a tensor."""
+    """The linear maps whose `.weight` a module's forward reads itself, its own or a descendant's
+    (DeepSeek-V3.2's indexer casts its input to `weights_proj.weight.dtype`, a projection GLM-5
+    keeps in fp32; Ergo's decoder layer to `self_attn.o_proj.weight.dtype`): they stay in the
+    compute dtype, where the weight is a tensor."""
     out = set()
     for name, m in layer.named_modules():
-        for attr in _reads_of(type(m)):
-            if isinstance(getattr(m, attr, None), nn.Module):
-                out.add(f"{name}.{attr}" if name else attr)
+        for path in _reads_of(type(m)):
+            try:
+                target = m.get_submodule(path)
+            except AttributeError:
+                continue
+            if isinstance(target, nn.Module):
+                out.add(f"{name}.{path}" if name else path)
     return out
 
 
