@@ -121,6 +121,19 @@ FAMILIES = {
     # sigmoid routing with a correction bias, q/k norms over all heads together
     "minimax_m2": dict(_BASE, head_dim=16, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
                        router_aux_loss_coef=0.1),
+    # lightning (linear) attention layers beside softmax ones, in blocks of 4 positions, their
+    # states in a cache of the model's own (MiniMax refuses any other): generating keeps it a sequence
+    "minimax": dict(_BASE, head_dim=16, num_local_experts=4, num_experts_per_tok=2, block_size=4,
+                    layer_types=["linear_attention", "full_attention"], full_attn_alpha_factor=0.5,
+                    linear_attn_beta_factor=2.0, output_router_logits=True, router_aux_loss_coef=0.1),
+    # compressed attention (a sliding window of 6 beside keys compressed 2:1 and picked by a sparse
+    # indexer, or 4:1), hyper-connections, hash-routed first layer; its cache layers its own
+    "deepseek_v4": dict(_BASE, num_hidden_layers=4, num_key_value_heads=1, head_dim=16, q_lora_rank=32, o_lora_rank=32,
+                        o_groups=2, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                        index_n_heads=4, index_head_dim=16, index_topk=4, sliding_window=6, hc_mult=2,
+                        compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+                        layer_types=["compressed_sparse_attention", "heavily_compressed_attention"] * 2,
+                        mlp_layer_types=["hash_moe", "moe", "moe", "moe"]),
     # a mixture of attention experts (MoA) beside the MLP's, its own auxiliary loss
     "jetmoe": dict(_BASE, kv_channels=16, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
                    aux_loss_coef=0.1),
@@ -261,16 +274,10 @@ FAMILIES = {
 # Families that fine-tune (tests/test_families.py: bit-equal to torch's AdamW, the family's own
 # layout) but whose attention tierlm's inference does not run: tierlm's tiny model of the family
 # (`init --arch`) with these overrides, and why generating is refused.
-# - DeepSeek-V4: compressed and sparse attention layers, hyper-connections, a checkpoint layout
-#   renamed on load (`.norm.` -> `.kv_norm.`, which the final `model.norm` must escape); refused by
-#   its layer types.
 # - CPM-Ant: its layers read a position bias made before them from weights (a tensor with a
 #   gradient beside the hidden states, carried into each layer's backward); its attention writes
 #   the cache in a shape of its own: the check on a small copy refuses it.
 FINE_TUNE_ONLY = {
-    "deepseek_v4": (dict(n_routed_experts=4, num_experts_per_tok=2, index_n_heads=4, index_head_dim=16, index_topk=4,
-                         compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4}),
-                    "need attention masks tierlm's inference does not make"),
     "cpmant": (dict(), "its forward fails on tierlm's KV cache and masks"),
 }
 

@@ -132,3 +132,31 @@ def test_maps_whose_weight_a_module_reads_stay_in_the_compute_dtype():
     from tierlm.infer.quant import quantizable
     for mode in ("int8", "int4"):
         assert set(quantizable(_ReadsAWeight(), mode)) == {"self_attn.q_proj"}
+
+
+class _OwnMaths(torch.nn.Linear):
+    """A linear of its own maths (DeepSeek-V4's grouped output projection: its input split into
+    groups of in_features, each multiplied by its block of the weight)."""
+
+    def __init__(self):
+        super().__init__(32, 64, bias=False)
+
+    def forward(self, x):
+        g = x.reshape(-1, 2, 32).transpose(0, 1)
+        return torch.bmm(g, self.weight.view(2, -1, 32).transpose(1, 2)).transpose(0, 1).reshape(*x.shape[:-2], -1)
+
+
+class _BiasApart(torch.nn.Linear):
+    """x W^T, its bias added apart (Falcon's FalconLinear): what QLinear computes."""
+
+    def forward(self, x):
+        y = x @ self.weight.T
+        return y if self.bias is None else y + self.bias
+
+
+def test_linear_subclasses_are_quantised_only_where_they_compute_a_linear_map():
+    from tierlm.infer.quant import quantizable
+    layer = torch.nn.Module()
+    layer.o_a_proj, layer.dense, layer.plain = _OwnMaths(), _BiasApart(32, 64), torch.nn.Linear(32, 64)
+    for device in ("cpu", "meta"):  # the engine plans on meta: nothing computed there
+        assert set(quantizable(layer.to(device), "int8")) == {"dense", "plain"}

@@ -114,7 +114,7 @@ def test_a_prompt_longer_than_a_step_is_refused_where_it_cannot_go_in_chunks(sta
     d, _ = state_dir("mamba")
     eng = _engine(d, tmp_path, cpu_mem="4GiB", max_batch=2, max_seq_len=40, step_tokens=8)
     try:
-        with pytest.raises(BudgetError, match=r"prompt of 11 tokens: mamba's recurrent layers cannot continue .*"
+        with pytest.raises(BudgetError, match=r"prompt of 11 tokens: mamba's layers cannot continue a prompt fed in chunks .*"
                                               r"--step-tokens to 11"):
             Batcher(eng, _Tok(), []).submit(Request(PROMPTS[2], SamplingParams(max_tokens=2)))
     finally:

@@ -88,8 +88,8 @@ class Batcher:
             raise ValueError("the prompt is empty; give at least one token of text")
         if self.whole_prompts and len(req.prompt_ids) > self.step_tokens:
             raise BudgetError(
-                f"a prompt of {len(req.prompt_ids)} tokens: {self.engine.config.model_type}'s recurrent layers "
-                f"cannot continue a prompt fed in chunks, so a prompt is one step, and steps were planned for "
+                f"a prompt of {len(req.prompt_ids)} tokens: {self.engine.config.model_type}'s layers cannot "
+                f"continue a prompt fed in chunks (the load-time check found it), so a prompt is one step, and steps were planned for "
                 f"{self.step_tokens} tokens (--step-tokens); raise --step-tokens to {len(req.prompt_ids)} "
                 f"(more compute memory inside --cpu-mem) or shorten the prompt")
         self.engine.cache.check_fits(len(req.prompt_ids) + req.params.max_tokens,

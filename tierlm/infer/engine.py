@@ -41,6 +41,7 @@ from . import states
 from .generic import GenericStep, check as generic_check, continues_prompts, mask_mode, reads_offset
 from .device_run import DeviceRun, refusal as device_refusal
 from .kvcache import SlotKVCache, kv_bytes
+from .model_cache import ModelCaches, slot_bytes
 from .states import StateShape, StateSlots
 from .lean import LeanDecoder
 from .quant import int4_layout
@@ -100,10 +101,12 @@ class InferenceEngine:
             use_gemv(self.model)  # after plan_pieces: the quantised linears are QLinear already
         resident, streamed = self._place(cache_config, library_rss)
         self._load_weights(model_dir, resident, streamed)
-        self.cache = SlotKVCache(cache_config, cfg.max_batch, self.max_len, self.dtype, device=self.device,
-                                 states=self.state_shapes, kv_layers=self.kv_layers)
-        self.generic = GenericStep(self.model, config, self.cache, packed=cfg.packed,
-                                   masks=mask_mode(self.model))
+        masks = mask_mode(self.model)
+        # where the model keeps what the slot cache does not hold, each slot holds the model's own
+        self.cache = ModelCaches(cfg.max_batch, self.max_len, self.own_cache_bytes) if masks == "cache" else \
+            SlotKVCache(cache_config, cfg.max_batch, self.max_len, self.dtype, device=self.device,
+                        states=self.state_shapes, kv_layers=self.kv_layers)
+        self.generic = GenericStep(self.model, config, self.cache, packed=cfg.packed, masks=masks)
         self.base, self.head = self.generic.base, self.generic.head
         self._window, self._sliding = self.generic.window, self.generic.sliding
         # tierlm's native kernels are CPU code; the device schedule runs transformers' modules
@@ -170,8 +173,11 @@ class InferenceEngine:
         if why:
             raise ValueError(f"{config.model_type} ({type(self.model).__name__}): tierlm's inference cannot run "
                              f"this model: {why}")
-        # where a recurrent layer cannot continue a prompt from its kept state, each prompt is one step
-        self.whole_prompts = bool(self.state_shapes) and not continues_prompts(self.model)
+        # where a recurrent layer cannot continue a prompt from its kept state, or the model's own cache
+        # a prompt's later chunk (MiniMax's masks read the length of its first layer's cache, a
+        # lightning layer's, which keeps no keys), each prompt is one step
+        self.whole_prompts = (bool(self.state_shapes) or mask_mode(self.model) == "cache") and \
+            not continues_prompts(self.model)
         self.tp = None
         if cfg.tp > 1:  # this process keeps 1/tp of every layer's heads and MLP width
             if self.moe:
@@ -196,14 +202,20 @@ class InferenceEngine:
         rss.trim()
         self.library_rss = library_rss if library_rss is not None else library_baseline(config, self.dtype)
         baseline = max(rss.current_rss() - self.library_rss, 0)
-        kv = kv_bytes(cache_config, cfg.max_batch, self.max_len, self.dtype, self.kv_layers)
-        held = StateSlots.bytes_for(self.state_shapes, cfg.max_batch, self.dtype) if self.state_shapes else 0
-        kv_name = cache_name(kv, held)
-        kv += held
+        self.own_cache_bytes = None
+        if mask_mode(self.model) == "cache":  # a slot holds the model's own cache: its bytes measured
+            self.own_cache_bytes = slot_bytes(cache_config, self.max_len, self.dtype)
+            kv, kv_name = cfg.max_batch * self.own_cache_bytes, "the model's own cache"
+        else:
+            kv = kv_bytes(cache_config, cfg.max_batch, self.max_len, self.dtype, self.kv_layers)
+            held = StateSlots.bytes_for(self.state_shapes, cfg.max_batch, self.dtype) if self.state_shapes else 0
+            kv_name = cache_name(kv, held)
+            kv += held
         # a recurrent model's step runs its rows in groups of one length (generic.row_groups): a
         # forward holds at most one prompt chunk's tokens, or the decoding rows' - as a packed one
         # does - except where prompts go whole (then several of one length may share a forward)
-        packs = not self.whole_prompts if self.state_shapes else \
+        # (on the model's own caches, a forward is one row's: at most a prompt chunk's tokens, as packed)
+        packs = not self.whole_prompts if self.state_shapes else mask_mode(self.model) == "cache" or \
             packed_attention.packs(self.model) and not reads_offset(self.model) and mask_mode(self.model) == "engine"
         scratch = scratch_bytes(config, cfg, self.max_len, self.dtype,
                                 eager=packed_attention.runs_eager(self.model), packs=packs)
@@ -419,6 +431,9 @@ class InferenceEngine:
         if self.generic.masks == "layers":
             why = ("its forward builds attention biases from a 2-D key mask (BLOOM's ALiBi, Doge's dynamic mask) "
                    "and its layers take the engine's masks")
+        elif self.generic.model_caches:
+            why = ("its layers keep what tierlm's KV cache does not hold (or it takes no cache but its own), so each "
+                   "sequence keeps the cache the model makes and the rows of a step run one at a time")
         elif self.generic.own_masks:
             why = ("its forward makes its own attention masks (the engine's failed the load-time check), so the rows "
                    "of a step run in groups of one position")

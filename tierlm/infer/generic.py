@@ -22,7 +22,10 @@ cannot take the engine's 4-D masks. Where the check fails with them, it tries (`
   query offset (SlotKVCache.get_query_offset), as transformers' caches answer, so a step's rows
   run in groups of one start (row_groups) (Falcon-RW, which folds its biases into the mask its
   forward builds; GPT-Neo, whose local attention indexes a window table by the key count).
-Neither packs rows. The first that passes is kept with the check.
+Neither packs rows. Where none passes (the model's layers keep what the slot cache does not hold,
+or it takes no cache but its own), "cache": each slot holds the cache the model's forward makes when
+handed none (model_cache.py), and each row of a step runs in a forward of its own (DeepSeek-V4,
+MiniMax). The first that passes is kept with the check.
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ from . import states
 from .expert_rows import use_expert_rows
 from .gemv import use_gemv
 from .kvcache import SlotKVCache
+from .model_cache import ModelCaches, returned_cache
 
 CHECK_TOL = 1e-3  # of the largest logit; fp32 agrees to ~1e-6 where the path is right
 _CHECKS: dict = {}
@@ -128,19 +132,21 @@ def reads_offset(model) -> bool:
     return False
 
 
-MASKS = ("engine", "layers", "own")
+MASKS = ("engine", "layers", "own", "cache")
 
 
 class GenericStep:
-    def __init__(self, model, config, cache: SlotKVCache, packed: bool = True, masks: str = "engine"):
-        """masks: whose masks the steps run (one of MASKS; the check's verdict: mask_mode)."""
+    def __init__(self, model, config, cache: SlotKVCache | ModelCaches, packed: bool = True, masks: str = "engine"):
+        """masks: whose masks the steps run (one of MASKS; the check's verdict: mask_mode); "cache"
+        runs on a ModelCaches, the others on a SlotKVCache."""
         if masks not in MASKS:
             raise ValueError(f"masks={masks!r}: one of {', '.join(MASKS)}")
         self.model, self.cache = model, cache
         self.states = cache.states is not None
         self.masks = masks
-        self.own_masks = masks == "own"
-        self.offsets = reads_offset(model) or self.own_masks
+        self.model_caches = masks == "cache"  # each row its slot's own model-made cache, its own forward
+        self.own_masks = masks in ("own", "cache")
+        self.offsets = (reads_offset(model) or self.own_masks) and not self.model_caches
         types = getattr(config.get_text_config(), "layer_types", None) or []
         self.indexed_types = "indexed_attention" in types
         # packed rows only where the model's attention runs packed.rows_attention (and no layer
@@ -168,13 +174,20 @@ class GenericStep:
         self.cache_kw = cache_kwarg(self.base)
         self.lm_cache_kw = cache_kwarg(model)
         self.keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self.window, self.sliding = sliding_window(config)
-        self.chunk, self.chunk_layers = chunked_attention(config)
+        # (the model's own cache and masks know its attention: no window or chunk of the engine's)
+        self.window, self.sliding = (None, False) if self.model_caches else sliding_window(config)
+        self.chunk, self.chunk_layers = (None, False) if self.model_caches else chunked_attention(config)
+        self._row = None  # "cache": the slot of the row prepare() made ready
 
     def prepare(self, tokens: list[list[int]], starts: list[int], first: int = 0):
         """(ids, position ids, masks, packed) of a step of rows in slots first, first + 1, ...; the
         cache is told where each row writes."""
         lens = [len(t) for t in tokens]
+        if self.model_caches:  # one row (groups): its slot's cache, positions from where it stands
+            self._row = first
+            self._row_cache = self.cache.take(first, starts[0], lens[0])
+            ids = torch.tensor([tokens[0]], dtype=torch.long)
+            return ids, torch.arange(starts[0], starts[0] + lens[0]).unsqueeze(0), None, False
         q = max(lens)
         # rows of different lengths run packed (tierlm.infer.packed): padding them would compute
         # rows x q tokens where sum(lens) are real
@@ -205,6 +218,8 @@ class GenericStep:
         rows = len(lens)
         at = torch.tensor(lens)
         at = at.cumsum(0) - 1 if packed else at - 1  # each row's last token (in the packed row)
+        if self.model_caches:
+            return self._own_cache_logits(ids, pos)
         if self.masks == "layers" and mask is not None:
             # the model builds its biases from a 2-D mask of the keys (all read: the 4-D masks,
             # handed to each layer, hide what a row must not see)
@@ -225,6 +240,25 @@ class GenericStep:
         h = out.last_hidden_state
         return self.head(h[0, at] if packed else h[torch.arange(rows), at]).float()
 
+    def _own_cache_logits(self, ids, pos) -> torch.Tensor:
+        """A row's last logits through the model's forward on its slot's own cache (None: the model
+        makes one), which is kept for the row's next step."""
+        slot, cache = self._row, self._row_cache
+        self._row = self._row_cache = None
+        if self.keeps:
+            kw = {self.lm_cache_kw: cache} if cache is not None else {}
+            out = self.model(input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=1, **kw)
+            logits = out.logits[:, -1]
+        else:
+            kw = {self.cache_kw: cache} if cache is not None else {}
+            out = self.base(input_ids=ids, position_ids=pos, use_cache=True, **kw)
+            logits = self.head(out.last_hidden_state[:, -1])
+        made = returned_cache(out)
+        if made is None:
+            raise ValueError(f"{type(self.model).__name__}: its forward returned no cache")
+        self.cache.keep(slot, made)
+        return logits.float()
+
     def _hand_mask(self, module, args, kwargs):
         """A decoder layer's pre-hook ("layers"): the step's 4-D mask for the one the model made."""
         if self._layer_mask is None or "attention_mask" not in kwargs:
@@ -232,7 +266,10 @@ class GenericStep:
         return args, dict(kwargs, attention_mask=self._layer_mask)
 
     def groups(self, tokens: list[list[int]], starts: list[int]) -> list[tuple[int, int]]:
-        """The row ranges this step runs as separate forwards (row_groups)."""
+        """The row ranges this step runs as separate forwards (row_groups; each row alone on the
+        model's own caches)."""
+        if self.model_caches:
+            return [(i, i + 1) for i in range(len(tokens))]
         return row_groups([len(t) for t in tokens], self.states, starts if self.offsets else None)
 
     @torch.no_grad()
@@ -298,7 +335,9 @@ def _check(cls, cfg) -> tuple[str | None, bool | None, str]:
     with torch.random.fork_rng():
         torch.manual_seed(0)
         try:
-            tiny = AutoModelForCausalLM.from_config(cfg).float().eval()
+            # built in fp32 (buffers made at init too: MiniMax's decay tables, rounded to bf16 in a bf16
+            # config, part its block and step paths by 1e-3)
+            tiny = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).float().eval()
             with torch.no_grad():
                 for p in tiny.parameters():  # wide weights, so a missed term moves the logits
                     p.copy_(torch.randn(p.shape) * 0.3 if p.dim() > 1 else torch.rand(p.shape) + 0.5)
@@ -327,8 +366,9 @@ def _compare(tiny, cfg, ids, ref, masks: str) -> tuple[str | None, bool]:
         attn = packed_attention.attention_modules(tiny)
         shapes = states.probe(cfg, bool(attn)) if states.keeps_states(tiny) else None
         kv_layers = states.kv_layers(attn) if shapes else None  # as the engine makes it
-        step = GenericStep(tiny, cfg, SlotKVCache(cfg, len(seqs), n + 1, torch.float32, states=shapes,
-                                                  kv_layers=kv_layers), masks=masks)
+        cache = ModelCaches(len(seqs), n + 1, 0) if masks == "cache" else \
+            SlotKVCache(cfg, len(seqs), n + 1, torch.float32, states=shapes, kv_layers=kv_layers)
+        step = GenericStep(tiny, cfg, cache, masks=masks)
         first = step([t[:-1] for t in ids], [0] * len(seqs))
         second = step([t[-1:] for t in ids], seqs)
     except Exception as e:  # noqa: BLE001 -- transformers ran it; ours did not
@@ -348,9 +388,9 @@ def _compare(tiny, cfg, ids, ref, masks: str) -> tuple[str | None, bool]:
     if not err <= CHECK_TOL:
         return (f"on a small copy of the model its logits through tierlm's KV cache and masks differ from "
                 f"transformers' by {err:.1e} of the largest"), True
-    if not shapes:
+    if not shapes and masks != "cache":
         return None, True
-    # the first row's prompt again, in two chunks (its slot's states start from zero again)
+    # the first row's prompt again, in two chunks (its slot's states, or its own cache, start anew)
     t, h = ids[0], n // 2
     try:
         step([t[:h]], [0])

@@ -235,6 +235,25 @@ def _weights_read(layer: nn.Module) -> set[str]:
     return out
 
 
+def _plain_linear(mod: nn.Linear) -> bool:
+    """Whether a linear module computes x W^T (+ b), as QLinear does: nn.Linear's own forward, or a
+    subclass's that maps one row of in_features to one of out_features in the input's dtype
+    (Falcon's, which adds its bias apart), tried on one row where its weight lies (on `meta` while
+    the engine plans: nothing is computed). DeepSeek-V4's grouped projection splits its input into
+    groups of in_features, and Ergo's router-style linear returns fp32: both stay as they are."""
+    if type(mod).forward is nn.Linear.forward:
+        return True
+    w = mod.weight
+    x = torch.zeros((1, mod.in_features), dtype=w.dtype if w.dtype.is_floating_point else torch.float32,
+                    device=w.device)
+    try:
+        with torch.no_grad():
+            y = type(mod).forward(mod, x)
+    except Exception:  # noqa: BLE001 -- a row of in_features is not its input
+        return False
+    return isinstance(y, torch.Tensor) and tuple(y.shape) == (1, mod.out_features) and y.dtype == x.dtype
+
+
 def quantizable(layer: nn.Module, mode: str) -> dict[str, tuple[nn.Module, bool]]:
     """Sub-module name -> (linear module, is_gpt2_conv1d) for every linear map of a decoder layer
     that `mode` can hold. GPT-2's Conv1D stores W as [in, out]; it is transposed when quantised."""
@@ -247,6 +266,8 @@ def quantizable(layer: nn.Module, mode: str) -> dict[str, tuple[nn.Module, bool]
         if name in read:
             continue  # its module reads its `.weight` (see _weights_read)
         if isinstance(mod, nn.Linear):
+            if not _plain_linear(mod):
+                continue  # a subclass with maths of its own (DeepSeek-V4's grouped output projection)
             if mod.out_features in experts and mod.out_features < mod.in_features:
                 continue  # a router: see _expert_counts
             k, n = mod.in_features, mod.out_features
