@@ -130,3 +130,37 @@ def test_a_hybrid_of_linear_attention_streams_under_budget(tmp_path):
     resident, _ = _generate(model, tmp_path / "r.json", "1GiB")
     assert resident["placement"]["resident"] == resident["placement"]["layers"]
     assert streamed["token_ids"] == resident["token_ids"] and len(set(resident["token_ids"])) > 1
+
+
+@pytest.mark.slow
+def test_a_model_with_its_own_cache_streams_under_budget(tmp_path):
+    """DeepSeek-V4's compressed attention generates on the cache its forward makes (a sequence a
+    slot, infer/model_cache.py), sized for the budget by its forward on meta: with its layers and
+    experts streamed from the store, over a prompt past its sliding window and several compressed
+    blocks, the promise holds and the tokens are the resident model's."""
+    from transformers import AutoConfig
+
+    kw = dict(hidden_size=256, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=1, head_dim=64,
+              q_lora_rank=128, o_lora_rank=128, o_groups=2, n_routed_experts=48, num_experts_per_tok=2,
+              moe_intermediate_size=384, index_n_heads=4, index_head_dim=32, index_topk=8, sliding_window=16,
+              compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+              layer_types=["compressed_sparse_attention", "heavily_compressed_attention"] * 4,
+              mlp_layer_types=["hash_moe"] + ["moe"] * 7, vocab_size=4096, max_position_embeddings=1024,
+              initializer_range=0.2)
+    config = AutoConfig.for_model("deepseek_v4", **kw)
+    budget = parse_bytes("64MiB")
+    assert 2 * param_count(config) >= 3 * budget
+    model = init_model(tmp_path / "model", config, dtype="bfloat16")
+    libraries = library_peak("deepseek_v4", tokenizer=model)  # its tiny config: the code, not these weights
+    extra = ("--prompt", "The weather is fine. " * 4, "--max-seq-len", "256",
+             "--step-tokens", "32")
+    streamed, log = _generate(model, tmp_path / "s.json", "64MiB", "--nvme", str(tmp_path / "nvme"), *extra)
+    assert "the model's own cache" in log and "rows of a step run one at a time" in log
+    assert streamed["prefill"]["tokens"] > 32  # past the window and into several compressed blocks
+    peak = streamed["peak_rss_bytes"]
+    print(f"weights {2 * param_count(config) / 2**20:.0f} MiB, budget {budget / 2**20:.0f} MiB, libraries "
+          f"{libraries / 2**20:.0f} MiB, peak {peak / 2**20:.0f} MiB = libraries + {(peak - libraries) / 2**20:.0f} MiB")
+    assert peak <= libraries + budget, (
+        f"peak RSS {peak / 2**20:.0f} MiB > libraries {libraries / 2**20:.0f} MiB + budget {budget / 2**20:.0f} MiB")
+    resident, _ = _generate(model, tmp_path / "r.json", "1GiB", *extra)
+    assert streamed["token_ids"] == resident["token_ids"] and len(set(resident["token_ids"])) > 1

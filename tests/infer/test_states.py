@@ -152,7 +152,8 @@ def test_a_model_without_attention_keeps_recurrent_states_not_a_kv_cache(state_d
 
 
 def test_the_check_sees_a_state_not_continued(monkeypatch, state_dir):
-    """A cache that dropped the kept conv state between steps is caught by the load-time check."""
+    """A cache that dropped the kept conv state between steps is caught by the load-time check: the
+    model then generates on its own cache (the check's last mode), and the engine says why."""
     from tierlm.infer import generic
     from tierlm.infer.kvcache import SlotKVCache
     _, model = state_dir("qwen3_next")
@@ -160,7 +161,8 @@ def test_the_check_sees_a_state_not_continued(monkeypatch, state_dir):
     assert generic.check(model) is None
     monkeypatch.setattr(generic, "_CHECKS", {})
     monkeypatch.setattr(SlotKVCache, "get_recurrent_state", lambda self, layer_idx, state_idx=0: None)
-    assert "differ from transformers'" in generic.check(model)
+    assert generic.check(model) is None and generic.mask_mode(model) == "cache"
+    assert "differ from transformers'" in generic.engine_failure(model)
 
 
 @pytest.mark.parametrize("fam", ["qwen3_5_text", "mamba"])

@@ -179,7 +179,7 @@ def shrunk(config, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: 
     if get(config, "head_dim") is not None:
         # latent attention (DeepSeek-V2/V3: a kv_lora_rank) rotates head_dim = its rotary part of each
         # head, kept as it is; elsewhere (DeepSeek-V4) the rotary part is a share of the whole head
-        latent = getattr(config, "kv_lora_rank", None)
+        latent = config.to_dict().get("kv_lora_rank")  # (read whole: a per-layer config refuses the attribute)
         put(c, "head_dim", (get(config, "rope_head_dim") if latent else None) or hidden // heads)
     for role, size in (("expert_intermediate", 32), ("shared_intermediate", 48)):
         if get(config, role) is not None:

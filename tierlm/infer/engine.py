@@ -38,7 +38,7 @@ from ..storage.aligned import round_up
 from . import packed as packed_attention
 from .gemv import use_gemv
 from . import states
-from .generic import GenericStep, check as generic_check, continues_prompts, mask_mode, reads_offset
+from .generic import GenericStep, check as generic_check, continues_prompts, engine_failure, mask_mode, reads_offset
 from .device_run import DeviceRun, refusal as device_refusal
 from .kvcache import SlotKVCache, kv_bytes
 from .model_cache import ModelCaches, slot_bytes
@@ -432,8 +432,9 @@ class InferenceEngine:
             why = ("its forward builds attention biases from a 2-D key mask (BLOOM's ALiBi, Doge's dynamic mask) "
                    "and its layers take the engine's masks")
         elif self.generic.model_caches:
-            why = ("its layers keep what tierlm's KV cache does not hold (or it takes no cache but its own), so each "
-                   "sequence keeps the cache the model makes and the rows of a step run one at a time")
+            failed = engine_failure(self.model) or "tierlm's KV cache cannot run it"
+            why = (f"the load-time check found that {failed}, so each sequence keeps the cache the model makes "
+                   "and the rows of a step run one at a time")
         elif self.generic.own_masks:
             why = ("its forward makes its own attention masks (the engine's failed the load-time check), so the rows "
                    "of a step run in groups of one position")

@@ -288,7 +288,7 @@ class GenericStep:
         return self.head(self.base(input_ids=input_ids, use_cache=False).last_hidden_state).float()
 
 
-def _verdict(model) -> tuple[str | None, bool | None, str]:
+def _verdict(model) -> tuple[str | None, bool | None, str, str | None]:
     """The check's (why or None, whether prompts may go in chunks, whose masks the steps run) for
     `model`'s config, run once per config; (None, None, "engine") where no small copy of the config
     can be made (nothing to compare)."""
@@ -296,7 +296,7 @@ def _verdict(model) -> tuple[str | None, bool | None, str]:
         cfg = shrunk(model.config, layers=2, every_kind=True)
         key = (type(model), json.dumps(cfg.to_dict(), sort_keys=True, default=str))
     except Exception:  # noqa: BLE001 -- a config that cannot be copied small is not checked
-        return None, None, "engine"
+        return None, None, "engine", None
     if key not in _CHECKS:
         _CHECKS[key] = _check(type(model), cfg)
     return _CHECKS[key]
@@ -318,14 +318,19 @@ def continues_prompts(model) -> bool:
 
 def mask_mode(model) -> str:
     """Whose masks the steps run (GenericStep's `masks`): "engine" unless the engine's failed the
-    check on the tiny copy and "layers" or "own" passed it."""
+    check on the tiny copy and "layers", "own" or "cache" passed it."""
     return _verdict(model)[2]
 
 
-def _check(cls, cfg) -> tuple[str | None, bool | None, str]:
+def engine_failure(model) -> str | None:
+    """Why the engine's own masks and KV cache failed the check where another mode passed it."""
+    return _verdict(model)[3]
+
+
+def _check(cls, cfg) -> tuple[str | None, bool | None, str, str | None]:
     """(why the step differs from transformers' or None, whether prompts may go in chunks: None
-    where the copy could not be run, whose masks the steps run): the engine's masks first, then,
-    where they fail, each other mode in turn (MASKS)."""
+    where the copy could not be run, whose masks the steps run, why the engine's own failed where
+    they did): the engine's masks first, then, where they fail, each other mode in turn (MASKS)."""
     from transformers import AutoModelForCausalLM
     cfg._attn_implementation = "eager"  # transformers' reference attention (soft-capping and all)
     # two rows of different lengths (a packed prefill), then a decode step of both; past the
@@ -345,7 +350,7 @@ def _check(cls, cfg) -> tuple[str | None, bool | None, str]:
             with torch.no_grad():
                 ref = [tiny(torch.tensor([t])).logits[0, -2:].float() for t in ids]
         except Exception:  # noqa: BLE001 -- a class transformers cannot run small is not checked
-            return None, None, "engine"
+            return None, None, "engine", None
     ref = torch.stack(ref)  # [rows, 2 (after the prompt, after one more token), vocab]
     use_gemv(tiny)  # the engine's linear modules, as it runs them (gemv.use_gemv swaps some subclasses)
     use_expert_rows(tiny)  # ... and its experts' implementation
@@ -353,9 +358,9 @@ def _check(cls, cfg) -> tuple[str | None, bool | None, str]:
     for masks in MASKS:
         why, chunks = _compare(tiny, cfg, ids, ref, masks=masks)
         if why is None:
-            return None, chunks, masks
+            return None, chunks, masks, first[0] if first else None
         first = first or (why, chunks)
-    return first[0], first[1], "engine"  # (why the engine's masks fail)
+    return first[0], first[1], "engine", first[0]  # (why the engine's masks fail)
 
 
 def _compare(tiny, cfg, ids, ref, masks: str) -> tuple[str | None, bool]:

@@ -21,10 +21,10 @@ from ..units import fmt_bytes
 
 
 def returned_cache(out):
-    """The cache a forward returned (transformers 5.25 names it `cache` in some families'
-    outputs, `past_key_values` in the rest)."""
-    got = getattr(out, "past_key_values", None)
-    return got if got is not None else getattr(out, "cache", None)
+    """The cache a forward returned: `cache` in the outputs of transformers that renamed it (whose
+    `past_key_values` property warns on every read), `past_key_values` in those before."""
+    got = getattr(out, "cache", None)
+    return got if got is not None else getattr(out, "past_key_values", None)
 
 
 def tensor_bytes(obj, bf16_as: int = 2) -> int:
