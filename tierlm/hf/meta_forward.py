@@ -136,14 +136,20 @@ def record(config, attends: bool) -> Record:
     return got
 
 
-def _run(config, attends: bool) -> Record:
+def meta_model(config):
+    """`config`'s model on `meta` for a forward that reads no weight: eager attention, in bf16 (the
+    meta kernels of grouped expert products take no other dtype), no router logits recorded."""
     from .structure import empty_model
     c = copy.deepcopy(config)
     c._attn_implementation = "eager"
     c.dtype = torch.bfloat16
     if getattr(c, "output_router_logits", False):
         c.output_router_logits = False
-    model = empty_model(c).eval().to(device="meta", dtype=torch.bfloat16)
+    return empty_model(c).eval().to(device="meta", dtype=torch.bfloat16)
+
+
+def _run(config, attends: bool) -> Record:
+    model = meta_model(config)
     rec = _Recorder()
     ids = torch.zeros((1, 2), dtype=torch.long, device="meta")
     mask = torch.ones((1, 1, 2, 2), dtype=torch.bool, device="meta") if attends else None

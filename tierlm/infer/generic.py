@@ -289,9 +289,9 @@ class GenericStep:
 
 
 def _verdict(model) -> tuple[str | None, bool | None, str, str | None]:
-    """The check's (why or None, whether prompts may go in chunks, whose masks the steps run) for
-    `model`'s config, run once per config; (None, None, "engine") where no small copy of the config
-    can be made (nothing to compare)."""
+    """The check's (why or None, whether prompts may go in chunks, whose masks the steps run, why
+    the engine's own failed where another mode passed) for `model`'s config, run once per config;
+    (None, None, "engine", None) where no small copy of the config can be made (nothing to compare)."""
     try:
         cfg = shrunk(model.config, layers=2, every_kind=True)
         key = (type(model), json.dumps(cfg.to_dict(), sort_keys=True, default=str))

@@ -12,10 +12,9 @@ that grows it at run time (`slot_bytes`), and the budget keeps that much a slot.
 """
 from __future__ import annotations
 
-import copy
-
 import torch
 
+from ..hf.meta_forward import cache_kwarg, meta_model
 from ..storage import BudgetError
 from ..units import fmt_bytes
 
@@ -70,14 +69,7 @@ _MEASURED: dict[tuple, int] = {}
 
 
 def _run(config, max_len: int, dtype: torch.dtype) -> int:
-    from ..hf.meta_forward import cache_kwarg
-    from ..hf.structure import empty_model
-    c = copy.deepcopy(config)
-    c._attn_implementation = "eager"
-    if getattr(c, "output_router_logits", False):
-        c.output_router_logits = False
-    c.dtype = torch.bfloat16
-    model = empty_model(c).eval().to(device="meta", dtype=torch.bfloat16)
+    model = meta_model(config)
     width = torch.empty((), dtype=dtype).element_size()
     most = 0
     with torch.no_grad(), torch.device("meta"):
