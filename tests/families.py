@@ -134,6 +134,16 @@ FAMILIES = {
                         compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
                         layer_types=["compressed_sparse_attention", "heavily_compressed_attention"] * 2,
                         mlp_layer_types=["hash_moe", "moe", "moe", "moe"]),
+    # Qwen4-Exp: gated delta-net layers beside attention whose keys a QSA indexer picks from blocks
+    # compressed 2:1, hashed n-gram embeddings (PLE) read from the token ids on the first layer,
+    # hyper-connections (2 residual streams), experts with a shared one
+    "qwen4_exp_text": dict(_BASE, num_hidden_layers=2, head_dim=16, layer_types=["linear_attention", "indexed_attention"],
+                           linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                           linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                           shared_expert_intermediate_size=48, hc_count=2, hc_lowrank=8, ple_layer_ids=[1],
+                           ple_embed_dim=32, heads_per_ngram=2, ngram_vocab_size_base=97, eos_token_id=1,
+                           indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=4,
+                           indexer_compress_ratio=2, output_router_logits=True, router_aux_loss_coef=0.1),
     # a mixture of attention experts (MoA) beside the MLP's, its own auxiliary loss
     "jetmoe": dict(_BASE, kv_channels=16, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
                    aux_loss_coef=0.1),
@@ -287,6 +297,21 @@ def family_config(family: str, **over):
     kw = dict(FAMILIES[family])
     kw.update(over)
     return AutoConfig.for_model(family, **kw)
+
+
+# Inkling 2: its layers attend over the outputs of every earlier block of layers; it fine-tunes to
+# fp32 rounding, not to the bit (tests/test_families.py), so it is not among FAMILIES. Generating
+# runs on the cache its forward makes (its masks read the cache's own attributes).
+def inkling2_config(vocab: int = 128, **over):
+    from transformers import AutoConfig
+    kw = dict(vocab_size=vocab, unpadded_vocab_size=vocab, hidden_size=64, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, swa_num_attention_heads=4,
+              swa_num_key_value_heads=2, swa_head_dim=16, sliding_window_size=8, d_rel=4, rel_extent=16,
+              log_scaling_n_floor=64, layer_types=["hybrid_sliding", "hybrid"] * 2, max_position_embeddings=256,
+              moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_layers_per_attn_res_block=2,
+              eos_token_id=1, initializer_range=0.02)
+    kw.update(over)
+    return AutoConfig.for_model("inkling2_text", **kw)
 
 
 # initializer_range at which each tiny random model's greedy continuation varies (so a wrong token

@@ -30,7 +30,7 @@ from tierlm.serve.server import make_app
 from tierlm.train.schedule import lr_factor
 
 from .engine.test_exactness import assert_same, batches, run_reference
-from .families import FAMILIES, FINE_TUNE_ONLY, family_config, greedy_init
+from .families import FAMILIES, FINE_TUNE_ONLY, family_config, greedy_init, inkling2_config
 from .memory import held_now
 
 VOCAB = 300          # the byte tokenizer's 256 bytes, its special tokens, a few merges
@@ -230,14 +230,7 @@ def test_layers_that_read_every_earlier_blocks_output_fine_tune_to_torchs_roundi
     run equals torch's to fp32 rounding, not to the bit: the forward is bit-equal (the first
     losses), later losses within 1e-6 and every master within 1e-4 of its largest value after two
     steps. (Its head is unpadded on load by a conversion that reads the config: hf.stacked.)"""
-    from transformers import AutoConfig
-    cfg = AutoConfig.for_model("inkling2_text", vocab_size=VOCAB, unpadded_vocab_size=VOCAB, hidden_size=64,
-                               num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                               swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16,
-                               sliding_window_size=8, d_rel=4, rel_extent=16, log_scaling_n_floor=64,
-                               layer_types=["hybrid_sliding", "hybrid"] * 2, max_position_embeddings=256,
-                               moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
-                               n_layers_per_attn_res_block=2, eos_token_id=1, initializer_range=0.02)
+    cfg = inkling2_config(VOCAB)
     d = init_model(tmp_path / "model", cfg, seed=3)
     model = AutoModelForCausalLM.from_pretrained(d).float()
     data = batches(STEPS * ACCUM, vocab=VOCAB)

@@ -270,7 +270,7 @@ def test_a_small_shape_the_family_still_rejects_is_refused_with_its_reason():
 
 # the families whose tiny model transformers itself cannot make or build (its defaults leave
 # fields unset that no table here fills, or its own check rejects them): refused with the reason
-_UNBUILT = {"cohere_compass_text", "dots3_note_text", "gemma4_assistant", "qwen4_exp_text", "zamba"}
+_UNBUILT = {"cohere_compass_text", "dots3_note_text", "gemma4_assistant", "zamba"}
 
 
 def test_every_causal_family_makes_a_tiny_model_or_is_refused_by_name():
@@ -278,11 +278,13 @@ def test_every_causal_family_makes_a_tiny_model_or_is_refused_by_name():
     transformers builds (on meta), or a refusal that names the family and why; never a traceback.
     Every tested family builds, and those whose transformers defaults leave what their modules
     need unset (DBRX's rotary base, dots.llm1's expert counts, LFM2-MoE's layer types) or rejected
-    at a small shape (Kolibri 1.1's indexer heads) get it from
-    the tiny table; Nemotron-H's layer count (a property) and TrOCR's (an attribute_map entry)
+    at a small shape (Kolibri 1.1's indexer heads) or leave unset (Qwen4-Exp's indexer) get it
+    from the tiny table; Nemotron-H's layer count (a property) and TrOCR's (an attribute_map entry)
     are read and set by role."""
+    from transformers import AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL
     from tierlm.hf.checks import TESTED
+    from tierlm.hf.init import file_layout
     unbuilt, refused = set(), set()
     for arch in sorted(CAUSAL):
         try:
@@ -298,6 +300,10 @@ def test_every_causal_family_makes_a_tiny_model_or_is_refused_by_name():
                 refused.add(arch)
             continue
         assert c.model_type == arch or (arch, c.model_type) == ("gpt-sw3", "gpt2")  # GPT-SW3's config is GPT-2's
+        # and the files init writes, as the family's save would name and shape them (Inkling 2's
+        # conversion pads its head from an unpadded vocabulary shrinking has to shrink too)
+        with torch.device("meta"):
+            assert file_layout(AutoModelForCausalLM.from_config(c))
     assert unbuilt <= _UNBUILT, unbuilt - _UNBUILT
     assert not (unbuilt | refused) & set(TESTED)
     assert {"dbrx", "dots1", "lfm2_moe", "mamba2", "gpt_neo", "kolibri1_1", "nemotron_h", "trocr"}.isdisjoint(

@@ -31,3 +31,21 @@ def test_a_familys_layers_are_the_base_models_list(family):
     assert len(mod) == model.config.num_hidden_layers
     assert model.get_submodule(name) is mod
     assert all(isinstance(x, GradientCheckpointingLayer) for x in mod)  # transformers' decoder layers
+
+
+@pytest.mark.parametrize("device", [None, "meta"])
+def test_cast_keeps_what_transformers_keeps_fp32_and_tied_weights_tied(device):
+    """hf.structure.cast, what the library baseline and the meta forwards cast with: the routers
+    and correction biases the family keeps in fp32 in a bf16 model stay fp32 (Inkling 2's forward
+    multiplies fp32 by its router; a plain .to(bf16) failed it), everything else is bf16, and a
+    head tied to the embedding stays the embedding's tensor."""
+    from tierlm.hf.structure import cast
+    torch.manual_seed(0)
+    m = cast(AutoModelForCausalLM.from_config(family_config("deepseek_v3")), torch.bfloat16, device)
+    mlp = m.model.layers[1].mlp
+    assert mlp.gate.weight.dtype == torch.float32 and mlp.gate.e_score_correction_bias.dtype == torch.float32
+    assert m.model.layers[1].self_attn.o_proj.weight.dtype == torch.bfloat16
+    assert {p.device.type for p in m.parameters()} == {device or "cpu"}
+    tied = cast(AutoModelForCausalLM.from_config(family_config("qwen2")), torch.bfloat16, device)
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    assert tied.lm_head.weight.dtype == torch.bfloat16

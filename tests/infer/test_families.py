@@ -89,6 +89,35 @@ def test_gemma4_per_layer_embeddings_and_shared_keys_generate_like_transformers(
             eng.close()
 
 
+def test_layers_over_every_earlier_blocks_output_generate_on_the_models_own_cache(tmp_path):
+    """Inkling 2's masks read the cache's own attributes (`is_sliding`), which tierlm's slot cache
+    has not: the load-time check finds the engine's cache fails and the model's own passes, so each
+    sequence keeps the cache its forward makes. Greedy tokens equal transformers', resident and
+    streamed, batched rows of different lengths; its routers stay fp32 in a bf16 model (as
+    transformers loads it), where the meta forward that sizes its states used to cast them."""
+    from transformers import AutoModelForCausalLM
+    from tests.families import inkling2_config
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(inkling2_config(initializer_range=0.3)).float().eval()
+    model.save_pretrained(tmp_path / "model")
+    refs = [_reference(model, p, NEW) for p in PROMPTS]
+    assert len({tuple(r) for r in refs}) > 1
+    for resident in (None, 0):
+        eng = _engine(tmp_path / "model", tmp_path, max_batch=3, max_seq_len=40, resident_layers=resident)
+        try:
+            assert "keeps the cache the model makes" in eng.decode_path()
+            assert _greedy(eng, PROMPTS, NEW) == refs, f"resident_layers={resident}"
+        finally:
+            eng.close()
+    eng = InferenceEngine(tmp_path / "model", InferConfig(dtype="bf16", cpu_mem="1GiB", max_batch=2, max_seq_len=40),
+                          library_rss=held_now())
+    try:
+        assert all(layer.mlp.gate.weight.dtype == torch.float32 for layer in eng.model.model.layers)
+        assert len(_greedy(eng, PROMPTS[:2], NEW)[0]) == NEW
+    finally:
+        eng.close()
+
+
 # JetMoE's int8 holds only its kv_proj in int8 (its experts are stacked tensors, its routers stay
 # in bf16), yet moves the logits 0.31: that one rounding changes which attention and MLP experts
 # the next tokens route to, a discrete jump of the tiny model (its bf16 distance: 0.05)

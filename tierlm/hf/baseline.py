@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 
 from ..rss import current_rss, trim
 from .fields import shrunk
-from .structure import causal_lm
+from .structure import cast, causal_lm
 
 
 def library_baseline(config, dtype: torch.dtype = torch.bfloat16, device=None,
@@ -27,7 +27,7 @@ def library_baseline(config, dtype: torch.dtype = torch.bfloat16, device=None,
     torch.manual_seed(0)
     state = torch.random.get_rng_state()
     device = torch.device(device or "cpu")
-    m = causal_lm(AutoModelForCausalLM.from_config(tiny)).to(dtype).to(device)
+    m = cast(causal_lm(AutoModelForCausalLM.from_config(tiny)), dtype, device)
     ids = torch.randint(0, tiny.vocab_size, (1, 8)).to(device)
     m(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     del m

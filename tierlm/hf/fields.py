@@ -188,12 +188,17 @@ def shrunk(config, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: 
         put(c, "dense_first", min(get(config, "dense_first"), max(get(c, "layers") - 1, 0)))
     if getattr(c, "rotary_dim", None):  # GPT-J, CodeGen: rotary on the first rotary_dim of each head
         c.rotary_dim = min(c.rotary_dim, hidden // heads)
+    old_vocab = get(config, "vocab")
     put(c, "vocab", vocab)
     n_layers = get(c, "layers")  # (None where the config derives it: Nemotron-H's pattern)
     for k, v in c.to_dict().items():  # side tables (Gemma 4's per-layer embeddings: their vocabulary, width)
         if isinstance(v, int) and not isinstance(v, bool):
             if k.startswith("vocab_size_") and v > vocab:
                 setattr(c, k, vocab)
+            elif k.endswith("_vocab_size") and v > vocab and isinstance(old_vocab, int) \
+                    and old_vocab * 15 // 16 <= v <= old_vocab:
+                setattr(c, k, vocab)  # the same vocabulary unpadded (Inkling 2's head: its conversion
+                #                       pads the rows from it up to vocab_size when saving)
             elif k.startswith("hidden_size_") and v > hidden:
                 setattr(c, k, hidden // 4)
             elif k.startswith("num_") and k.endswith("_layers") and k != _field(c, "layers") \

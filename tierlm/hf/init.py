@@ -153,6 +153,14 @@ def _write_piece(model, piece: nn.Module, prefix: str, saved: dict, writer: Safe
     piece.to_empty(device="meta")
 
 
+def file_layout(model, saved: dict | None = None) -> dict[str, dict[str, tuple]]:
+    """parameter -> {file tensor: shape} of `model` (on meta will do) as the family's own
+    save_pretrained writes it: its file names (GPT-NeoX's head is `embed_out` in its files), experts
+    split, heads padded (Inkling 2's, to vocab_size)."""
+    saved = _saved_tensors(model) if saved is None else saved
+    return {n: file_tensors(model, n, t.shape, t.dtype) for n, t in saved.items()}
+
+
 def init_model(out_dir: str | os.PathLike, config, seed: int = 0, dtype: str | torch.dtype | None = None,
                tokenizer_text: list[str] | None = None, max_shard_bytes: int | str = "2GiB",
                tokenizer: bool = True, overwrite: bool = False) -> Path:
@@ -194,8 +202,7 @@ def init_model(out_dir: str | os.PathLike, config, seed: int = 0, dtype: str | t
     model.to(dtype)  # on meta: free, and to_empty() below then allocates each piece in this dtype
     model.eval()
     saved = _saved_tensors(model)
-    # the family's own file names (GPT-NeoX's head is `embed_out` in its files), as save_pretrained writes
-    files = {n: file_tensors(model, n, t.shape, t.dtype) for n, t in saved.items()}
+    files = file_layout(model, saved)
     # (a fused tensor several parameters are cut from is declared once: hf.split_tensors)
     specs = {f: (f, t.dtype, shape) for n, t in saved.items() for f, shape in files[n].items()}
     writer = SafetensorsWriter(out, list(specs.values()), max_shard_bytes)

@@ -10,6 +10,7 @@ sized from this record, so a new family needs no formula here.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 from dataclasses import dataclass, field
@@ -45,10 +46,23 @@ class Record:
 
 
 class _Recorder:
-    """The cache the forward on `meta` is given: it answers as an empty cache and records each store."""
+    """The cache the forward on `meta` is given: it answers as an empty cache and records each store.
+    What else a forward reads of its cache (Inkling 2's `is_sliding`, the per-layer objects Qwen4-Exp
+    keeps its indexer's positions on) comes from an empty `DynamicCache` made from the config, as
+    the model's own forward would make it."""
 
-    def __init__(self):
+    def __init__(self, config=None):
         self.record = Record()
+        self._config = config
+        self._like = None
+
+    def __getattr__(self, name):  # only for what the methods below do not answer
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if self._like is None:
+            from transformers import DynamicCache
+            self._like = DynamicCache(config=self._config)
+        return getattr(self._like, name)
 
     def update(self, key, value, layer_idx, *args, **kwargs):
         self.record.kv[layer_idx] = ((key.shape[1], key.shape[-1]), (value.shape[1], value.shape[-1]))
@@ -138,21 +152,33 @@ def record(config, attends: bool) -> Record:
 
 def meta_model(config):
     """`config`'s model on `meta` for a forward that reads no weight: eager attention, in bf16 (the
-    meta kernels of grouped expert products take no other dtype), no router logits recorded."""
-    from .structure import empty_model
+    meta kernels of grouped expert products take no other dtype) but for what transformers keeps in
+    fp32 in a bf16 model (Inkling 2's routers: its forward multiplies fp32 by them), no router
+    logits recorded."""
+    from .structure import cast, empty_model
     c = copy.deepcopy(config)
     c._attn_implementation = "eager"
     c.dtype = torch.bfloat16
     if getattr(c, "output_router_logits", False):
         c.output_router_logits = False
-    return empty_model(c).eval().to(device="meta", dtype=torch.bfloat16)
+    return cast(empty_model(c).eval(), torch.bfloat16, "meta")
+
+
+@contextlib.contextmanager
+def on_meta():
+    """Where a forward on `meta` runs: no gradients, new tensors on `meta`, and `nonzero` sized as
+    if every element were nonzero (Qwen4-Exp's indexer and experts' routing: the largest shape, so
+    what is sized from it is an upper bound, where torch would refuse)."""
+    from torch.fx.experimental import _config as fx_config
+    with torch.no_grad(), torch.device("meta"), fx_config.patch(meta_nonzero_assume_all_nonzero=True):
+        yield
 
 
 def _run(config, attends: bool) -> Record:
     model = meta_model(config)
-    rec = _Recorder()
+    rec = _Recorder(model.config)
     ids = torch.zeros((1, 2), dtype=torch.long, device="meta")
     mask = torch.ones((1, 1, 2, 2), dtype=torch.bool, device="meta") if attends else None
-    with torch.no_grad(), torch.device("meta"):
+    with on_meta():
         model(input_ids=ids, attention_mask=mask, use_cache=True, **{cache_kwarg(model): rec})
     return rec.record

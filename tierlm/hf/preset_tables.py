@@ -213,4 +213,8 @@ TINY_FIELDS: dict[str, dict] = {
     # its indexer's heads per key head must not exceed the query heads per key head (12 of 12 by
     # default; 2 at the tiny shape): one is valid at every shape
     "kolibri1_1": dict(index_num_heads=1),
+    # its QSA indexer's fields are None by default, which its indexed attention layers divide by:
+    # one key head (the only count it takes), blocks of 2 keys, 4 keys picked a query
+    "qwen4_exp_text": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=4,
+                           indexer_compress_ratio=2),
 }

@@ -101,6 +101,26 @@ def kept_fp32(model: nn.Module, dtype: torch.dtype, buffers: bool = False) -> se
     return out
 
 
+def cast(model: nn.Module, dtype: torch.dtype, device=None) -> nn.Module:
+    """`model.to(device, dtype)`, but what transformers keeps in fp32 when it loads the model in
+    `dtype` stays fp32 (kept_fp32: Inkling 2's routers, whose forward multiplies fp32 by them)."""
+    wide = kept_fp32(model, dtype, buffers=True)
+    made: dict[int, torch.Tensor] = {}  # a tensor two modules share (a tied head) stays one
+    for n, t in list(model.named_parameters(remove_duplicate=False)) + \
+            list(model.named_buffers(remove_duplicate=False)):
+        mod, _, attr = n.rpartition(".")
+        owner = model.get_submodule(mod)
+        if id(t) not in made:
+            dt = (torch.float32 if n in wide else dtype) if t.is_floating_point() else t.dtype
+            moved = t.detach().to(device=device or t.device, dtype=dt)
+            made[id(t)] = nn.Parameter(moved, requires_grad=t.requires_grad) if attr in owner._parameters else moved
+        if attr in owner._parameters:
+            owner._parameters[attr] = made[id(t)]
+        else:
+            owner._buffers[attr] = made[id(t)]
+    return model
+
+
 @dataclass
 class Block:
     index: int                  # position in forward order

@@ -397,9 +397,10 @@ def _expert_maker(entry, st, dtype, q: QLinear | None, transposed: bool):
     memo: dict = {}
 
     def slice_of(e: int) -> torch.Tensor:
-        if isinstance(entry, Stacked):
+        if isinstance(entry, Stacked) and not entry.whole():
             return entry.expert(st.read, e)[0]
-        if "whole" not in memo:  # one file tensor of every expert: read once, sliced
+        if "whole" not in memo:  # one file tensor of every expert (or one the family's conversion
+            #                      renames and reshapes: Inkling 2's w13_weight): read once, sliced
             memo["whole"] = read_param(st, entry)
         return memo["whole"][e]
 

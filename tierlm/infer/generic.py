@@ -29,6 +29,7 @@ MiniMax). The first that passes is kept with the check.
 """
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 
@@ -356,7 +357,9 @@ def _check(cls, cfg) -> tuple[str | None, bool | None, str, str | None]:
     use_expert_rows(tiny)  # ... and its experts' implementation
     first = None
     for masks in MASKS:
-        why, chunks = _compare(tiny, cfg, ids, ref, masks=masks)
+        # each mode on its own copy: a failed one leaves its hooks and attention functions behind
+        # ("layers" hands each layer a mask that is not the model's own)
+        why, chunks = _compare(copy.deepcopy(tiny), cfg, ids, ref, masks=masks)
         if why is None:
             return None, chunks, masks, first[0] if first else None
         first = first or (why, chunks)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..hf.meta_forward import cache_kwarg, meta_model
+from ..hf.meta_forward import cache_kwarg, meta_model, on_meta
 from ..storage import BudgetError
 from ..units import fmt_bytes
 
@@ -72,7 +72,7 @@ def _run(config, max_len: int, dtype: torch.dtype) -> int:
     model = meta_model(config)
     width = torch.empty((), dtype=dtype).element_size()
     most = 0
-    with torch.no_grad(), torch.device("meta"):
+    with on_meta():
         out = model(input_ids=torch.zeros((1, max(max_len - 1, 1)), dtype=torch.long), use_cache=True)
         cache = returned_cache(out)
         most = tensor_bytes(cache, width)
