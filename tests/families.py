@@ -144,6 +144,13 @@ FAMILIES = {
                            ple_embed_dim=32, heads_per_ngram=2, ngram_vocab_size_base=97, eos_token_id=1,
                            indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=4,
                            indexer_compress_ratio=2, output_router_logits=True, router_aux_loss_coef=0.1),
+    # Cohere's compass text model: sliding layers with multimodal rotary sections beside full layers
+    # without rotary, LayerNorms without bias, parallel attention and MLP, a scaled tied head
+    "cohere_compass_text": dict(_BASE, head_dim=16, sliding_window=6, logit_scale=0.5,
+                                layer_types=["sliding_attention", "full_attention"],
+                                rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0,
+                                                                           mrope_section=[4, 2, 2]),
+                                                 "full_attention": None}),
     # a mixture of attention experts (MoA) beside the MLP's, its own auxiliary loss
     "jetmoe": dict(_BASE, kv_channels=16, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
                    aux_loss_coef=0.1),

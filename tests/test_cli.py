@@ -137,3 +137,23 @@ def test_generate_prints_no_library_warnings(tmp_path, arch):
     r = tierlm("generate", model, "--prompt", "hi", "--max-new-tokens", "4", "--nvme", tmp_path / "store")
     assert "Warning" not in r.stderr and "[transformers]" not in r.stderr, r.stderr
     assert "decode:" in r.stderr  # the report is there: the run got as far as generating
+
+
+def test_generate_whose_step_fails_says_why_and_exits_1(tmp_path, monkeypatch, capsys):
+    """The batcher fails a request whose step raised (the server goes on serving others); `tierlm
+    generate` and `chat` then print the reason and exit 1. They printed an empty completion, a
+    report of nothing and exited 0 (Zamba's shared attention had no KV cache)."""
+    from tierlm.infer.engine import InferenceEngine
+    model = tmp_path / "m"
+    assert main(["init", str(model), "--arch", "llama", "--layers", "2", "--hidden", "64"]) == 0
+
+    def broken(self, tokens, starts):
+        raise RuntimeError("layer 1 broke")
+    monkeypatch.setattr(InferenceEngine, "step", broken)
+    capsys.readouterr()
+    assert main(["generate", str(model), "--prompt", "hi", "--max-new-tokens", "4"]) == 1
+    err = capsys.readouterr().err
+    assert "tierlm generate: error: the model's step failed" in err and "RuntimeError: layer 1 broke" in err
+    monkeypatch.setattr("sys.stdin", __import__("io").StringIO("hello\n"))
+    assert main(["chat", str(model), "--max-new-tokens", "4"]) == 1
+    assert "tierlm chat: error: the model's step failed" in capsys.readouterr().err

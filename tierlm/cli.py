@@ -206,7 +206,8 @@ def main(argv=None) -> int:
         from .storage import BudgetError, StorageError
         from .train.bench_train import RunFailed
         from .train.finetune import TrainingStopped
-        if isinstance(e, (BudgetError, StorageError, TrainingStopped, RunFailed)):
+        from .serve.run import GenerationFailed
+        if isinstance(e, (BudgetError, StorageError, TrainingStopped, RunFailed, GenerationFailed)):
             print(f"tierlm {args.verb}: error: {e}", file=sys.stderr)
             return EXIT_USAGE if isinstance(e, BudgetError) else 1
         raise

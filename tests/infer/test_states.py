@@ -45,13 +45,19 @@ STATE_FAMILIES = {
     "inkling_text": dict(num_hidden_layers=2, layer_types=["hybrid_sliding", "hybrid"], sliding_window=4,
                          n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
                          swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16),
+    # Zamba: Mamba layers, and hybrid ones that all run one shared attention block (no layer of its
+    # own: handed the layer at each call, its KV layers are those the meta forward stored for)
+    "zamba": dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                  attention_hidden_size=128, attention_head_dim=32, mamba_dt_rank=4, intermediate_size=96,
+                  layers_block_type=["linear_attention", "linear_attention", "hybrid", "hybrid"]),
 }
-WHOLE_PROMPTS = {"mamba", "jamba"}  # their Mamba layers restart a prompt from zero
+WHOLE_PROMPTS = {"mamba", "jamba", "zamba"}  # their Mamba layers restart a prompt from zero
 
 
 def state_config(fam):
     from transformers import AutoConfig
-    cfg = shrunk(AutoConfig.for_model(fam, **STATE_FAMILIES[fam]), layers=2, every_kind=True)
+    cfg = AutoConfig.for_model(fam, **STATE_FAMILIES[fam])
+    cfg = cfg if fam == "zamba" else shrunk(cfg, layers=2, every_kind=True)  # (given small: two hybrids)
     cfg.initializer_range = 0.3  # peaked, varied next tokens, so a mismatch changes tokens
     return cfg
 

@@ -51,6 +51,11 @@ class _ConstantsOnCPU(torch.overrides.TorchFunctionMode):
                 kwargs["device"] = "cpu"
             elif func is torch.full and _size_numel(args[:1]) <= SMALL:
                 kwargs["device"] = "cpu"
+        if func is torch.Tensor.copy_ and len(args) > 1 and isinstance(args[1], torch.Tensor) and args[1].is_meta \
+                and not args[0].is_meta:
+            # the family's init computing a constant kept real from numbers drawn on meta (Zamba's
+            # dt_proj_bias): nothing to copy yet; the piece's own init sets it when it is written
+            return args[0]
         if func in (torch.cat, torch.stack) and args and isinstance(args[0], (list, tuple)):
             # a constant kept real joined to a computed one left on meta (Gemma 4's proportional
             # rotary: arange's frequencies beside zeros): the result is meta, as the module's would be

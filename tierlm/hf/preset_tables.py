@@ -213,6 +213,15 @@ TINY_FIELDS: dict[str, dict] = {
     # its indexer's heads per key head must not exceed the query heads per key head (12 of 12 by
     # default; 2 at the tiny shape): one is valid at every shape
     "kolibri1_1": dict(index_num_heads=1),
+    # its default rotary parameters are empty, where its rotary embedding reads those of its full
+    # attention layers (multimodal sections summing to half the tiny head, 16)
+    "cohere_compass_text": dict(rope_parameters={"full_attention": dict(rope_type="default", rope_theta=10000.0,
+                                                                        mrope_section=[4, 2, 2])}),
+    # Mamba layers and hybrid ones that run one shared attention block: its widths derived from the
+    # default hidden size (attention 2x it, the dt rank) stay stale when shrunk; two hybrid layers
+    # after two Mamba ones (a two-layer copy keeps one hybrid, whose shared block ties to none)
+    "zamba": dict(layers_block_type=["linear_attention", "linear_attention", "hybrid", "hybrid"], num_hidden_layers=4,
+                  attention_hidden_size=128, attention_head_dim=32, mamba_dt_rank=4),
     # its QSA indexer's fields are None by default, which its indexed attention layers divide by:
     # one key head (the only count it takes), blocks of 2 keys, 4 keys picked a query
     "qwen4_exp_text": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=4,

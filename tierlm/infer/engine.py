@@ -167,7 +167,7 @@ class InferenceEngine:
             if states.keeps_states(self.model) else None
         _check_kv_attention(self.model, sum(b.kind == "layer" for b in self.blocks), self.state_shapes)
         # beside recurrent layers, keys and values only for the layers that attend (Qwen3-Next: 1 in 4)
-        self.kv_layers = states.kv_layers(packed_attention.attention_modules(self.model)) \
+        self.kv_layers = states.kv_layers(packed_attention.attention_modules(self.model), config) \
             if self.state_shapes else None
         why = generic_check(self.model)
         if why:

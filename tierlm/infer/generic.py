@@ -294,13 +294,46 @@ def _verdict(model) -> tuple[str | None, bool | None, str, str | None]:
     the engine's own failed where another mode passed) for `model`'s config, run once per config;
     (None, None, "engine", None) where no small copy of the config can be made (nothing to compare)."""
     try:
-        cfg = shrunk(model.config, layers=2, every_kind=True)
+        cfg = _small_copy(model.config)
         key = (type(model), json.dumps(cfg.to_dict(), sort_keys=True, default=str))
     except Exception:  # noqa: BLE001 -- a config that cannot be copied small is not checked
         return None, None, "engine", None
     if key not in _CHECKS:
         _CHECKS[key] = _check(type(model), cfg)
     return _CHECKS[key]
+
+
+def _small_copy(config):
+    """The smallest copy of `config` (hf.fields.shrunk, every kind of layer) that transformers
+    builds: two layers, or more where fewer cannot be built (Zamba's hybrid layers share one block,
+    which transformers ties only where two hybrid layers are kept). The two-layer copy where none
+    builds (the check then says it could not run it)."""
+    from transformers import AutoModelForCausalLM
+    key = (type(config).__name__, config.to_json_string(use_diff=False))
+    if key in _COPIES:
+        return copy.deepcopy(_COPIES[key])
+    _COPIES[key] = cfg = _smallest_built(config, AutoModelForCausalLM)
+    return copy.deepcopy(cfg)
+
+
+_COPIES: dict[tuple, object] = {}
+
+
+def _smallest_built(config, auto):
+    first = shrunk(config, layers=2, every_kind=True)
+    tried = {first.num_hidden_layers}
+    for layers in range(2, min(getattr(config, "num_hidden_layers", None) or 2, 8) + 1):
+        cfg = first if layers == 2 else shrunk(config, layers=layers, every_kind=True)
+        if cfg.num_hidden_layers in tried and layers > 2:
+            continue
+        tried.add(cfg.num_hidden_layers)
+        try:
+            with torch.device("meta"):
+                auto.from_config(copy.deepcopy(cfg))
+            return cfg
+        except Exception:  # noqa: BLE001 -- the family's own modules refuse this copy: one more layer
+            continue
+    return first
 
 
 def check(model) -> str | None:
@@ -373,7 +406,7 @@ def _compare(tiny, cfg, ids, ref, masks: str) -> tuple[str | None, bool]:
     try:
         attn = packed_attention.attention_modules(tiny)
         shapes = states.probe(cfg, bool(attn)) if states.keeps_states(tiny) else None
-        kv_layers = states.kv_layers(attn) if shapes else None  # as the engine makes it
+        kv_layers = states.kv_layers(attn, cfg) if shapes else None  # as the engine makes it
         cache = ModelCaches(len(seqs), n + 1, 0) if masks == "cache" else \
             SlotKVCache(cfg, len(seqs), n + 1, torch.float32, states=shapes, kv_layers=kv_layers)
         step = GenericStep(tiny, cfg, cache, masks=masks)

@@ -82,11 +82,17 @@ def keeps_states(model) -> bool:
     return any(stores_states(m) for m in model.modules())
 
 
-def kv_layers(attention_modules) -> set[int]:
+def kv_layers(attention_modules, config=None) -> set[int]:
     """The layers that keep keys and values: those of the attention modules that are not linear
-    attention (Kimi's KimiDeltaAttention is named like attention and keeps states)."""
-    return {getattr(m, "layer_idx", None) if hasattr(m, "layer_idx") else m.layer_id
-            for m in attention_modules if not stores_states(m)}
+    attention (Kimi's KimiDeltaAttention is named like attention and keeps states), and, with
+    `config`, every layer its model's forward on `meta` stored keys and values for: one attention
+    module several layers run (Zamba's shared block) knows no layer of its own, and is handed the
+    layer at each call."""
+    found = {getattr(m, "layer_idx", None) if hasattr(m, "layer_idx") else m.layer_id
+             for m in attention_modules if not stores_states(m)}
+    if config is not None:
+        found |= set(meta_forward.record(config, bool(attention_modules)).kv)
+    return {i for i in found if i is not None}
 
 
 def probe(config, attends: bool) -> list[StateShape]:

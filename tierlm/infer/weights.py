@@ -73,9 +73,14 @@ def plan_pieces(model: nn.Module, blocks, dtype: torch.dtype, mode: str | None) 
         canon = {(id(m), a): n for n, ss in slots.items() for m, a in ss}
     out: dict[int, list[Piece]] = {}
     seen: set[str] = set()
+    in_layers: set[str] = set()  # what an earlier decoder layer uses
     for blk in blocks:
         pieces: list[Piece] = []
-        taken: set[str] = set(seen)
+        # a weight two decoder layers share (Zamba's hybrid layers run one attention block, tied)
+        # is a piece of each, installed in that layer's modules only: a streamed layer's release
+        # must not take it from the other, which may run next (the store keeps it once)
+        own = {id(m) for m in blk.module.modules()} if blk.kind == "layer" else None
+        taken: set[str] = set(seen) - in_layers if own is not None else set(seen)
         if blk.kind == "layer" and mode:
             for q, conv, old in replace_linears(blk.module, mode).values():
                 wname = canon[(id(old), "weight")]
@@ -87,6 +92,8 @@ def plan_pieces(model: nn.Module, blocks, dtype: torch.dtype, mode: str | None) 
             if name in taken:
                 continue
             mods = [(m, a) for m, a in slots[name] if not isinstance(m, QLinear)]
+            if own is not None and name in in_layers:
+                mods = [(m, a) for m, a in mods if id(m) in own]
             numel = mods[0][0]._parameters[mods[0][1]].numel()
             shape = tuple(mods[0][0]._parameters[mods[0][1]].shape)
             dt = torch.float32 if name in wide else dtype
@@ -96,6 +103,8 @@ def plan_pieces(model: nn.Module, blocks, dtype: torch.dtype, mode: str | None) 
                 continue
             pieces.append(Piece(name, mods, numel * _esize(dt), _reader(name, dt), spec=(dt, shape)))
         seen.update(blk.uses)
+        if own is not None:
+            in_layers.update(blk.uses)
         out[blk.index] = pieces
     return out
 

@@ -61,6 +61,16 @@ def _chat_ids(tok, messages) -> list[int]:
         raise ValueError(f"{e}; use `tierlm generate` with a plain prompt") from None
 
 
+class GenerationFailed(RuntimeError):
+    """A step of the model failed while generating (the batcher fails the request, as the server
+    must go on): the command says why and exits 1, where it used to print nothing and exit 0."""
+
+
+def _failed(req) -> None:
+    if req.error:
+        raise GenerationFailed(f"the model's step failed, so nothing more was generated ({req.error})")
+
+
 def generate_cmd(args: GenerateConfig, out=None, err=None) -> dict:
     """`tierlm generate`: stream the completion to `out`, the phase report to `err` (default: the
     process's stdout and stderr at the call)."""
@@ -84,6 +94,9 @@ def generate_cmd(args: GenerateConfig, out=None, err=None) -> dict:
     batcher.run_until_idle()
     out.write("\n")
     out.flush()
+    if any(r.error for r in reqs):
+        eng.close()
+        _failed(next(r for r in reqs if r.error))
     rates, lines, rep = rated_report(batcher, eng, reqs, err)
     for line in lines:
         print(line, file=err)
@@ -155,6 +168,9 @@ def chat_cmd(args: ChatConfig, inp=None, out=None, err=None) -> int:
         req = batcher.submit(Request(ids, p, on_text=lambda d: (out.write(d), out.flush())))
         batcher.run_until_idle()
         out.write("\n")
+        if req.error:
+            eng.close()
+            _failed(req)
         messages.append({"role": "assistant", "content": req.text})
         if req.t_first:
             n = len(req.out_ids)
