@@ -151,6 +151,15 @@ FAMILIES = {
                                 rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0,
                                                                            mrope_section=[4, 2, 2]),
                                                  "full_attention": None}),
+    # dots3-note's text model: latent attention with a sparse indexer beside sliding layers of their
+    # own shape (half the heads: per-layer config values), experts with a shared one after a dense layer
+    "dots3_note_text": dict(_BASE, num_hidden_layers=3, num_key_value_heads=4, head_dim=16, q_lora_rank=32,
+                            kv_lora_rank=32, qk_nope_head_dim=12, qk_rope_head_dim=4, v_head_dim=16,
+                            index_n_heads=2, index_head_dim=16, index_topk=4, n_routed_experts=4,
+                            num_experts_per_tok=2, moe_intermediate_size=32, shared_experts_intermediate_size=48,
+                            sliding_window=6, swa_num_attention_heads=2, swa_num_key_value_heads=2,
+                            swa_q_lora_rank=32, swa_kv_lora_rank=32, swa_head_dim=16, swa_qk_nope_head_dim=12,
+                            swa_v_head_dim=16, pad_token_id=0, bos_token_id=None, eos_token_id=None),
     # a mixture of attention experts (MoA) beside the MLP's, its own auxiliary loss
     "jetmoe": dict(_BASE, kv_channels=16, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
                    aux_loss_coef=0.1),

@@ -7,10 +7,25 @@ import torch
 
 from tests.families import FAMILIES, family_config
 from tests.infer.test_generate import PROMPTS, _engine, _greedy, _reference
+from tierlm.hf.meta_forward import cache_kwarg
 from tierlm.infer.engine import InferConfig, InferenceEngine
+from tierlm.infer.model_cache import returned_cache
 from ..memory import held_now
 
 NEW = 6
+
+
+# JetMoE's int8 holds only its kv_proj in int8 (its experts are stacked tensors, its routers stay
+# in bf16), yet moves the logits 0.31: that one rounding changes which attention and MLP experts
+# the next tokens route to, a discrete jump of the tiny model (its bf16 distance: 0.05)
+# dots3-note's tiny model: its own fp32 forward with int8-rounded weights is 0.24 from fp32 on this
+# prompt (0.6 on another; its indexer's top-4 and routing jump): tierlm's int8 measured 0.256
+INT8_TOL = {"jetmoe": 0.4, "dots3_note_text": 0.3}
+
+# families whose transformers forward over a cache differs from its forward over the whole
+# sequence: dots3-note's tiny model by 0.28 after one decode step, in transformers alone (its
+# second layer); tierlm's step equals the cached one, which transformers.generate runs, exactly
+DECODES_AS_CACHED = {"dots3_note_text"}
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +60,9 @@ def test_greedy_and_logits_equal_transformers(fam, family_dir, tmp_path):
         ref_logits = model(ids).logits
         ref_next = model(torch.tensor([PROMPTS[0]])).logits[0, -1]
         ref_after = model(torch.tensor([PROMPTS[0] + [7]])).logits[0, -1]  # one decode step on
+        if fam in DECODES_AS_CACHED:
+            first = model(torch.tensor([PROMPTS[0]]), use_cache=True)
+            ref_after = model(torch.tensor([[7]]), use_cache=True, **{cache_kwarg(model): returned_cache(first)}).logits[0, -1]
     for resident in (None, 0):
         eng = _engine(d, tmp_path, max_batch=3, max_seq_len=40, resident_layers=resident)
         try:
@@ -116,12 +134,6 @@ def test_layers_over_every_earlier_blocks_output_generate_on_the_models_own_cach
         assert len(_greedy(eng, PROMPTS[:2], NEW)[0]) == NEW
     finally:
         eng.close()
-
-
-# JetMoE's int8 holds only its kv_proj in int8 (its experts are stacked tensors, its routers stay
-# in bf16), yet moves the logits 0.31: that one rounding changes which attention and MLP experts
-# the next tokens route to, a discrete jump of the tiny model (its bf16 distance: 0.05)
-INT8_TOL = {"jetmoe": 0.4}
 
 
 @pytest.mark.parametrize("fam", list(FAMILIES))

@@ -16,7 +16,7 @@ from dataclasses import replace
 import time
 from pathlib import Path
 
-from ..hf.fields import head_dim as head_dim_of
+from ..hf.fields import head_dim as head_dim_of, widest
 from ..storage import BudgetError, HostBufferPool, TensorStore
 from ..units import fmt_bytes
 from ..plan import activations as P
@@ -131,7 +131,7 @@ class ActivationPlanner:
         tokens = self.eng.cfg.tokens_per_micro_batch
         seq = tokens // max(self.eng.cfg.micro_batch_size, 1)
         per_layer = sum(self.eng.infos[n].numel for n in self.layers[0].owns)
-        heads = cfgm.num_attention_heads
+        heads = widest(cfgm, "heads")  # the layer with the most
         head_dim = head_dim_of(cfgm)  # the widest layer's
         return 2 * per_layer * tokens + 2 * tokens * seq * heads * head_dim
 

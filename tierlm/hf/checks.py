@@ -17,7 +17,7 @@ TESTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"
           "deepseek_v2", "dots1", "dbrx", "hy_v3", "ernie4_5_moe", "laguna", "afmoe", "gemma4_text",
           "deepseek_v32", "glm_moe_dsa", "sarvam_moe", "mimo_v2_flash", "xglm", "longcat_flash",
           "zaya", "kolibri1_1", "deepseek_v4", "minimax", "gemma3n_text", "bloom", "mpt", "doge",
-          "gpt_neox_japanese", "gpt_neo", "gptj", "codegen", "persimmon", "qwen4_exp_text", "cohere_compass_text")
+          "gpt_neox_japanese", "gpt_neo", "gptj", "codegen", "persimmon", "qwen4_exp_text", "cohere_compass_text", "dots3_note_text")
 
 
 class ModelDirError(ValueError):

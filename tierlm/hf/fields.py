@@ -84,6 +84,15 @@ def overrides(config) -> dict[int, dict]:
     return {int(i): dict(v) for i, v in config._heterogeneity_spec.per_layer_overrides.items()}
 
 
+def widest(config, role: str, default=None):
+    """The largest value of `role` over the global one and every layer's own (dots3-note's sliding
+    layers keep half the heads of its others; reading such a field globally raises): what an
+    estimate that must hold for every layer takes."""
+    vals = [get(config, role)] + [v.get(f) for v in overrides(config).values() for f in ROLES[role] if f in v]
+    vals = [v for v in vals if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    return max(vals) if vals else default
+
+
 def layer_config(config, i: int):
     """Layer i's config: the config itself, or where layers differ, its view with the layer's own values."""
     return config.per_layer_config[i] if overrides(config) else config

@@ -217,6 +217,14 @@ TINY_FIELDS: dict[str, dict] = {
     # attention layers (multimodal sections summing to half the tiny head, 16)
     "cohere_compass_text": dict(rope_parameters={"full_attention": dict(rope_type="default", rope_theta=10000.0,
                                                                         mrope_section=[4, 2, 2])}),
+    # latent attention whose sliding layers have a shape of their own (half the heads, as published):
+    # shrinking leaves their head at the published 192 + 64, which its check wants equal to the rest
+    "dots3_note_text": dict(
+        per_layer_config={2: dict(num_attention_heads=2, num_key_value_heads=2, q_lora_rank=32, kv_lora_rank=32,
+                                  head_dim=16, qk_nope_head_dim=12, qk_rope_head_dim=4, v_head_dim=16)},
+        num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, head_dim=16, qk_nope_head_dim=12,
+        qk_rope_head_dim=4, v_head_dim=16, index_n_heads=2, index_head_dim=16, index_topk=4, n_routed_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, shared_experts_intermediate_size=48),
     # Mamba layers and hybrid ones that run one shared attention block: its widths derived from the
     # default hidden size (attention 2x it, the dt rank) stay stale when shrunk; two hybrid layers
     # after two Mamba ones (a two-layer copy keeps one hybrid, whose shared block ties to none)

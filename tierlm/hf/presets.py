@@ -13,7 +13,7 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING
 
-from .fields import get, intermediate, put, rescale_overrides
+from .fields import _read, get, intermediate, put, rescale_overrides
 from .preset_tables import (ARCH_CLASSES, ARCH_CONFIGS, FAMILIES, NATIVE_PRESETS, PRESETS, TINY, TINY_FIELDS,
                             NativePreset, Preset, Shape)
 
@@ -209,7 +209,7 @@ def _tiny_family(arch: str):
         if isinstance(v, float) and ("dropout" in k or k.endswith("pdrop")):
             setattr(c, k, 0.0)
     for k, v in TINY_FIELDS.get(arch, {}).items():
-        sub = getattr(c, k, None)
+        sub = _read(c, k)  # (a field some layers override raises when read plainly)
         if isinstance(v, dict) and hasattr(sub, "to_dict"):  # a sub-config (DBRX's attn_config): its fields
             for kk, vv in v.items():
                 setattr(sub, kk, vv)

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..hf.fields import intermediate, layer_kv_geometry, overrides
+from ..hf.fields import intermediate, layer_kv_geometry, overrides, widest
 from ..kernel_cache import KERNEL_CACHE_BYTES
 from ..storage import BudgetError
 from ..storage.layout import DEFAULT_SHARD_ELEMS
@@ -124,7 +124,7 @@ def layer_activation_bytes(config, tokens: int, dtype: torch.dtype, seq: int | N
     3.3 GiB, not the 8 MiB of the fused kernel."""
     h = config.hidden_size
     inter = intermediate(config, 4 * h)
-    heads = config.num_attention_heads
+    heads = widest(config, "heads")  # (the largest of any layer's: dots3-note's differ)
     if overrides(config):  # the widest layer's keys (Gemma 4's global layers are wider than the rest)
         kv_dim = max(kh * kd for (kh, kd), _ in (layer_kv_geometry(config, i) for i in range(config.num_hidden_layers)))
     else:  # (a planning shape's config, a SimpleNamespace, has no per-layer values)

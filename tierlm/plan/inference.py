@@ -102,7 +102,7 @@ def scratch_bytes(config, cfg: InferConfig, max_len: int, dtype=None, eager: boo
     and the fused decode layer's buffers."""
     h = config.hidden_size
     inter = fields.intermediate(config, 4 * h)
-    heads = getattr(config, "num_attention_heads", None) or 0  # none in a state-space model (Mamba)
+    heads = fields.widest(config, "heads", 0)  # none in a state-space model (Mamba); any layer's most
     # a step feeds at most step_tokens of prompts beside one token of every other row; padded
     # (packed=False, or a model whose attention runs padded rows: packed.install), every row is as
     # long as the longest prompt chunk
