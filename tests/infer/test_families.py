@@ -246,7 +246,7 @@ def test_the_check_sees_a_wrong_mask(monkeypatch):
     assert generic.check(model) is None and generic.mask_mode(model) != "engine"
     monkeypatch.setattr(generic, "_CHECKS", {})
     compare = generic._compare
-    monkeypatch.setattr(generic, "_compare", lambda *a, masks: compare(*a, masks="engine"))
+    monkeypatch.setattr(generic, "_compare", lambda *a, masks, **kw: compare(*a, masks="engine", **kw))
     assert "differ from transformers'" in generic.check(model)
 
 

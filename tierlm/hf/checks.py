@@ -17,7 +17,8 @@ TESTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"
           "deepseek_v2", "dots1", "dbrx", "hy_v3", "ernie4_5_moe", "laguna", "afmoe", "gemma4_text",
           "deepseek_v32", "glm_moe_dsa", "sarvam_moe", "mimo_v2_flash", "xglm", "longcat_flash",
           "zaya", "kolibri1_1", "deepseek_v4", "minimax", "gemma3n_text", "bloom", "mpt", "doge",
-          "gpt_neox_japanese", "gpt_neo", "gptj", "codegen", "persimmon", "qwen4_exp_text", "cohere_compass_text", "dots3_note_text")
+          "gpt_neox_japanese", "gpt_neo", "gptj", "codegen", "persimmon", "qwen4_exp_text", "cohere_compass_text",
+          "dots3_note_text")
 
 
 class ModelDirError(ValueError):
@@ -74,7 +75,8 @@ def family_problem(cfg: dict) -> str | None:
     if mt in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES:
         return (f"model_type {mt!r} is an encoder (bidirectional) model; tierlm fine-tunes and serves "
                 "decoder-only causal language models")
-    if "backbone_hidden_size" in cfg or "backbone_hidden_size" in getattr(CONFIG_MAPPING[mt], "__dataclass_fields__", {}):
+    class_fields = getattr(CONFIG_MAPPING[mt], "__dataclass_fields__", {})
+    if "backbone_hidden_size" in cfg or "backbone_hidden_size" in class_fields:
         # (Gemma 4's assistants: each layer attends over the target's keys and values, its input the
         # target's embeddings and hidden states; transformers' own forward refuses input ids alone)
         return (f"model_type {mt!r} is an assistant (draft) model: it runs on the hidden states and keys of the "
