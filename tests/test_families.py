@@ -180,10 +180,11 @@ def test_family_finetunes_exactly_saves_its_layout_generates_and_serves(family, 
     assert answer["choices"][0]["text"] == tok.decode(ref[:n], skip_special_tokens=True)
 
 
-@pytest.mark.parametrize("family", sorted(FINE_TUNE_ONLY))
-def test_family_that_only_fine_tunes_does_so_exactly_in_its_layout(family, tmp_path):
+def _init_fine_tune_and_reload(family, over, tmp_path):
+    """`tierlm init --arch family` (with overrides), fine-tuned beside torch's AdamW bit for bit, its
+    saved layout the family's own and transformers' reload of it equal to the trained model; the
+    trained model's directory."""
     from tierlm.hf.presets import make_config
-    over, refused = FINE_TUNE_ONLY[family]
     cfg = make_config(family, None, dict(over, vocab=VOCAB))
     cfg.initializer_range = greedy_init(family)
     d = init_model(tmp_path / "model", cfg, seed=3)
@@ -194,6 +195,20 @@ def test_family_that_only_fine_tunes_does_so_exactly_in_its_layout(family, tmp_p
     reloaded = _aligned(AutoModelForCausalLM.from_pretrained(out).float().eval())
     with torch.no_grad():
         assert torch.equal(reloaded(input_ids=torch.tensor([PROMPT])).logits, logits)
+    return out
+
+
+@pytest.mark.parametrize("family", ["mamba", "falcon_mamba"])
+def test_a_model_without_attention_fine_tunes_exactly(family, tmp_path):
+    """State-space models have no attention heads: the activation budget and the layer's FLOPs
+    counted none (they read the config's heads, which Mamba's has not, and fine-tuning died)."""
+    _init_fine_tune_and_reload(family, {}, tmp_path)
+
+
+@pytest.mark.parametrize("family", sorted(FINE_TUNE_ONLY))
+def test_family_that_only_fine_tunes_does_so_exactly_in_its_layout(family, tmp_path):
+    over, refused = FINE_TUNE_ONLY[family]
+    out = _init_fine_tune_and_reload(family, over, tmp_path)
     # generating is refused by name, before anything runs
     with pytest.raises(ValueError, match=refused):
         _greedy(out, tmp_path, None)

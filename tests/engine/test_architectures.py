@@ -71,6 +71,20 @@ def test_layers_that_share_weights_are_refused_before_anything_is_written(tmp_pa
     assert not (tmp_path / "nvme").exists()
 
 
+def test_a_recurrent_depth_model_is_refused_before_anything_is_written(tmp_path):
+    """Dory runs its middle layers n_recurrent_loops times a forward: the engine, which fetches a
+    layer's weights for one forward and one backward a step, waited for a backward that never came
+    (`tierlm finetune` hung). Its layers' calls are counted at construction (on a tiny real copy:
+    its masks read a value, which meta tensors have not) and it is refused, no store created."""
+    from tierlm.hf.presets import make_config
+    from tierlm.hf.structure import empty_model
+    cfg = make_config("dory")  # input layer, two recurrent ones looped twice, output layer
+    with pytest.raises(ValueError, match=r"dory: its forward runs decoder layer 1 2 times"):
+        Engine(empty_model(cfg), lambda name, out: None,
+               EngineConfig(nvme_dir=str(tmp_path / "nvme"), cpu_mem="1GiB", precision="fp32"))
+    assert not (tmp_path / "nvme").exists()
+
+
 @pytest.mark.parametrize("family, early", [
     ("bloom", ["transformer.word_embeddings_layernorm"]), ("opt", ["model.decoder.project_in"]),
     ("modernbert-decoder", ["model.embeddings.norm"]), ("llama", [])])

@@ -131,9 +131,9 @@ class ActivationPlanner:
         tokens = self.eng.cfg.tokens_per_micro_batch
         seq = tokens // max(self.eng.cfg.micro_batch_size, 1)
         per_layer = sum(self.eng.infos[n].numel for n in self.layers[0].owns)
-        heads = widest(cfgm, "heads")  # the layer with the most
-        head_dim = head_dim_of(cfgm)  # the widest layer's
-        return 2 * per_layer * tokens + 2 * tokens * seq * heads * head_dim
+        heads = widest(cfgm, "heads", 0)  # the layer with the most (none: Mamba, which attends not)
+        attention = 2 * tokens * seq * heads * head_dim_of(cfgm) if heads else 0  # (the widest layer's head)
+        return 2 * per_layer * tokens + attention
 
     def _initial_plan(self) -> P.Plan:
         flops = self.layer_flops()

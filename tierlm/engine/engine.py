@@ -27,6 +27,7 @@ from ..dist.grads import share_weights
 from ..dist.state import attach
 from ..hf.baseline import library_baseline
 from ..hf.names import load_buffers, model_to_checkpoint
+from ..hf.meta_forward import layer_calls
 from ..hf.stacked import read_param
 from ..hf.safetensors_io import SafetensorsDir
 from ..hf.structure import (discover_blocks, empty_model, fixed_params_to_buffers, kept_fp32,
@@ -123,6 +124,12 @@ class Engine(DurableState, Exports, BlockResidency):
             raise ValueError(f"{model.config.model_type}: its decoder layers share weights ({borrowed[0][0]} runs "
                              f"{borrowed[0][1]}); the fine-tuning engine updates a weight when its own layer's "
                              "backward ends and does not yet gather the gradients other layers send it")
+        calls = layer_calls(model.config)
+        if calls and max(calls) > 1:
+            i = max(range(len(calls)), key=calls.__getitem__)
+            raise ValueError(f"{model.config.model_type}: its forward runs decoder layer {i} {calls[i]} times (a "
+                             "recurrent-depth model loops over its layers); the fine-tuning engine runs each layer's "
+                             "forward and backward once a step, so it does not fine-tune it (generating runs)")
         self.settings = settings
         self.shard_elems, self.shard_why = settings.shard_elems.value, settings.shard_elems.why
         self.prefetch, self.prefetch_why = settings.prefetch.value, settings.prefetch.why

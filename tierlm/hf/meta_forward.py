@@ -182,3 +182,51 @@ def _run(config, attends: bool) -> Record:
     with on_meta():
         model(input_ids=ids, attention_mask=mask, use_cache=True, **{cache_kwarg(model): rec})
     return rec.record
+
+
+
+def layer_calls(config) -> list[int] | None:
+    """How often the model's forward over two tokens runs each decoder layer: once, but in a
+    recurrent-depth model (Dory runs its middle layers n_recurrent_loops times). Counted on `meta`,
+    or where the forward cannot run there (Dory's masks read a value), on a copy of every layer at
+    tiny widths (hf.fields.shrunk) of at most 20M parameters. None where neither runs."""
+    key = _key(config, False)
+    if key is not None and key in _CALLS:
+        return _CALLS[key]
+    got = _layer_calls(config)
+    if key is not None:
+        _CALLS[key] = got
+    return got
+
+
+_CALLS: dict[tuple, list[int] | None] = {}
+
+
+def _layer_calls(config) -> list[int] | None:
+    from .fields import get, shrunk
+    try:
+        return _count_calls(meta_model(config), on_meta)
+    except Exception:  # noqa: BLE001 -- a value read on meta: the small copy below
+        pass
+    try:
+        small = shrunk(config, layers=get(config, "layers"))  # every layer, so the sections stay as given
+        small._attn_implementation = "eager"
+        if sum(p.numel() for p in meta_model(small).parameters()) > 20_000_000:
+            return None
+        from transformers import AutoModelForCausalLM
+        with torch.random.fork_rng():
+            model = AutoModelForCausalLM.from_config(small).eval()
+        return _count_calls(model, torch.no_grad)
+    except Exception:  # noqa: BLE001 -- not counted
+        return None
+
+
+def _count_calls(model, context) -> list[int]:
+    from .structure import find_layers
+    _, layers = find_layers(model)
+    counts = [0] * len(layers)
+    for i, layer in enumerate(layers):
+        layer.register_forward_pre_hook(lambda m, a, i=i: counts.__setitem__(i, counts[i] + 1))
+    with context():
+        model(input_ids=torch.zeros((1, 2), dtype=torch.long), use_cache=False)
+    return counts

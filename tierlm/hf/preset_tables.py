@@ -230,6 +230,9 @@ TINY_FIELDS: dict[str, dict] = {
     # after two Mamba ones (a two-layer copy keeps one hybrid, whose shared block ties to none)
     "zamba": dict(layers_block_type=["linear_attention", "linear_attention", "hybrid", "hybrid"], num_hidden_layers=4,
                   attention_hidden_size=128, attention_head_dim=32, mamba_dt_rank=4),
+    # a recurrent-depth model: input layers, recurrent ones run n_recurrent_loops times, output
+    # layers; shrinking the layer count leaves the sections' published sizes (8 + 8 of 8 layers)
+    "dory": dict(num_hidden_layers=4, n_input_layers=1, n_recurrent_layers=2, n_output_layers=1, n_recurrent_loops=2),
     # its QSA indexer's fields are None by default, which its indexed attention layers divide by:
     # one key head (the only count it takes), blocks of 2 keys, 4 keys picked a query
     "qwen4_exp_text": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=4,

@@ -124,8 +124,12 @@ def layer_activation_bytes(config, tokens: int, dtype: torch.dtype, seq: int | N
     3.3 GiB, not the 8 MiB of the fused kernel."""
     h = config.hidden_size
     inter = intermediate(config, 4 * h)
-    heads = widest(config, "heads")  # (the largest of any layer's: dots3-note's differ)
-    if overrides(config):  # the widest layer's keys (Gemma 4's global layers are wider than the rest)
+    # the largest of any layer's (dots3-note's differ); none in a state-space model (Mamba): no
+    # attention, its states are in the 10 hidden states a token counted below
+    heads = widest(config, "heads", 0)
+    if not heads:
+        kv_dim = 0
+    elif overrides(config):  # the widest layer's keys (Gemma 4's global layers are wider than the rest)
         kv_dim = max(kh * kd for (kh, kd), _ in (layer_kv_geometry(config, i) for i in range(config.num_hidden_layers)))
     else:  # (a planning shape's config, a SimpleNamespace, has no per-layer values)
         kv_dim = h // heads * (getattr(config, "num_key_value_heads", None) or heads)
