@@ -71,6 +71,22 @@ def test_layers_that_share_weights_are_refused_before_anything_is_written(tmp_pa
     assert not (tmp_path / "nvme").exists()
 
 
+def test_a_model_whose_tokens_see_later_ones_is_refused_before_anything_is_written(tmp_path):
+    """BertGeneration's decoder attends both ways unless its config says is_decoder: a next-token
+    loss would train it to copy its input, silently. A tiny copy's logits are probed (the last
+    token changed, the ones before must not move) and the model refused with the fix; with
+    is_decoder (what `tierlm init --arch bert-generation` writes) it is built."""
+    from tierlm.hf.presets import make_config
+    from tierlm.hf.structure import empty_model
+    cfg = make_config("bert-generation")
+    assert cfg.is_decoder
+    cfg.is_decoder = False
+    with pytest.raises(ValueError, match=r'bert-generation: its tokens see later ones .*set "is_decoder": true'):
+        Engine(empty_model(cfg), lambda name, out: None,
+               EngineConfig(nvme_dir=str(tmp_path / "nvme"), cpu_mem="1GiB", precision="fp32"))
+    assert not (tmp_path / "nvme").exists()
+
+
 def test_a_recurrent_depth_model_is_refused_before_anything_is_written(tmp_path):
     """Dory runs its middle layers n_recurrent_loops times a forward: the engine, which fetches a
     layer's weights for one forward and one backward a step, waited for a backward that never came

@@ -27,7 +27,7 @@ from ..dist.grads import share_weights
 from ..dist.state import attach
 from ..hf.baseline import library_baseline
 from ..hf.names import load_buffers, model_to_checkpoint
-from ..hf.meta_forward import layer_calls
+from ..hf.meta_forward import layer_calls, sees_later_tokens
 from ..hf.stacked import read_param
 from ..hf.safetensors_io import SafetensorsDir
 from ..hf.structure import (discover_blocks, empty_model, fixed_params_to_buffers, kept_fp32,
@@ -124,6 +124,12 @@ class Engine(DurableState, Exports, BlockResidency):
             raise ValueError(f"{model.config.model_type}: its decoder layers share weights ({borrowed[0][0]} runs "
                              f"{borrowed[0][1]}); the fine-tuning engine updates a weight when its own layer's "
                              "backward ends and does not yet gather the gradients other layers send it")
+        if sees_later_tokens(model.config):
+            fix = ('set "is_decoder": true in its config.json' if getattr(model.config, "is_decoder", None) is False
+                   else "tierlm fine-tunes causal language models")
+            raise ValueError(f"{model.config.model_type}: its tokens see later ones (on a small copy, changing the last "
+                             f"token moved the logits before it), so a next-token loss would train it to copy its "
+                             f"input; {fix}")
         calls = layer_calls(model.config)
         if calls and max(calls) > 1:
             i = max(range(len(calls)), key=calls.__getitem__)

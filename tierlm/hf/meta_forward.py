@@ -230,3 +230,40 @@ def _count_calls(model, context) -> list[int]:
     with context():
         model(input_ids=torch.zeros((1, 2), dtype=torch.long), use_cache=False)
     return counts
+
+
+def sees_later_tokens(config) -> bool | None:
+    """Whether a token's logits move when a later token changes, on a tiny copy (hf.fields.shrunk)
+    of the model: a causal LM's do not. BertGeneration's decoder is bidirectional unless its config
+    says is_decoder, and a causal loss on it trains it to copy the next token from its input. None
+    where the copy cannot be made or run."""
+    key = _key(config, True)
+    if key is not None and key in _SEES:
+        return _SEES[key]
+    got = _sees_later_tokens(config)
+    if key is not None:
+        _SEES[key] = got
+    return got
+
+
+_SEES: dict[tuple, bool | None] = {}
+
+
+def _sees_later_tokens(config) -> bool | None:
+    from transformers import AutoModelForCausalLM
+
+    from .fields import shrunk
+    try:
+        small = shrunk(config, layers=2, every_kind=True)
+        small._attn_implementation = "eager"
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(small).float().eval()
+            ids = torch.randint(0, small.vocab_size, (1, 6))
+        other = ids.clone()
+        other[0, -1] = (ids[0, -1] + 1) % small.vocab_size
+        with torch.no_grad():
+            a, b = (model(input_ids=t, use_cache=False).logits[0, :-1] for t in (ids, other))
+    except Exception:  # noqa: BLE001 -- not probed
+        return None
+    return not torch.allclose(a, b, rtol=1e-4, atol=1e-5 * max(a.abs().max().item(), 1.0))
