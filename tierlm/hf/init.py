@@ -126,10 +126,23 @@ def _saved_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 def _init_piece(model, piece: nn.Module) -> None:
     # Children before parents, as initialize_weights() does: GPT-2's attention/MLP re-draw their
     # c_proj after the generic Conv1D init with a depth-scaled std.
+    owner = _initialisers(model)
     with hf_init.guard_torch_init_functions():
         for sub in reversed(list(piece.modules())):
-            model._init_weights(sub)
+            owner.get(id(sub), model)._init_weights(sub)
     _init_rest(model, piece)
+
+
+def _initialisers(model) -> dict[int, nn.Module]:
+    """Each module's nearest transformers model above it (itself, where it is one), whose
+    `_init_weights` draws it, as transformers' own initialisation dispatches: xLSTM's base model
+    draws its embedding through `self.embeddings`, which the causal LM around it has not."""
+    from transformers import PreTrainedModel
+    owner: dict[int, nn.Module] = {}
+    for m in model.modules():  # parents before children: the nearest wins
+        if isinstance(m, PreTrainedModel):
+            owner.update((id(sub), m) for sub in m.modules())
+    return owner
 
 
 @torch.no_grad()

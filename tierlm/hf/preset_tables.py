@@ -233,6 +233,9 @@ TINY_FIELDS: dict[str, dict] = {
     # a recurrent-depth model: input layers, recurrent ones run n_recurrent_loops times, output
     # layers; shrinking the layer count leaves the sections' published sizes (8 + 8 of 8 layers)
     "dory": dict(num_hidden_layers=4, n_input_layers=1, n_recurrent_layers=2, n_output_layers=1, n_recurrent_loops=2),
+    # its own width and depth fields (embedding_dim, num_blocks) beside the hidden_size and
+    # num_hidden_layers shrinking sets
+    "xlstm": dict(embedding_dim=64, num_blocks=2),
     # its decoder attends both ways unless told it decodes
     "bert-generation": dict(is_decoder=True),
     # its QSA indexer's fields are None by default, which its indexed attention layers divide by:

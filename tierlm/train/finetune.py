@@ -200,7 +200,7 @@ def _model_config(cfg: FinetuneConfig, dist):
                          f"with --nproc N --resume auto (any N, 1 included), or choose another --nvme")
     hf_config = AutoConfig.from_pretrained(cfg.model)
     max_pos = fields.get(hf_config, "max_positions")
-    if max_pos and cfg.seq_len > max_pos:
+    if max_pos and max_pos > 0 and cfg.seq_len > max_pos:  # (XLNet's -1: no limit)
         raise ValueError(f"--seq-len {cfg.seq_len} is beyond the {max_pos} positions of {cfg.model}; "
                          f"use --seq-len {max_pos} or less")
     return hf_config
