@@ -297,17 +297,6 @@ FAMILIES = {
 }
 
 
-# Families that fine-tune (tests/test_families.py: bit-equal to torch's AdamW, the family's own
-# layout) but whose attention tierlm's inference does not run: tierlm's tiny model of the family
-# (`init --arch`) with these overrides, and why generating is refused.
-# - CPM-Ant: its layers read a position bias made before them from weights (a tensor with a
-#   gradient beside the hidden states, carried into each layer's backward); its attention writes
-#   the cache in a shape of its own: the check on a small copy refuses it.
-FINE_TUNE_ONLY = {
-    "cpmant": (dict(), "its forward fails on tierlm's KV cache and masks"),
-}
-
-
 def family_config(family: str, **over):
     from transformers import AutoConfig
     kw = dict(FAMILIES[family])

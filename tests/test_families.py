@@ -30,7 +30,7 @@ from tierlm.serve.server import make_app
 from tierlm.train.schedule import lr_factor
 
 from .engine.test_exactness import assert_same, batches, run_reference
-from .families import FAMILIES, FINE_TUNE_ONLY, family_config, greedy_init, inkling2_config
+from .families import FAMILIES, family_config, greedy_init, inkling2_config
 from .memory import held_now
 
 VOCAB = 300          # the byte tokenizer's 256 bytes, its special tokens, a few merges
@@ -203,15 +203,6 @@ def test_a_model_without_attention_fine_tunes_exactly(family, tmp_path):
     """State-space models have no attention heads: the activation budget and the layer's FLOPs
     counted none (they read the config's heads, which Mamba's has not, and fine-tuning died)."""
     _init_fine_tune_and_reload(family, {}, tmp_path)
-
-
-@pytest.mark.parametrize("family", sorted(FINE_TUNE_ONLY))
-def test_family_that_only_fine_tunes_does_so_exactly_in_its_layout(family, tmp_path):
-    over, refused = FINE_TUNE_ONLY[family]
-    out = _init_fine_tune_and_reload(family, over, tmp_path)
-    # generating is refused by name, before anything runs
-    with pytest.raises(ValueError, match=refused):
-        _greedy(out, tmp_path, None)
 
 
 @pytest.mark.parametrize("activations", ["keep", "recompute", "swap"])

@@ -71,17 +71,22 @@ def test_layers_that_share_weights_are_refused_before_anything_is_written(tmp_pa
     assert not (tmp_path / "nvme").exists()
 
 
-def test_a_model_whose_tokens_see_later_ones_is_refused_before_anything_is_written(tmp_path):
-    """BertGeneration's decoder attends both ways unless its config says is_decoder: a next-token
-    loss would train it to copy its input, silently. A tiny copy's logits are probed (the last
-    token changed, the ones before must not move) and the model refused with the fix; with
-    is_decoder (what `tierlm init --arch bert-generation` writes) it is built."""
+@pytest.mark.parametrize("family, fix", [("bert-generation", 'set "is_decoder": true'),
+                                         ("cpmant", "tierlm fine-tunes causal language models")])
+def test_a_model_whose_tokens_see_later_ones_is_refused_before_anything_is_written(family, fix, tmp_path):
+    """BertGeneration's decoder attends both ways unless its config says is_decoder, and CPM-Ant's
+    forward lets every token see the whole input (its context mask, all ones unless given): a
+    next-token loss would train them to copy their input, silently (CPM-Ant was fine-tuned so,
+    "bit-equal to torch"). A tiny copy's logits are probed (the last token changed, the ones before
+    must not move) and the model refused, with the fix where there is one; BertGeneration with
+    is_decoder (what `tierlm init --arch bert-generation` writes) is built."""
     from tierlm.hf.presets import make_config
     from tierlm.hf.structure import empty_model
-    cfg = make_config("bert-generation")
-    assert cfg.is_decoder
-    cfg.is_decoder = False
-    with pytest.raises(ValueError, match=r'bert-generation: its tokens see later ones .*set "is_decoder": true'):
+    cfg = make_config(family)
+    if family == "bert-generation":
+        assert cfg.is_decoder
+        cfg.is_decoder = False
+    with pytest.raises(ValueError, match=rf"{family}: its tokens see later ones .*{fix}"):
         Engine(empty_model(cfg), lambda name, out: None,
                EngineConfig(nvme_dir=str(tmp_path / "nvme"), cpu_mem="1GiB", precision="fp32"))
     assert not (tmp_path / "nvme").exists()
