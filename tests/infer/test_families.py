@@ -96,12 +96,19 @@ def test_gemma4_per_layer_embeddings_and_shared_keys_generate_like_transformers(
                         vocab_size_per_layer_input=128, use_double_wide_mlp=True, enable_moe_block=False)
     model = AutoModelForCausalLM.from_config(cfg).float().eval()
     assert model.model.layers[3].self_attn.is_kv_shared_layer and model.model.embed_tokens_per_layer is not None
+    _greedy_equal_resident_and_streamed(model, tmp_path)
+
+
+def _greedy_equal_resident_and_streamed(model, tmp_path, decode_path: str = ""):
+    """`model` saved; greedy tokens of batched prompts of different lengths equal transformers'
+    generate, every layer resident and every layer streamed; the decode path says `decode_path`."""
     model.save_pretrained(tmp_path / "model")
     refs = [_reference(model, p, NEW) for p in PROMPTS]
     assert len({tuple(r) for r in refs}) > 1
     for resident in (None, 0):
         eng = _engine(tmp_path / "model", tmp_path, max_batch=3, max_seq_len=40, resident_layers=resident)
         try:
+            assert decode_path in eng.decode_path()
             assert _greedy(eng, PROMPTS, NEW) == refs, f"resident_layers={resident}"
         finally:
             eng.close()
@@ -117,16 +124,7 @@ def test_layers_over_every_earlier_blocks_output_generate_on_the_models_own_cach
     from tests.families import inkling2_config
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(inkling2_config(initializer_range=0.3)).float().eval()
-    model.save_pretrained(tmp_path / "model")
-    refs = [_reference(model, p, NEW) for p in PROMPTS]
-    assert len({tuple(r) for r in refs}) > 1
-    for resident in (None, 0):
-        eng = _engine(tmp_path / "model", tmp_path, max_batch=3, max_seq_len=40, resident_layers=resident)
-        try:
-            assert "keeps the cache the model makes" in eng.decode_path()
-            assert _greedy(eng, PROMPTS, NEW) == refs, f"resident_layers={resident}"
-        finally:
-            eng.close()
+    _greedy_equal_resident_and_streamed(model, tmp_path, decode_path="keeps the cache the model makes")
     eng = InferenceEngine(tmp_path / "model", InferConfig(dtype="bf16", cpu_mem="1GiB", max_batch=2, max_seq_len=40),
                           library_rss=held_now())
     try:

@@ -119,9 +119,9 @@ class _Recorder:
 _RECORDS: dict[tuple, Record | BaseException] = {}
 
 
-def _key(config, attends: bool) -> tuple | None:
+def _key(config, what) -> tuple | None:
     try:
-        return type(config).__name__, config.to_json_string(use_diff=False), attends
+        return type(config).__name__, config.to_json_string(use_diff=False), what
     except Exception:  # noqa: BLE001 -- a config that cannot be written is recorded anew each time
         return None
 
@@ -190,16 +190,21 @@ def layer_calls(config) -> list[int] | None:
     recurrent-depth model (Dory runs its middle layers n_recurrent_loops times). Counted on `meta`,
     or where the forward cannot run there (Dory's masks read a value), on a copy of every layer at
     tiny widths (hf.fields.shrunk) of at most 20M parameters. None where neither runs."""
-    key = _key(config, False)
-    if key is not None and key in _CALLS:
-        return _CALLS[key]
-    got = _layer_calls(config)
+    return _per_config(config, "calls", _layer_calls)
+
+
+_PROBES: dict[tuple, object] = {}
+
+
+def _per_config(config, what: str, probe):
+    """probe(config), kept per config (a model's engine is built more than once in a process)."""
+    key = _key(config, what)
+    if key is not None and key in _PROBES:
+        return _PROBES[key]
+    got = probe(config)
     if key is not None:
-        _CALLS[key] = got
+        _PROBES[key] = got
     return got
-
-
-_CALLS: dict[tuple, list[int] | None] = {}
 
 
 def _layer_calls(config) -> list[int] | None:
@@ -237,16 +242,7 @@ def sees_later_tokens(config) -> bool | None:
     of the model: a causal LM's do not. BertGeneration's decoder is bidirectional unless its config
     says is_decoder, and a causal loss on it trains it to copy the next token from its input. None
     where the copy cannot be made or run."""
-    key = _key(config, True)
-    if key is not None and key in _SEES:
-        return _SEES[key]
-    got = _sees_later_tokens(config)
-    if key is not None:
-        _SEES[key] = got
-    return got
-
-
-_SEES: dict[tuple, bool | None] = {}
+    return _per_config(config, "sees later tokens", _sees_later_tokens)
 
 
 def _sees_later_tokens(config) -> bool | None:
