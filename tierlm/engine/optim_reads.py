@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from ..storage import HostBufferPool, TensorStore
+from ..storage import BudgetError, HostBufferPool, TensorStore
+from ..storage.aligned import round_up
 from ..storage.layout import key, nbytes
+from ..units import fmt_bytes
 from .cache_policy import StateCache
 from .optim_types import ShardItem, StateFormat
 
@@ -34,10 +36,15 @@ class ShardReader:
         if mode == "redo":
             self.cache.unstage((it.name, it.shard))
         cached = self._from_cache(it, mode, n)
-        for tag in self._needs(mode, micro, saved_dtype):
-            if tag in it.bufs:
-                continue
-            size = nbytes(saved_dtype, n) if tag == "gl" else self.fmt.size(tag, n, it.name)
+        sizes = {tag: nbytes(saved_dtype, n) if tag == "gl" else self.fmt.size(tag, n, it.name)
+                 for tag in self._needs(mode, micro, saved_dtype) if tag not in it.bufs}
+        if blocking and sum(round_up(max(s, 1)) for s in sizes.values()) > self.pool.capacity:
+            # taken one by one, they would wait forever for the room they hold themselves
+            self.abandon(it)
+            raise BudgetError(f"{self.pool.name}: one shard of {it.name} in a {mode} needs "
+                              f"{fmt_bytes(sum(sizes.values()))} ({', '.join(sizes)}), more than the whole pool "
+                              f"({fmt_bytes(self.pool.capacity)}); raise --cpu-mem")
+        for tag, size in sizes.items():
             if not self._acquire(it, tag, size, blocking):
                 self.abandon(it)
                 return False

@@ -12,6 +12,7 @@ import torch
 
 from . import state_quant as SQ
 from ..storage import HostBufferPool, TensorStore
+from ..storage.aligned import round_up
 from ..storage.layout import ParamInfo, nbytes
 
 
@@ -181,8 +182,12 @@ def total_state_bytes(infos: dict[str, ParamInfo], weight_dtype: torch.dtype | N
 
 
 def shard_buffer_bytes(shard: int, weight_dtype: torch.dtype | None, optim_states: str = "fp32") -> int:
-    """The optimizer buffers of one shard in flight: fp32 master, m, v and gradient, the working
-    weights, and in a compressed mode the stored m and v beside their fp32 working copies."""
-    w = torch.empty((), dtype=weight_dtype).element_size() if weight_dtype is not None else 0
-    extra = 2 * SQ.stored_nbytes(optim_states, shard) if optim_states != "fp32" else 0
-    return shard * (16 + w) + extra
+    """The optimizer buffers of one shard in flight, each page-aligned as the pool hands it out:
+    fp32 master, m, v and gradient, the working weights, in a compressed mode the stored m and v
+    beside their fp32 working copies, and in a clipped step's update from the held gradients
+    (`redo`, `apply`) the gradient as saved in the working dtype beside its fp32 copy. Without that
+    last one a pool of one shard's buffers waited forever for it (the README's demo, at step 2)."""
+    w = round_up(nbytes(weight_dtype, shard)) if weight_dtype is not None else 0
+    saved = w if weight_dtype not in (None, torch.float32) else 0  # an fp32 gradient is read into g
+    extra = 2 * round_up(SQ.stored_nbytes(optim_states, shard)) if optim_states != "fp32" else 0
+    return 4 * round_up(nbytes(torch.float32, shard)) + w + saved + extra
