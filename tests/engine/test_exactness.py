@@ -412,3 +412,24 @@ def test_small_tensors_packed_or_not_give_the_same_bits_in_fewer_requests(make_m
     assert seen[None][0] > 0 and seen[None][1] == ["00000001.bin", "00000002.bin"]  # the two manifests kept
     plain, packed = stats
     assert packed["reads"] + packed["writes"] < (plain["reads"] + plain["writes"]) / 2
+
+
+@pytest.mark.parametrize("clip_path", ["speculate", "hold"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_every_pool_at_its_least_gives_the_same_bits(make_model_dir, tmp_path, monkeypatch, precision, clip_path):
+    """The budget's floor -- two blocks of weights, one optimizer shard's buffers, the least
+    gradients -- runs every path to torch's bits: a clip redo, a held step's update beside the next
+    forward. A pool one buffer short of a held update's shard waited forever at step 2 (the
+    README's demo, whenever its measured baseline shrank the split to the least)."""
+    from tierlm.plan import budget
+    monkeypatch.setattr(budget, "_shrink_to_fit", lambda spare, n, sizes, least: (least, n.optimizer_item,
+                                                                                    n.least_grads))
+    model_dir, model = make_model_dir("llama")
+    data = batches(4)
+    kw = dict(lr=1e-2, wd=0.1, clip=0.5, accum=1, warmup=1, precision=precision)
+    _, ref_master, ref_losses, _ = run_reference(model, data, **kw)
+    masters, _, losses, results = run_engine(model_dir, tmp_path, data, clip_path=clip_path, shard_elems=2048,
+                                             state_cache=False, **kw)
+    assert losses == ref_losses
+    assert_same(ref_master, masters)
+    assert {r.clip_path for r in results} == {clip_path}
