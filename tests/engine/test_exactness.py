@@ -414,17 +414,20 @@ def test_small_tensors_packed_or_not_give_the_same_bits_in_fewer_requests(make_m
     assert packed["reads"] + packed["writes"] < (plain["reads"] + plain["writes"]) / 2
 
 
-@pytest.mark.parametrize("clip_path", ["speculate", "hold"])
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_every_pool_at_its_least_gives_the_same_bits(make_model_dir, tmp_path, monkeypatch, precision, clip_path):
+@pytest.mark.parametrize("arch,precision,clip_path", [
+    ("llama", "fp32", "speculate"), ("llama", "fp32", "hold"), ("llama", "bf16", "speculate"),
+    ("llama", "bf16", "hold"), ("qwen2", "bf16", "hold"), ("gpt2", "bf16", "hold")])
+def test_every_pool_at_its_least_gives_the_same_bits(make_model_dir, tmp_path, monkeypatch, arch, precision,
+                                                      clip_path):
     """The budget's floor -- two blocks of weights, one optimizer shard's buffers, the least
     gradients -- runs every path to torch's bits: a clip redo, a held step's update beside the next
-    forward. A pool one buffer short of a held update's shard waited forever at step 2 (the
-    README's demo, whenever its measured baseline shrank the split to the least)."""
+    forward; a tied head's held gradient. A pool one buffer short of a held update's shard waited
+    forever at step 2 (the README's demo, whenever its measured baseline shrank the split to the
+    least)."""
     from tierlm.plan import budget
     monkeypatch.setattr(budget, "_shrink_to_fit", lambda spare, n, sizes, least: (least, n.optimizer_item,
                                                                                     n.least_grads))
-    model_dir, model = make_model_dir("llama")
+    model_dir, model = make_model_dir(arch)
     data = batches(4)
     kw = dict(lr=1e-2, wd=0.1, clip=0.5, accum=1, warmup=1, precision=precision)
     _, ref_master, ref_losses, _ = run_reference(model, data, **kw)
