@@ -250,6 +250,32 @@ def test_layers_with_values_of_their_own_keep_them_in_tiny_copies():
     assert m.model.layers[10].self_attn.q_proj.out_features == 4 * 32
 
 
+def test_what_a_config_derives_from_its_sizes_follows_a_small_copys_sizes():
+    """Zamba2's config sets its Mamba head width, attention width and hybrid layers' ids in
+    __post_init__ from hidden_size and the layer pattern, and a config read back from its JSON
+    keeps them as written: `tierlm init --arch zamba2` wrote a 64-wide model with the published
+    640-wide Mamba heads, and fine-tuning it failed in its first forward. A small copy's derived
+    values are made again by the family's own class; what the copy sets itself, and a value a
+    layer (SmolLM3's rotary-free fourth layer), stay."""
+    from transformers import AutoConfig, MambaConfig, Zamba2Config
+
+    from tierlm.hf.fields import shrunk
+    c = make_config("zamba2", None, {})
+    assert c.hidden_size == 64 and c.mamba_headdim == int(c.mamba_expand * 64) // c.n_mamba_heads
+    assert c.attention_hidden_size == 128
+    assert c.hybrid_layer_ids == [i for i, t in enumerate(c.layers_block_type) if t == "hybrid"] != []
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(c).eval()(input_ids=torch.zeros((1, 4), dtype=torch.long))
+    s = shrunk(Zamba2Config(), layers=2)
+    assert s.mamba_headdim == int(s.mamba_expand * 64) // s.n_mamba_heads and s.kv_channels == 16
+    s = shrunk(MambaConfig(), layers=2)  # a field left None by the default, derived from hidden_size
+    assert s.hidden_size == 64 and s.time_step_rank == 4
+    cfg = AutoConfig.for_model("smollm3", hidden_size=256, num_hidden_layers=8, num_attention_heads=8,
+                               num_key_value_heads=2, head_dim=32)
+    s = shrunk(cfg, layers=2, every_kind=True)
+    assert s.no_rope_layers == [1, 1, 1, 0, 1, 1, 1, 0] and s.head_dim == 16
+
+
 @pytest.mark.parametrize("arch", ["bamba", "granitemoehybrid", "dory", "gemma3n_text"])
 def test_small_shapes_the_familys_own_checks_would_reject_are_made_anew(arch):
     """Shrinking sets fields past the checks the family's config class runs when made: a field the

@@ -8,6 +8,7 @@ measures need no per-family code.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 ROLES = {
     "layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
@@ -226,8 +227,60 @@ def shrunk(config, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: 
         c.sliding_window = min(c.sliding_window, 64)
     if getattr(c, "attention_chunk_size", None):  # a check's few positions cross a chunk's end
         c.attention_chunk_size = min(c.attention_chunk_size, 6)
+    rederive(c, config)
     rescale_overrides(config, c)
     return c
+
+
+def rederive(c, original=None) -> None:
+    """Recompute in place what `c`'s class derives from its other fields, after they changed
+    (`original`: the config `c` was copied from).
+
+    A config's __post_init__ sets attributes that are not fields from those that are (Zamba2's
+    attention and Mamba head widths from hidden_size, its hybrid layers' ids from the layer
+    pattern), and fills fields left None the same way (Zamba's attention width, Mamba's time-step
+    rank); a copy keeps them as they were. A 64-wide copy kept the published 640-wide Mamba heads
+    and could not run. The family's own class makes them again, of what the copy left as
+    `original` had it: every attribute that is not a field, and each field `original`'s class
+    derives (made without it, it comes out the same). Not a list with a value a layer: the copy's layers
+    index it as the original's did (SmolLM3's rotary-free fourth layer), where one made again for
+    the copy's depth would lose them (`init --layers 8` grows a two-layer copy)."""
+    cls = type(c)
+    if not dataclasses.is_dataclass(cls):
+        return
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    now = c.to_dict()
+    fields = {k: v for k, v in now.items() if k in names}
+    derived = set()
+    if original is not None and type(original) is cls:
+        was = {k: v for k, v in original.to_dict().items() if k in names}
+        for k, v in fields.items():
+            if k not in was or v != was[k] or v is None:
+                continue  # set by the copy, or nothing to derive
+            if not isinstance(v, (int, float)) or isinstance(v, bool):
+                continue  # a number: a list has a value a layer, indexed by the copy's layers as by the
+                #           original's; a table (rope_parameters) holds the family's constants
+            try:
+                if cls(**{f: x for f, x in was.items() if f != k}).to_dict().get(k) == v:
+                    derived.add(k)
+            except Exception:  # noqa: BLE001 -- the class wants it given
+                pass
+    made = {}
+    try:
+        fresh = cls(**{k: v for k, v in fields.items() if k not in derived})
+        before = original.to_dict() if original is not None else now
+        made = {k: (getattr(fresh, k), v) for k, v in fresh.to_dict().items()
+                if (k not in names or k in derived) and not k.startswith("_") and k in now
+                and now[k] == before.get(k)}  # (what the copy set is its own)
+    except Exception:  # noqa: BLE001 -- a class that will not make itself from its fields: left as it is
+        pass
+    for k, (value, as_dict) in made.items():
+        if as_dict == now[k]:
+            continue
+        try:
+            setattr(c, k, value)
+        except Exception:  # noqa: BLE001 -- a property without a setter: derived when read anyway
+            pass
 
 
 def rescale_overrides(config, c) -> None:

@@ -225,11 +225,11 @@ TINY_FIELDS: dict[str, dict] = {
         num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, head_dim=16, qk_nope_head_dim=12,
         qk_rope_head_dim=4, v_head_dim=16, index_n_heads=2, index_head_dim=16, index_topk=4, n_routed_experts=4,
         num_experts_per_tok=2, moe_intermediate_size=32, shared_experts_intermediate_size=48),
-    # Mamba layers and hybrid ones that run one shared attention block: its widths derived from the
-    # default hidden size (attention 2x it, the dt rank) stay stale when shrunk; two hybrid layers
-    # after two Mamba ones (a two-layer copy keeps one hybrid, whose shared block ties to none)
+    # Mamba layers and hybrid ones that run one shared attention block: two hybrid layers after two
+    # Mamba ones (a two-layer copy keeps one hybrid, whose shared block ties to none); its attention
+    # heads are twice hidden / heads wide, where shrinking sets the usual hidden / heads
     "zamba": dict(layers_block_type=["linear_attention", "linear_attention", "hybrid", "hybrid"], num_hidden_layers=4,
-                  attention_hidden_size=128, attention_head_dim=32, mamba_dt_rank=4),
+                  attention_head_dim=32),
     # a recurrent-depth model: input layers, recurrent ones run n_recurrent_loops times, output
     # layers; shrinking the layer count leaves the sections' published sizes (8 + 8 of 8 layers)
     "dory": dict(num_hidden_layers=4, n_input_layers=1, n_recurrent_layers=2, n_output_layers=1, n_recurrent_loops=2),
