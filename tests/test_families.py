@@ -205,6 +205,14 @@ def test_a_model_without_attention_fine_tunes_exactly(family, tmp_path):
     _init_fine_tune_and_reload(family, {}, tmp_path)
 
 
+def test_zamba2_from_init_fine_tunes_exactly(tmp_path):
+    """`tierlm init --arch zamba2`: Mamba-2 layers and a hybrid one running a shared attention
+    block with its own adapters. The small config kept the widths its class derives from
+    hidden_size at their published sizes (640-wide Mamba heads in a 64-wide model), and the first
+    forward failed; they are made again from the small sizes (hf.fields.rederive)."""
+    _init_fine_tune_and_reload("zamba2", {}, tmp_path)
+
+
 @pytest.mark.parametrize("activations", ["keep", "recompute", "swap"])
 def test_layers_that_hand_later_layers_tensors_with_a_gradient_fine_tune_exactly(activations, tmp_path):
     """Gemma 4's E2B/E4B shapes: each layer reads its slice of per-layer embeddings projected

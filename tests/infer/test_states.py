@@ -50,14 +50,20 @@ STATE_FAMILIES = {
     "zamba": dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
                   attention_hidden_size=128, attention_head_dim=32, mamba_dt_rank=4, intermediate_size=96,
                   layers_block_type=["linear_attention", "linear_attention", "hybrid", "hybrid"]),
+    # Zamba2: Mamba-2 layers, and hybrid ones running two shared blocks in turn, each with its own
+    # adapters per layer; its widths come from hidden_size (hf.fields.rederive)
+    "zamba2": dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                   n_mamba_heads=8, mamba_d_state=16, mamba_ngroups=1, intermediate_size=96, chunk_size=16,
+                   num_mem_blocks=2, use_shared_attention_adapter=True,
+                   layers_block_type=["linear_attention", "hybrid", "linear_attention", "hybrid"]),
 }
-WHOLE_PROMPTS = {"mamba", "jamba", "zamba"}  # their Mamba layers restart a prompt from zero
+WHOLE_PROMPTS = {"mamba", "jamba", "zamba", "zamba2"}  # their Mamba layers restart a prompt from zero
 
 
 def state_config(fam):
     from transformers import AutoConfig
     cfg = AutoConfig.for_model(fam, **STATE_FAMILIES[fam])
-    cfg = cfg if fam == "zamba" else shrunk(cfg, layers=2, every_kind=True)  # (given small: two hybrids)
+    cfg = cfg if fam in ("zamba", "zamba2") else shrunk(cfg, layers=2, every_kind=True)  # (given small: two hybrids)
     cfg.initializer_range = 0.3  # peaked, varied next tokens, so a mismatch changes tokens
     return cfg
 

@@ -86,13 +86,14 @@ def kv_layers(attention_modules, config=None) -> set[int]:
     """The layers that keep keys and values: those of the attention modules that are not linear
     attention (Kimi's KimiDeltaAttention is named like attention and keeps states), and, with
     `config`, every layer its model's forward on `meta` stored keys and values for: one attention
-    module several layers run (Zamba's shared block) knows no layer of its own, and is handed the
-    layer at each call."""
+    module several layers run (Zamba's shared block) knows no layer of its own (None, or Zamba2's
+    -1: counted as a layer, the budget held a KV cache too many), and is handed the layer at each
+    call."""
     found = {getattr(m, "layer_idx", None) if hasattr(m, "layer_idx") else m.layer_id
              for m in attention_modules if not stores_states(m)}
     if config is not None:
         found |= set(meta_forward.record(config, bool(attention_modules)).kv)
-    return {i for i in found if i is not None}
+    return {i for i in found if i is not None and i >= 0}
 
 
 def probe(config, attends: bool) -> list[StateShape]:
