@@ -7,8 +7,10 @@ measures need no per-family code.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import warnings
 
 ROLES = {
     "layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
@@ -245,9 +247,27 @@ def rederive(c, original=None) -> None:
     derives (made without it, it comes out the same). Not a list with a value a layer: the copy's layers
     index it as the original's did (SmolLM3's rotary-free fourth layer), where one made again for
     the copy's depth would lose them (`init --layers 8` grows a two-layer copy)."""
-    cls = type(c)
-    if not dataclasses.is_dataclass(cls):
+    if not dataclasses.is_dataclass(type(c)):
         return
+    with _quiet():  # the probes below are not the user's configs: their complaints are not news
+        _rederive(c, original)
+
+
+@contextlib.contextmanager
+def _quiet():
+    from transformers.utils import logging as hf_logging
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def _rederive(c, original) -> None:
+    cls = type(c)
     names = {f.name for f in dataclasses.fields(cls) if f.init}
     now = c.to_dict()
     fields = {k: v for k, v in now.items() if k in names}
