@@ -243,10 +243,11 @@ def rederive(c, original=None) -> None:
     pattern), and fills fields left None the same way (Zamba's attention width, Mamba's time-step
     rank); a copy keeps them as they were. A 64-wide copy kept the published 640-wide Mamba heads
     and could not run. The family's own class makes them again, of what the copy left as
-    `original` had it: every attribute that is not a field, and each field `original`'s class
-    derives (made without it, it comes out the same). Not a list with a value a layer: the copy's layers
-    index it as the original's did (SmolLM3's rotary-free fourth layer), where one made again for
-    the copy's depth would lose them (`init --layers 8` grows a two-layer copy)."""
+    `original` had it: every attribute that is not a field, and each number field `original`'s
+    class derives (made without it, it comes out the same). Lists and tables stay: a list with a
+    value a layer is indexed by the copy's layers as by the original's (SmolLM3's rotary-free
+    fourth layer, which one made again for two layers loses when `init --layers 8` grows the
+    copy), and a table such as rope_parameters holds the family's constants."""
     if not dataclasses.is_dataclass(type(c)):
         return
     with _quiet():  # the probes below are not the user's configs: their complaints are not news
@@ -278,8 +279,7 @@ def _rederive(c, original) -> None:
             if k not in was or v != was[k] or v is None:
                 continue  # set by the copy, or nothing to derive
             if not isinstance(v, (int, float)) or isinstance(v, bool):
-                continue  # a number: a list has a value a layer, indexed by the copy's layers as by the
-                #           original's; a table (rope_parameters) holds the family's constants
+                continue  # numbers only (see above)
             try:
                 if cls(**{f: x for f, x in was.items() if f != k}).to_dict().get(k) == v:
                     derived.add(k)

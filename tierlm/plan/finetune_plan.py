@@ -245,8 +245,9 @@ def _engine_split(s: ModelShape, task: Task, T: int, act: int, p: Plan, hw: Hard
     try:
         # one optimizer shard: master, m, v, fp32 gradient, working weights and (a clipped step's
         # update from held gradients) the gradient as saved in the working dtype
+        item = shard * (C.OPT_BYTES + 4 + lay.w + (lay.grad if lay.w_write else 0))
         needs = budget.Needs(
-            budget.window_size(blocks, run.prefetch.value), block * lay.grad, shard * (C.OPT_BYTES + 4 + lay.w + (lay.grad if lay.w_write else 0)),
+            budget.window_size(blocks, run.prefetch.value), block * lay.grad, item,
             act, C.layer_input_bytes(s, T, lay.w), s.layers,
             budget.head_loss_bytes(C.hf_like_config(s), T, lay.dtype, tied=tied),
             # a tied head (no matrix of its own) holds its gradient through backward
